@@ -1,0 +1,44 @@
+//! Shared helpers and proptest strategies.
+#![allow(dead_code)]
+
+pub mod strategies;
+
+use std::path::PathBuf;
+
+/// `../shared/golden` beside the repository, or `$DSA_GOLDEN_DIR`.
+pub fn golden_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("DSA_GOLDEN_DIR") {
+        return PathBuf::from(d);
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden")
+}
+
+/// Every golden layer-forward file (not the quantizer file), sorted.
+pub fn golden_files() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(golden_dir())
+        .expect("golden directory ../shared/golden")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .filter(|p| {
+            !p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("quantizers")
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// First index where two slices differ bitwise (f32 compared by bits).
+pub fn first_diff<T: PartialEq + Copy>(a: &[T], b: &[T]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(a.len().min(b.len()));
+    }
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+/// f32 slice as bit patterns.
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}

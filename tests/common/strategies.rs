@@ -1,0 +1,1 @@
+//! proptest strategies (filled in below).
