@@ -38,9 +38,12 @@
 #![deny(missing_docs)]
 
 pub mod batch;
+pub mod cpu;
 pub mod dump;
 pub mod error;
 pub mod formats;
+pub mod indexer;
+pub mod plan;
 pub mod problem;
 pub mod reference;
 

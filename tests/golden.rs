@@ -138,3 +138,41 @@ fn quantizers_reproduce_the_golden_file() {
         &bits(&f32s("expected_fp8_scale")),
     );
 }
+
+#[test]
+fn chunked_driver_reproduces_every_golden_file_at_several_budgets() {
+    use dsa_indexer::indexer::run_cpu;
+    for path in golden_files() {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let dump = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
+        let batch = dump.batch().unwrap();
+        let published = dump.published_input(&batch);
+        let p = dump.problem(&batch, published.as_ref()).unwrap();
+        let e = &dump.expected;
+        for budget in [1usize, 64, 1000, 1 << 20, usize::MAX] {
+            let (out, plan) = run_cpu(&p, budget).unwrap();
+            let tag = format!("{name} at budget {budget} ({} tiles)", plan.tiles.len());
+            check(
+                &tag,
+                "raw",
+                out.raw.as_slice().unwrap(),
+                e.raw.as_ref().unwrap().as_slice().unwrap(),
+            );
+            check(
+                &tag,
+                "page",
+                out.page.as_slice().unwrap(),
+                e.page.as_ref().unwrap().as_slice().unwrap(),
+            );
+            if let Some(want) = &e.published {
+                let got = out.published.as_ref().expect("published");
+                check(
+                    &tag,
+                    "published",
+                    got.blocks.as_slice().unwrap(),
+                    want.as_slice().unwrap(),
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! The chunked driver (SPEC 7): plan -> for each tile (logits, candidate blocks, top-k,
+//! index assembly) -> outputs written in place. Generic over a [`Backend`].
+//!
+//! Outputs (`raw [T, K]`, `page [T, page_cols]`, published `[P, NB]`) are allocated
+//! once; each tile writes its rows into them. Nothing of size `rows x context`
+//! outlives its tile, and no per-tile results are joined at the end.
+
+use crate::error::{Error, Result};
+use crate::plan::{self, Footprint, Plan, PlanParams, PlanRole};
+use crate::problem::{Problem, Role};
+use crate::reference::{self, Output, RowScratch};
+
+/// A backend's footprint: its logits row padding, worker count and per-worker buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowFootprint {
+    /// Row length in f32 is `n` rounded up to a multiple of this.
+    pub align: usize,
+    /// Rows processed concurrently.
+    pub workers: usize,
+    /// Operand bytes per worker.
+    pub worker_bytes: usize,
+}
+
+impl Footprint for RowFootprint {
+    fn row_bytes(&self, n: usize) -> usize {
+        n.div_ceil(self.align.max(1))
+            .saturating_mul(self.align.max(1))
+            .saturating_mul(4)
+    }
+    fn workers(&self) -> usize {
+        self.workers
+    }
+    fn worker_bytes(&self) -> usize {
+        self.worker_bytes
+    }
+}
+
+/// What the driver needs of an engine.
+pub trait Backend {
+    /// Short name (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+    /// Largest `K` the backend supports.
+    fn max_topk(&self) -> usize;
+    /// Footprint model for problem `p` (the planner's input).
+    fn footprint(&self, p: &Problem) -> RowFootprint;
+    /// Allocate the run's buffers, sized by the plan.
+    fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()>;
+    /// Compute tile `t` of the plan and write its rows of `out`.
+    fn tile(&mut self, p: &Problem, plan: &Plan, t: usize, out: &mut Output) -> Result<()>;
+    /// Finish the run (copy back what the backend kept) and release its buffers.
+    fn end(&mut self, p: &Problem, out: &mut Output) -> Result<()>;
+}
+
+/// The plan parameters of problem `p` under `budget`.
+pub fn plan_params(p: &Problem, budget: usize) -> PlanParams {
+    PlanParams {
+        heads: p.heads,
+        dim: p.dim,
+        topk: p.topk,
+        block_size: p.block_size,
+        num_blocks: p.num_blocks,
+        role: match p.role {
+            Role::Plain => PlanRole::Plain,
+            Role::Source { tail } => PlanRole::Source { tail },
+            Role::Consumer(_) => PlanRole::Consumer,
+        },
+        budget,
+    }
+}
+
+/// Plan problem `p` for backend `b` under a logits budget in bytes.
+pub fn plan_for<B: Backend + ?Sized>(b: &B, p: &Problem, budget: usize) -> Result<Plan> {
+    if p.topk > b.max_topk() {
+        return Err(Error::range(
+            "topk",
+            p.topk,
+            "at most the backend's largest K",
+        ));
+    }
+    plan::plan(p.batch, &plan_params(p, budget), &b.footprint(p))
+}
+
+/// Run problem `p` on backend `b` in tiles whose logits fit `budget` bytes.
+pub fn run<B: Backend + ?Sized>(b: &mut B, p: &Problem, budget: usize) -> Result<(Output, Plan)> {
+    let plan = plan_for(b, p, budget)?;
+    let mut out = Output::alloc(p);
+    b.begin(p, &plan)?;
+    for t in 0..plan.tiles.len() {
+        if let Err(e) = b.tile(p, &plan, t, &mut out) {
+            let _ = b.end(p, &mut out);
+            return Err(e);
+        }
+    }
+    b.end(p, &mut out)?;
+    Ok((out, plan))
+}
+
+/// One CPU worker's buffers: the logits engine and the row epilogue.
+#[derive(Debug)]
+struct Worker {
+    engine: crate::cpu::Engine,
+    rows: RowScratch,
+}
+
+/// The CPU backend: the fast engine, bitwise equal to the reference, rayon across rows.
+#[derive(Debug, Default)]
+pub struct CpuBackend {
+    logits: Vec<f32>,
+    block_keys: Vec<u32>,
+    workers: Vec<Worker>,
+}
+
+impl CpuBackend {
+    /// On the current rayon pool.
+    pub fn new() -> Self {
+        CpuBackend::default()
+    }
+
+    fn threads(&self) -> usize {
+        rayon::current_num_threads().max(1)
+    }
+}
+
+/// Logits row length of the CPU backend: `n` rounded up to 4 floats.
+pub const CPU_ROW_ALIGN: usize = 4;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn max_topk(&self) -> usize {
+        crate::problem::MAX_TOPK
+    }
+    fn footprint(&self, p: &Problem) -> RowFootprint {
+        RowFootprint {
+            align: CPU_ROW_ALIGN,
+            workers: self.threads(),
+            worker_bytes: crate::cpu::Engine::bytes(p.heads, p.dim, p.class()),
+        }
+    }
+    fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
+        self.logits = Vec::new();
+        self.logits
+            .try_reserve_exact(plan.peak.logits_tile / 4)
+            .map_err(|_| Error::overflow("logits tile"))?;
+        self.logits.resize(plan.peak.logits_tile / 4, 0.0);
+        self.block_keys = vec![0; plan.peak.block_scores / 4];
+        self.workers = (0..plan.workers)
+            .map(|_| Worker {
+                engine: crate::cpu::Engine::new(p),
+                rows: RowScratch::new(p),
+            })
+            .collect();
+        Ok(())
+    }
+    fn tile(&mut self, p: &Problem, plan: &Plan, t: usize, out: &mut Output) -> Result<()> {
+        let tile = &plan.tiles[t];
+        let fp = self.footprint(p);
+        let (k, pc, nb) = (p.topk, p.page_cols, p.num_blocks);
+        let raw = &mut out.raw.as_slice_mut().expect("standard layout")
+            [tile.rows.start * k..tile.rows.end * k];
+        let page = &mut out.page.as_slice_mut().expect("standard layout")
+            [tile.rows.start * pc..tile.rows.end * pc];
+        let published: &mut [i32] = match out.published.as_mut() {
+            Some(pb) => &mut pb.blocks.as_slice_mut().expect("standard layout")
+                [tile.published.start * nb..tile.published.end * nb],
+            None => &mut [],
+        };
+        let ctx = Ctx { p, fp };
+        ctx.split(
+            tile.rows.clone(),
+            &mut self.logits[..tile.logits_bytes / 4],
+            &mut self.block_keys[..tile.block_score_bytes / 4],
+            raw,
+            page,
+            published,
+            &mut self.workers,
+        );
+        Ok(())
+    }
+    fn end(&mut self, _p: &Problem, _out: &mut Output) -> Result<()> {
+        self.logits = Vec::new();
+        self.block_keys = Vec::new();
+        self.workers = Vec::new();
+        Ok(())
+    }
+}
+
+struct Ctx<'p, 'a> {
+    p: &'p Problem<'a>,
+    fp: RowFootprint,
+}
+
+impl Ctx<'_, '_> {
+    fn row_floats(&self, i: usize) -> usize {
+        self.fp.row_bytes(self.p.batch.rows()[i].n) / 4
+    }
+    fn row_blocks(&self, i: usize) -> usize {
+        if self.p.publishes(i) {
+            self.p.batch.rows()[i].n.div_ceil(self.p.block_size)
+        } else {
+            0
+        }
+    }
+
+    /// Split rows and buffers between workers (recursively, no allocation), then run
+    /// each worker's rows in order.
+    #[allow(clippy::too_many_arguments)]
+    fn split(
+        &self,
+        rows: std::ops::Range<usize>,
+        logits: &mut [f32],
+        keys: &mut [u32],
+        raw: &mut [i32],
+        page: &mut [i32],
+        published: &mut [i32],
+        ws: &mut [Worker],
+    ) {
+        if ws.len() <= 1 || rows.len() <= 1 {
+            if let Some(w) = ws.first_mut() {
+                self.serial(rows, logits, keys, raw, page, published, w);
+            }
+            return;
+        }
+        // Split the work (visible keys) in proportion to the workers on each side.
+        let work = |i: usize| self.p.batch.rows()[i].n as u128 + 1;
+        let total: u128 = rows.clone().map(work).sum();
+        let half = ws.len() / 2;
+        let target = total * half as u128 / ws.len() as u128;
+        let (mut acc, mut mid) = (0u128, rows.start);
+        while mid < rows.end - 1 && acc + work(mid) <= target {
+            acc += work(mid);
+            mid += 1;
+        }
+        let mid = mid.max(rows.start + 1);
+        let lf: usize = (rows.start..mid).map(|i| self.row_floats(i)).sum();
+        let lk: usize = (rows.start..mid).map(|i| self.row_blocks(i)).sum();
+        let lp = (rows.start..mid).filter(|&i| self.p.publishes(i)).count() * self.p.num_blocks;
+        let nr = mid - rows.start;
+        let (l0, l1) = logits.split_at_mut(lf);
+        let (k0, k1) = keys.split_at_mut(lk);
+        let (r0, r1) = raw.split_at_mut(nr * self.p.topk);
+        let (g0, g1) = page.split_at_mut(nr * self.p.page_cols);
+        let (p0, p1) = published.split_at_mut(lp);
+        let (w0, w1) = ws.split_at_mut(half);
+        rayon::join(
+            || self.split(rows.start..mid, l0, k0, r0, g0, p0, w0),
+            || self.split(mid..rows.end, l1, k1, r1, g1, p1, w1),
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn serial(
+        &self,
+        rows: std::ops::Range<usize>,
+        mut logits: &mut [f32],
+        mut keys: &mut [u32],
+        mut raw: &mut [i32],
+        mut page: &mut [i32],
+        mut published: &mut [i32],
+        w: &mut Worker,
+    ) {
+        let p = self.p;
+        let mut i = rows.start;
+        while i < rows.end {
+            let g = (rows.end - i).min(crate::cpu::ROW_GROUP);
+            let idx: [usize; crate::cpu::ROW_GROUP] = std::array::from_fn(|r| i + r.min(g - 1));
+            // Carve the group's logits rows out of the tile buffer.
+            let mut outs: [&mut [f32]; crate::cpu::ROW_GROUP] = Default::default();
+            let mut rest = std::mem::take(&mut logits);
+            for (r, o) in outs.iter_mut().enumerate().take(g) {
+                let (a, b) = rest.split_at_mut(self.row_floats(i + r));
+                *o = a;
+                rest = b;
+            }
+            logits = rest;
+            w.engine.rows(p, &idx[..g], &mut outs[..g]);
+            for (r, scores) in outs.iter().enumerate().take(g) {
+                let row = i + r;
+                let n = p.batch.rows()[row].n;
+                let (rw, rr) = std::mem::take(&mut raw).split_at_mut(p.topk);
+                raw = rr;
+                let (pg, pr) = std::mem::take(&mut page).split_at_mut(p.page_cols);
+                page = pr;
+                let (kb, kr) = std::mem::take(&mut keys).split_at_mut(self.row_blocks(row));
+                keys = kr;
+                let pubrow = if p.publishes(row) {
+                    let (a, b) = std::mem::take(&mut published).split_at_mut(p.num_blocks);
+                    published = b;
+                    Some(a)
+                } else {
+                    None
+                };
+                reference::finish_row(p, row, &scores[..n], kb, pubrow, rw, pg, &mut w.rows);
+            }
+            i += g;
+        }
+    }
+}
+
+/// Run on the CPU with the default pool.
+pub fn run_cpu(p: &Problem, budget: usize) -> Result<(Output, Plan)> {
+    run(&mut CpuBackend::new(), p, budget)
+}

@@ -1,0 +1,230 @@
+//! The row-tile planner (SPEC 7): a pure function from the batch, the layer and a
+//! backend's footprint model to row tiles and a peak-transient figure, term by term.
+//!
+//! Peak transient of a run (bytes above inputs and outputs):
+//!
+//! ```text
+//! peak = logits_tile                      max over tiles of sum_rows footprint(n)   <= budget*
+//!      + block_scores                     max over tiles of sum_publishing_rows ceil(n/B) * 4
+//!      + candidate_ids                    workers * NB * 8        (source layers)
+//!      + topk_scratch                     workers * K * 8
+//!      + index_assembly                   workers * K * 4
+//!      + operands                         workers * (decoded query rows and key: H, D only)
+//! ```
+//!
+//! (*) unless one row alone exceeds the budget; that row is then a tile of its own and
+//! the plan says so. Only the first two terms depend on the context length, and both are
+//! capped by the tile, hence by the budget: block scores are at most `1/B` of the
+//! tile's logits. The others depend on `K`, `NB` and the worker count only.
+
+use std::ops::Range;
+
+use crate::batch::Batch;
+use crate::error::{Error, Result};
+
+/// What the planner needs to know about a backend.
+pub trait Footprint {
+    /// Bytes of logits the backend stores for a row with `n` visible keys.
+    fn row_bytes(&self, n: usize) -> usize;
+    /// Rows processed concurrently, each with its own epilogue scratch.
+    fn workers(&self) -> usize;
+    /// Bytes of operand buffers each worker holds (decoded rows and keys).
+    fn worker_bytes(&self) -> usize {
+        0
+    }
+}
+
+/// The layer role as the planner sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanRole {
+    /// Top-k only.
+    Plain,
+    /// Publishes blocks for rows at positions `>= S_b - tail` (all rows when `None`).
+    Source {
+        /// Tail, `>= 1`.
+        tail: Option<usize>,
+    },
+    /// Restricted to given blocks (inputs: no extra transient).
+    Consumer,
+}
+
+/// Layer parameters the plan depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanParams {
+    /// `H` (informational: the CPU footprint does not depend on it).
+    pub heads: usize,
+    /// `D`.
+    pub dim: usize,
+    /// `K`.
+    pub topk: usize,
+    /// `B`.
+    pub block_size: usize,
+    /// `NB`.
+    pub num_blocks: usize,
+    /// Role.
+    pub role: PlanRole,
+    /// Byte budget of the logits tile (`> 0`).
+    pub budget: usize,
+}
+
+/// Default logits budget: 2 GiB.
+pub const DEFAULT_BUDGET: usize = 2 << 30;
+
+/// One tile: a run of consecutive rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tile {
+    /// Rows `[start, end)`.
+    pub rows: Range<usize>,
+    /// Published-row indices `[start, end)` of the tile's publishing rows.
+    pub published: Range<usize>,
+    /// Logits bytes of the tile.
+    pub logits_bytes: usize,
+    /// Block-score bytes of the tile.
+    pub block_score_bytes: usize,
+    /// A single row whose logits alone exceed the budget.
+    pub oversized: bool,
+}
+
+/// Peak transient, term by term (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Peak {
+    /// The logits tile buffer.
+    pub logits_tile: usize,
+    /// Block scores of the tile's publishing rows.
+    pub block_scores: usize,
+    /// Kept-block selection heaps.
+    pub candidate_ids: usize,
+    /// Top-k heaps.
+    pub topk_scratch: usize,
+    /// Sorted selected ids before `raw`/`page` are written.
+    pub index_assembly: usize,
+    /// The backend's per-worker operand buffers.
+    pub operands: usize,
+}
+
+impl Peak {
+    /// Sum of the terms.
+    pub fn total(&self) -> usize {
+        self.logits_tile
+            .saturating_add(self.block_scores)
+            .saturating_add(self.candidate_ids)
+            .saturating_add(self.topk_scratch)
+            .saturating_add(self.index_assembly)
+            .saturating_add(self.operands)
+    }
+}
+
+/// A plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// Tiles covering every row once, in order.
+    pub tiles: Vec<Tile>,
+    /// Peak transient.
+    pub peak: Peak,
+    /// Workers the scratch terms were sized for.
+    pub workers: usize,
+    /// Rows in the largest tile.
+    pub max_tile_rows: usize,
+    /// Published rows.
+    pub published_rows: usize,
+    /// The unbounded engine's transient (SPEC 7): 6 bytes per (row, key) of each request.
+    pub unbounded_bytes: u128,
+}
+
+impl Plan {
+    /// Whether some row alone exceeds the budget.
+    pub fn has_oversized_row(&self) -> bool {
+        self.tiles.iter().any(|t| t.oversized)
+    }
+}
+
+/// The seed engine's transient: fp32 logits `[E_b, lc_b]`, a bool mask of the same
+/// shape and its concatenation copy, i.e. 6 bytes per (row, key), summed per request.
+pub fn unbounded_bytes(batch: &Batch) -> u128 {
+    let mut rows_per_req = vec![0u128; batch.requests().len()];
+    for r in batch.rows() {
+        rows_per_req[r.request] += 1;
+    }
+    batch
+        .requests()
+        .iter()
+        .zip(rows_per_req)
+        .map(|(q, e)| 6 * e * q.keys as u128)
+        .sum()
+}
+
+/// Plan the tiles of `batch` under `params`, for a backend with footprint `fp`.
+pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Plan> {
+    if params.budget == 0 {
+        return Err(Error::range("budget", 0, "budget > 0 bytes"));
+    }
+    if params.block_size == 0 {
+        return Err(Error::range("block_size", 0, "block_size >= 1"));
+    }
+    let tail = match params.role {
+        PlanRole::Source { tail: Some(0) } => return Err(Error::range("tail", 0, "tail >= 1")),
+        PlanRole::Source { tail } => Some(tail),
+        _ => None,
+    };
+    let publishes = |i: usize| match tail {
+        None => false,
+        Some(t) => crate::batch::publishes(&batch.rows()[i], batch.requests(), t),
+    };
+    let mut tiles: Vec<Tile> = Vec::new();
+    let mut cur = Tile {
+        rows: 0..0,
+        published: 0..0,
+        logits_bytes: 0,
+        block_score_bytes: 0,
+        oversized: false,
+    };
+    for (i, row) in batch.rows().iter().enumerate() {
+        let rb = fp.row_bytes(row.n);
+        if !cur.rows.is_empty() && cur.logits_bytes.saturating_add(rb) > params.budget {
+            let next = Tile {
+                rows: i..i,
+                published: cur.published.end..cur.published.end,
+                logits_bytes: 0,
+                block_score_bytes: 0,
+                oversized: false,
+            };
+            tiles.push(std::mem::replace(&mut cur, next));
+        }
+        cur.rows.end = i + 1;
+        cur.logits_bytes = cur.logits_bytes.saturating_add(rb);
+        cur.oversized = cur.logits_bytes > params.budget;
+        if publishes(i) {
+            cur.published.end += 1;
+            cur.block_score_bytes = cur
+                .block_score_bytes
+                .saturating_add(row.n.div_ceil(params.block_size).saturating_mul(4));
+        }
+    }
+    let pub_n = cur.published.end;
+    if !cur.rows.is_empty() {
+        tiles.push(cur);
+    }
+    let max_tile_rows = tiles.iter().map(|t| t.rows.len()).max().unwrap_or(0);
+    let workers = fp.workers().max(1).min(max_tile_rows.max(1));
+    let source = matches!(params.role, PlanRole::Source { .. });
+    let peak = Peak {
+        logits_tile: tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0),
+        block_scores: tiles.iter().map(|t| t.block_score_bytes).max().unwrap_or(0),
+        candidate_ids: if source {
+            workers.saturating_mul(params.num_blocks).saturating_mul(8)
+        } else {
+            0
+        },
+        topk_scratch: workers.saturating_mul(params.topk).saturating_mul(8),
+        index_assembly: workers.saturating_mul(params.topk).saturating_mul(4),
+        operands: workers.saturating_mul(fp.worker_bytes()),
+    };
+    Ok(Plan {
+        tiles,
+        peak,
+        workers,
+        max_tile_rows,
+        published_rows: pub_n,
+        unbounded_bytes: unbounded_bytes(batch),
+    })
+}
