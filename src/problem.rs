@@ -248,6 +248,14 @@ impl<'a> Problem<'a> {
     ) -> Result<Self> {
         let t = batch.num_rows();
         let l = batch.num_keys();
+        // raw and page are i32: every key index and identity slot must fit.
+        if l > i32::MAX as usize {
+            return Err(Error::range(
+                "keys L",
+                l,
+                "at most 2^31 - 1 keys in a batch (outputs are i32)",
+            ));
+        }
         // H and D from the queries.
         let (qshape, dim) = match inputs.q {
             Queries::E4m3(q) => (q.shape().to_vec(), q.shape()[2]),

@@ -1,0 +1,531 @@
+//! SPEC 8: every malformed input is a typed error naming the field and the value.
+
+use dsa_indexer::batch::Batch;
+use dsa_indexer::indexer::run_cpu;
+use dsa_indexer::problem::{Inputs, Keys, Params, Problem, Published, Queries, Role};
+use dsa_indexer::Error;
+use ndarray::{Array1, Array2, Array3};
+
+struct Owned {
+    batch: Batch,
+    q8: Array3<u8>,
+    q4: Array3<u8>,
+    qs: Array3<u8>,
+    k8: Array2<u8>,
+    kscale: Array1<f32>,
+    k4: Array2<u8>,
+    ks4: Array2<u8>,
+    w: Array2<f32>,
+    slots: Array1<i32>,
+}
+
+fn owned() -> Owned {
+    let batch = Batch::contiguous(&[6, 3], &[2, 0], 1).unwrap();
+    let (t, l, h, d) = (batch.num_rows(), batch.num_keys(), 8, 64);
+    Owned {
+        batch,
+        q8: Array3::from_elem((t, h, d), 0x38),
+        q4: Array3::from_elem((t, h, d / 2), 0x21),
+        qs: Array3::from_elem((t, h, d / 32), 127),
+        k8: Array2::from_elem((l, d), 0x30),
+        kscale: Array1::from_elem(l, 0.5),
+        k4: Array2::from_elem((l, d / 2), 0x12),
+        ks4: Array2::from_elem((l, d / 32), 126),
+        w: Array2::from_elem((t, h), 0.25),
+        slots: Array1::from_shape_fn(l, |x| 100 + x as i32),
+    }
+}
+
+impl Owned {
+    fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            q: Queries::E2m1 {
+                packed: self.q4.view(),
+                scale: self.qs.view(),
+            },
+            k: Keys::E4m3 {
+                codes: self.k8.view(),
+                scale: self.kscale.view(),
+            },
+            weights: self.w.view(),
+            k_slots: Some(self.slots.view()),
+        }
+    }
+    fn problem<'a>(
+        &'a self,
+        inputs: Inputs<'a>,
+        params: Params,
+        role: Role<'a>,
+    ) -> Result<(), Error> {
+        Problem::new(&self.batch, inputs, params, role).map(|_| ())
+    }
+}
+
+/// The error's message must name `field` and show `value`.
+fn names(r: Result<(), Error>, field: &str, value: &str) {
+    let e = r.expect_err("expected an error");
+    let m = e.to_string();
+    assert!(
+        m.contains(field) && m.contains(value),
+        "message {m:?} should name {field:?} and {value:?}"
+    );
+}
+
+#[test]
+fn valid_baseline_passes() {
+    let o = owned();
+    o.problem(o.inputs(), Params::new(4), Role::Plain).unwrap();
+    let inputs = Inputs {
+        q: Queries::E4m3(o.q8.view()),
+        k: Keys::E2m1 {
+            packed: o.k4.view(),
+            scale: o.ks4.view(),
+        },
+        ..o.inputs()
+    };
+    o.problem(inputs, Params::new(4), Role::Source { tail: Some(2) })
+        .unwrap();
+}
+
+#[test]
+fn shapes_heads_and_dims() {
+    let o = owned();
+    let bad_q = Array3::<u8>::from_elem((4, 8, 32), 0x21);
+    names(
+        o.problem(
+            Inputs {
+                q: Queries::E2m1 {
+                    packed: bad_q.view(),
+                    scale: o.qs.view(),
+                },
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "q",
+        "[4, 8, 32]",
+    );
+    let q12 = Array3::<u8>::from_elem((7, 12, 32), 0x21);
+    names(
+        o.problem(
+            Inputs {
+                q: Queries::E2m1 {
+                    packed: q12.view(),
+                    scale: o.qs.view(),
+                },
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "heads",
+        "12",
+    );
+    let q128 = Array3::<u8>::from_elem((7, 128, 32), 0x21);
+    names(
+        o.problem(
+            Inputs {
+                q: Queries::E2m1 {
+                    packed: q128.view(),
+                    scale: o.qs.view(),
+                },
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "heads",
+        "128",
+    );
+    let d96 = Array3::<u8>::from_elem((7, 8, 96), 0x38);
+    names(
+        o.problem(
+            Inputs {
+                q: Queries::E4m3(d96.view()),
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "dim",
+        "96",
+    );
+    let short_scale = Array3::<u8>::from_elem((7, 8, 1), 127);
+    names(
+        o.problem(
+            Inputs {
+                q: Queries::E2m1 {
+                    packed: o.q4.view(),
+                    scale: short_scale.view(),
+                },
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "q_scale",
+        "[7, 8, 1]",
+    );
+    let k_short = Array2::<u8>::from_elem((8, 64), 0x30);
+    names(
+        o.problem(
+            Inputs {
+                k: Keys::E4m3 {
+                    codes: k_short.view(),
+                    scale: o.kscale.view(),
+                },
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "k",
+        "[8, 64]",
+    );
+    let w_bad = Array2::<f32>::zeros((7, 16));
+    names(
+        o.problem(
+            Inputs {
+                weights: w_bad.view(),
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "weights",
+        "[7, 16]",
+    );
+}
+
+#[test]
+fn parameters() {
+    let o = owned();
+    names(
+        o.problem(o.inputs(), Params::new(0), Role::Plain),
+        "topk",
+        "0",
+    );
+    names(
+        o.problem(o.inputs(), Params::new(1 << 20), Role::Plain),
+        "topk",
+        "1048576",
+    );
+    names(
+        o.problem(
+            o.inputs(),
+            Params {
+                page_cols: Some(3),
+                ..Params::new(4)
+            },
+            Role::Plain,
+        ),
+        "page_cols",
+        "3",
+    );
+    names(
+        o.problem(
+            o.inputs(),
+            Params {
+                block_size: 0,
+                ..Params::new(4)
+            },
+            Role::Plain,
+        ),
+        "block_size",
+        "0",
+    );
+    names(
+        o.problem(
+            o.inputs(),
+            Params {
+                num_blocks: 0,
+                ..Params::new(4)
+            },
+            Role::Plain,
+        ),
+        "num_blocks",
+        "0",
+    );
+    names(
+        o.problem(o.inputs(), Params::new(4), Role::Source { tail: Some(0) }),
+        "tail",
+        "0",
+    );
+    let p = Problem::new(&o.batch, o.inputs(), Params::new(4), Role::Plain).unwrap();
+    names(run_cpu(&p, 0).map(|_| ()), "budget", "0");
+}
+
+#[test]
+fn values() {
+    let o = owned();
+    let mut q8 = o.q8.clone();
+    q8[[1, 2, 3]] = 0xFF;
+    names(
+        o.problem(
+            Inputs {
+                q: Queries::E4m3(q8.view()),
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "q[",
+        "0xff",
+    );
+    let mut k8 = o.k8.clone();
+    k8[[0, 5]] = 0x7F;
+    names(
+        o.problem(
+            Inputs {
+                k: Keys::E4m3 {
+                    codes: k8.view(),
+                    scale: o.kscale.view(),
+                },
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "k[5]",
+        "0x7f",
+    );
+    let mut qs = o.qs.clone();
+    qs[[0, 0, 1]] = 255;
+    names(
+        o.problem(
+            Inputs {
+                q: Queries::E2m1 {
+                    packed: o.q4.view(),
+                    scale: qs.view(),
+                },
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "q_scale[1]",
+        "255",
+    );
+    let mut ks4 = o.ks4.clone();
+    ks4[[2, 0]] = 255;
+    names(
+        o.problem(
+            Inputs {
+                k: Keys::E2m1 {
+                    packed: o.k4.view(),
+                    scale: ks4.view(),
+                },
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "k_scale[4]",
+        "255",
+    );
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut w = o.w.clone();
+        w[[3, 1]] = bad;
+        names(
+            o.problem(
+                Inputs {
+                    weights: w.view(),
+                    ..o.inputs()
+                },
+                Params::new(4),
+                Role::Plain,
+            ),
+            "weights[25]",
+            &bad.to_string(),
+        );
+    }
+    for bad in [0.0f32, -1.0, f32::NAN, f32::INFINITY] {
+        let mut s = o.kscale.clone();
+        s[2] = bad;
+        names(
+            o.problem(
+                Inputs {
+                    k: Keys::E4m3 {
+                        codes: o.k8.view(),
+                        scale: s.view(),
+                    },
+                    ..o.inputs()
+                },
+                Params::new(4),
+                Role::Plain,
+            ),
+            "k_scale[2]",
+            &bad.to_string(),
+        );
+    }
+    let mut slots = o.slots.clone();
+    slots[4] = -3;
+    names(
+        o.problem(
+            Inputs {
+                k_slots: Some(slots.view()),
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "k_slots[4]",
+        "-3",
+    );
+    let short = Array1::<i32>::zeros(3);
+    names(
+        o.problem(
+            Inputs {
+                k_slots: Some(short.view()),
+                ..o.inputs()
+            },
+            Params::new(4),
+            Role::Plain,
+        ),
+        "k_slots",
+        "[3]",
+    );
+}
+
+#[test]
+fn consumer_candidates_must_match() {
+    let o = owned();
+    let p = Problem::new(
+        &o.batch,
+        o.inputs(),
+        Params {
+            block_size: 2,
+            num_blocks: 2,
+            ..Params::new(4)
+        },
+        Role::Source { tail: None },
+    )
+    .unwrap();
+    let published = run_cpu(&p, 1 << 20).unwrap().0.published.unwrap();
+    let params = Params {
+        block_size: 2,
+        num_blocks: 2,
+        ..Params::new(4)
+    };
+    o.problem(o.inputs(), params, Role::Consumer(&published))
+        .unwrap();
+    // Width.
+    names(
+        o.problem(
+            o.inputs(),
+            Params {
+                num_blocks: 3,
+                ..params
+            },
+            Role::Consumer(&published),
+        ),
+        "width",
+        "2",
+    );
+    // Block size.
+    names(
+        o.problem(
+            o.inputs(),
+            Params {
+                block_size: 4,
+                ..params
+            },
+            Role::Consumer(&published),
+        ),
+        "block_size",
+        "2",
+    );
+    // Rows: one fewer.
+    let mut fewer = published.clone();
+    fewer.rows.pop();
+    names(
+        o.problem(o.inputs(), params, Role::Consumer(&fewer)),
+        "rows",
+        "7",
+    );
+    // A position that differs.
+    let mut moved: Published = published.clone();
+    moved.rows[1].1 += 1;
+    names(
+        o.problem(o.inputs(), params, Role::Consumer(&moved)),
+        "row[1].position",
+        "4",
+    );
+    // A request that differs.
+    let mut other = published.clone();
+    other.rows[0].0 = 1;
+    names(
+        o.problem(o.inputs(), params, Role::Consumer(&other)),
+        "row[0].request",
+        "1",
+    );
+    // A request whose key count differs.
+    let mut longer = published.clone();
+    longer.seq_lens[0] = 60;
+    names(
+        o.problem(o.inputs(), params, Role::Consumer(&longer)),
+        "row[0].keys",
+        "60",
+    );
+    // Ratio.
+    let mut r2 = published.clone();
+    r2.ratio = 2;
+    names(
+        o.problem(o.inputs(), params, Role::Consumer(&r2)),
+        "ratio",
+        "2",
+    );
+    // A block id outside the row's visible blocks, and ids out of order.
+    let mut far = published.clone();
+    far.blocks[[0, 1]] = 50;
+    names(
+        o.problem(o.inputs(), params, Role::Consumer(&far)),
+        "blocks[0, 1]",
+        "50",
+    );
+    let mut unsorted = published.clone();
+    unsorted.blocks[[6, 0]] = 1;
+    unsorted.blocks[[6, 1]] = 0;
+    names(
+        o.problem(o.inputs(), params, Role::Consumer(&unsorted)),
+        "blocks[6, 1]",
+        "0",
+    );
+    let mut gap = published.clone();
+    gap.blocks[[6, 0]] = -1;
+    gap.blocks[[6, 1]] = 1;
+    names(
+        o.problem(o.inputs(), params, Role::Consumer(&gap)),
+        "blocks[6, 1]",
+        "1",
+    );
+}
+
+#[test]
+fn sizes_that_overflow() {
+    // Products that overflow usize are errors, not panics.
+    let e = Batch::contiguous(&[usize::MAX / 2, usize::MAX / 2, 10], &[0, 0, 0], 1).unwrap_err();
+    assert!(matches!(e, Error::Overflow { .. }), "{e}");
+    let big = Batch::contiguous(&[1 << 31], &[(1 << 31) - 1], 1).unwrap();
+    let o = owned();
+    let q = Array3::<u8>::from_elem((1, 8, 32), 0x21);
+    let qs = Array3::<u8>::from_elem((1, 8, 1), 127);
+    let w = Array2::<f32>::zeros((1, 8));
+    let e = Problem::new(
+        &big,
+        Inputs {
+            q: Queries::E2m1 {
+                packed: q.view(),
+                scale: qs.view(),
+            },
+            weights: w.view(),
+            k_slots: None,
+            ..o.inputs()
+        },
+        Params::new(4),
+        Role::Plain,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("keys L"), "{e}");
+}

@@ -1,0 +1,283 @@
+//! Property tests of the reference (SPEC 3 to 6) over random ragged batches, prefix hits
+//! and explicit-row layouts.
+
+mod common;
+
+use common::strategies::{build, case, shape, Shape};
+use dsa_indexer::batch::Batch;
+use dsa_indexer::dump::{Dump, RoleKind};
+use dsa_indexer::problem::{Params, Problem, Role};
+use dsa_indexer::reference::{self, candidates, rank_key, topk};
+use proptest::prelude::*;
+
+fn logits_by_row(p: &Problem) -> Vec<Vec<f32>> {
+    let flat = reference::logits(p);
+    let mut off = 0;
+    p.batch
+        .rows()
+        .iter()
+        .map(|r| {
+            off += r.n;
+            flat[off - r.n..off].to_vec()
+        })
+        .collect()
+}
+
+fn check_sorted_padded(row: &[i32], m: usize) -> Result<(), TestCaseError> {
+    let sel: Vec<i32> = row.iter().copied().take_while(|&x| x >= 0).collect();
+    prop_assert_eq!(sel.len(), m.min(row.len()));
+    prop_assert!(
+        row[sel.len()..].iter().all(|&x| x == -1),
+        "not -1 padded: {:?}",
+        row
+    );
+    prop_assert!(
+        sel.windows(2).all(|w| w[0] < w[1]),
+        "not sorted ascending: {:?}",
+        row
+    );
+    Ok(())
+}
+
+/// The consumer's batch of a source dump: the source's rows restricted to its tail.
+fn consumer_batch(d: &Dump, batch: &Batch) -> Batch {
+    match d.meta.tail {
+        Some(t) => batch.tail(t).unwrap(),
+        None => batch.clone(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Top-k equals a naive full sort under the ranking key; rows are sorted, -1
+    /// padded; page follows k_slots and is -1 past K.
+    #[test]
+    fn topk_is_a_full_sort_and_page_follows_slots(d in case()) {
+        let batch = d.batch().unwrap();
+        let p = d.problem(&batch, None).unwrap();
+        let scores = logits_by_row(&p);
+        let out = reference::run(&p);
+        for (i, row) in batch.rows().iter().enumerate() {
+            let all: Vec<usize> = (0..row.n).collect();
+            let want = topk::select_by_sort(&scores[i], &all, p.topk);
+            let raw = out.raw.row(i).to_vec();
+            check_sorted_padded(&raw, row.n)?;
+            prop_assert_eq!(&raw[..want.len()], &want[..], "row {}", i);
+            let page = out.page.row(i).to_vec();
+            prop_assert_eq!(page.len(), p.page_cols);
+            for (c, &j) in raw.iter().enumerate() {
+                let expect = if j < 0 { -1 } else { p.slot(row.ks + j as usize) };
+                prop_assert_eq!(page[c], expect);
+            }
+            prop_assert!(page[p.topk..].iter().all(|&x| x == -1));
+        }
+    }
+
+    /// The reference is bitwise the same for any thread count.
+    #[test]
+    fn thread_count_invariance(d in case(), threads in 1usize..5) {
+        let batch = d.batch().unwrap();
+        let p = d.problem(&batch, None).unwrap();
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let many = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let (l1, o1) = one.install(|| (reference::logits(&p), reference::run(&p)));
+        let (l2, o2) = many.install(|| (reference::logits(&p), reference::run(&p)));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        prop_assert_eq!(bits(&l1), bits(&l2));
+        prop_assert_eq!(o1, o2);
+    }
+
+    /// Source rows: every kept block is visible, the pinned block is kept, at most NB
+    /// blocks, ids ascending and -1 padded, and the kept set is the best by block score.
+    /// A consumer's picks lie inside its blocks; with nb <= NB it equals a plain layer.
+    #[test]
+    fn candidate_blocks_and_consumers(mut s in shape()) {
+        s.role = RoleKind::Source;
+        let d = build(&s);
+        let batch = d.batch().unwrap();
+        let p = d.problem(&batch, None).unwrap();
+        let scores = logits_by_row(&p);
+        let out = reference::run(&p);
+        let published = out.published.clone().unwrap();
+        let pub_rows: Vec<usize> = (0..batch.num_rows()).filter(|&i| p.publishes(i)).collect();
+        prop_assert_eq!(published.rows.len(), pub_rows.len());
+        let (bs, nbmax) = (s.block_size, s.num_blocks);
+        for (k, &i) in pub_rows.iter().enumerate() {
+            let n = batch.rows()[i].n;
+            let ids: Vec<i32> = published.blocks.row(k).to_vec();
+            let kept: Vec<usize> = ids.iter().take_while(|&&c| c >= 0).map(|&c| c as usize).collect();
+            if n == 0 {
+                prop_assert!(kept.is_empty());
+                continue;
+            }
+            let nb = n.div_ceil(bs);
+            prop_assert_eq!(kept.len(), nb.min(nbmax));
+            prop_assert!(ids[kept.len()..].iter().all(|&c| c == -1));
+            prop_assert!(kept.windows(2).all(|w| w[0] < w[1]));
+            prop_assert!(kept.iter().all(|&c| c < nb), "a kept block is not visible");
+            prop_assert!(kept.contains(&((n - 1) / bs)), "pinned block missing");
+            // Best by block score: every dropped block is no better than every kept
+            // non-pinned block.
+            let key = |c: usize| scores[i][c * bs..((c + 1) * bs).min(n)].iter().map(|&x| rank_key(x)).max().unwrap();
+            let pinned = (n - 1) / bs;
+            for c in (0..nb).filter(|c| !kept.contains(c)) {
+                for &kc in kept.iter().filter(|&&kc| kc != pinned) {
+                    prop_assert!((key(kc), std::cmp::Reverse(kc)) > (key(c), std::cmp::Reverse(c)));
+                }
+            }
+            // Dense view agrees.
+            let dense = published.dense_row(k);
+            for (j, &m) in dense.iter().enumerate() {
+                prop_assert_eq!(m, kept.contains(&(j / bs)));
+            }
+        }
+        // The consumer of this source.
+        let cbatch = consumer_batch(&d, &batch);
+        prop_assert_eq!(cbatch.num_rows(), pub_rows.len());
+        let sub = sub_inputs(&d, &pub_rows);
+        let cp = Problem::new(&cbatch, sub.inputs(), Params { topk: s.topk, page_cols: None, block_size: bs, num_blocks: nbmax }, Role::Consumer(&published)).unwrap();
+        let plain = Problem::new(&cbatch, sub.inputs(), Params { topk: s.topk, page_cols: None, block_size: bs, num_blocks: nbmax }, Role::Plain).unwrap();
+        let co = reference::run(&cp);
+        let po = reference::run(&plain);
+        for (k, &i) in pub_rows.iter().enumerate() {
+            let n = batch.rows()[i].n;
+            let blocks = published.blocks.row(k).to_vec();
+            let cands: Vec<usize> = candidates::consumer_candidates(&blocks, n, bs).collect();
+            let picks: Vec<i32> = co.raw.row(k).iter().copied().take_while(|&x| x >= 0).collect();
+            check_sorted_padded(&co.raw.row(k).to_vec(), cands.len())?;
+            prop_assert!(picks.iter().all(|&j| cands.contains(&(j as usize))), "pick outside the blocks");
+            prop_assert_eq!(picks, topk::select_by_sort(&scores[i], &cands, s.topk));
+            if n.div_ceil(bs) <= nbmax {
+                prop_assert_eq!(co.raw.row(k), po.raw.row(k));
+                prop_assert_eq!(co.page.row(k), po.page.row(k));
+            }
+        }
+    }
+}
+
+/// The inputs of `d` restricted to rows `rows` (in order), owned.
+pub fn sub_inputs(d: &Dump, rows: &[usize]) -> Dump {
+    use dsa_indexer::dump::QData;
+    use ndarray::Axis;
+    let mut out = d.clone();
+    out.q = match &d.q {
+        QData::E4m3(q) => QData::E4m3(q.select(Axis(0), rows)),
+        QData::E2m1 { packed, scale } => QData::E2m1 {
+            packed: packed.select(Axis(0), rows),
+            scale: scale.select(Axis(0), rows),
+        },
+    };
+    out.weights = d.weights.select(Axis(0), rows);
+    out
+}
+
+/// With small B and NB the restriction really removes keys: some consumer row has
+/// fewer candidates than visible keys, and its picks differ from a plain layer's.
+#[test]
+fn small_blocks_really_restrict() {
+    let mut removed = 0usize;
+    let mut changed = 0usize;
+    for seed in 0..20u64 {
+        let s = Shape {
+            seq_lens: vec![40, 33],
+            query_starts: vec![30, 0],
+            explicit: false,
+            ratio: 1,
+            heads: 8,
+            dim: 32,
+            q_format: dsa_indexer::problem::Format::E2m1,
+            k_format: dsa_indexer::problem::Format::E2m1,
+            topk: 4,
+            block_size: 2,
+            num_blocks: 3,
+            role: RoleKind::Source,
+            tail: Some(5),
+            narrow: false,
+            seed,
+        };
+        let d = build(&s);
+        let batch = d.batch().unwrap();
+        let p = d.problem(&batch, None).unwrap();
+        let out = reference::run(&p);
+        let published = out.published.unwrap();
+        let pub_rows: Vec<usize> = (0..batch.num_rows()).filter(|&i| p.publishes(i)).collect();
+        assert_eq!(pub_rows.len(), 10, "tail 5 of two requests");
+        let cbatch = batch.tail(5).unwrap();
+        let sub = sub_inputs(&d, &pub_rows);
+        let params = Params {
+            topk: 4,
+            page_cols: None,
+            block_size: 2,
+            num_blocks: 3,
+        };
+        let co = reference::run(
+            &Problem::new(&cbatch, sub.inputs(), params, Role::Consumer(&published)).unwrap(),
+        );
+        let po = reference::run(&Problem::new(&cbatch, sub.inputs(), params, Role::Plain).unwrap());
+        for k in 0..pub_rows.len() {
+            let n = cbatch.rows()[k].n;
+            let blocks = published.blocks.row(k).to_vec();
+            let m = candidates::consumer_candidates(&blocks, n, 2).count();
+            assert!(m <= 6);
+            removed += n - m;
+            changed += (co.raw.row(k) != po.raw.row(k)) as usize;
+        }
+    }
+    assert!(removed > 0, "the restriction removed no key");
+    assert!(changed > 0, "the restriction never changed a selection");
+}
+
+/// A fixed full-size case: n > 8 * 2048, so the model's B = 8, NB = 2048 restrict.
+#[test]
+fn full_size_source_and_consumer() {
+    let s = Shape {
+        seq_lens: vec![16_400],
+        query_starts: vec![16_397],
+        explicit: false,
+        ratio: 1,
+        heads: 8,
+        dim: 32,
+        q_format: dsa_indexer::problem::Format::E2m1,
+        k_format: dsa_indexer::problem::Format::E2m1,
+        topk: 2048,
+        block_size: 8,
+        num_blocks: 2048,
+        role: RoleKind::Source,
+        tail: None,
+        narrow: false,
+        seed: 7,
+    };
+    let d = build(&s);
+    let batch = d.batch().unwrap();
+    assert!(batch.rows().iter().all(|r| r.n > 8 * 2048));
+    let p = d.problem(&batch, None).unwrap();
+    let scores = logits_by_row(&p);
+    let out = reference::run(&p);
+    let published = out.published.clone().unwrap();
+    let params = Params {
+        topk: 2048,
+        page_cols: None,
+        block_size: 8,
+        num_blocks: 2048,
+    };
+    let co = reference::run(
+        &Problem::new(&batch, d.inputs(), params, Role::Consumer(&published)).unwrap(),
+    );
+    for i in 0..batch.num_rows() {
+        let n = batch.rows()[i].n;
+        let all: Vec<usize> = (0..n).collect();
+        assert_eq!(
+            out.raw.row(i).to_vec(),
+            topk::select_by_sort(&scores[i], &all, 2048)
+        );
+        let blocks = published.blocks.row(i).to_vec();
+        assert!(blocks.iter().all(|&c| c >= 0), "all 2048 blocks kept");
+        let cands: Vec<usize> = candidates::consumer_candidates(&blocks, n, 8).collect();
+        assert!(cands.len() < n, "blocks restrict");
+        assert_eq!(
+            co.raw.row(i).to_vec(),
+            topk::select_by_sort(&scores[i], &cands, 2048)
+        );
+    }
+}
