@@ -1,14 +1,104 @@
 //! The fast CPU logits engine: the same arithmetic as the reference (bitwise), laid out
-//! for speed. Operands are decoded once per (row group, key) into per-worker buffers;
-//! the exact class uses integer dot products of doubled E2M1 values (`4 * s_g` exactly),
-//! the tolerance class exact f64 group sums. Nothing is allocated per row.
+//! for speed. Nothing is allocated per row: every buffer lives in the per-worker
+//! [`Engine`], whose size [`Engine::bytes`] the planner accounts for.
+//!
+//! **Exact class (fp4 x fp4).** Rows are scored in groups of [`ROW_GROUP`] against
+//! blocks of [`LANES`] keys. A key block is transposed once into `[D/2, LANES]` words,
+//! each word two doubled E2M1 values as `i16` (element `2e` in the low half), so one
+//! `pmaddwd`/`vpdpwssd` lane accumulates `2q * 2k` products of one key: after the 16
+//! words of a group a lane holds `4 * s_g` exactly (an integer, `|4 s_g| <= 4608`).
+//! The epilogue then runs lane-wise in SPEC 4's f32 order:
+//! `t_g = (f32(4 s_g) * 0.25 * qs_g) * ks_g` (the `* 0.25` is exact), the pairwise
+//! sum over groups, `relu`, `* w_h`, the pairwise sum over heads. Every step is one
+//! IEEE f32 operation per lane (no FMA: Rust never contracts), so each lane is
+//! bitwise the reference's scalar result. The dot products pick the widest of
+//! AVX-512 VNNI, AVX2 and a portable loop at run time ([`Isa::detect`]).
+//!
+//! **Tolerance class (any E4M3 side).** Exact f64 group sums (every partial sum of
+//! products of E4M3/E2M1 values is exact in f64, so any order gives `s_g`), then the
+//! f64 pairwise sum over groups, rounded once to f32, as the reference does.
 
 use crate::formats::{e2m1, e4m3, ue8m0};
 use crate::problem::{Class, Keys, Problem, Queries};
 use crate::reference::logits::{pairwise_f32, pairwise_f64, relu};
 
-/// Rows scored together against each decoded key.
-pub const ROW_GROUP: usize = 4;
+/// Rows scored together against each decoded key block.
+pub const ROW_GROUP: usize = 8;
+
+/// Keys per block in the exact class (one 512-bit vector of i32 lanes).
+pub const LANES: usize = 16;
+
+/// Instruction set used for the exact class's integer dot products.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Plain Rust loops (any target).
+    Portable,
+    /// x86-64 AVX2 (`vpmaddwd`).
+    Avx2,
+    /// x86-64 AVX-512 F/BW with VNNI (`vpdpwssd`).
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// The widest instruction set this CPU supports (`DSA_INDEXER_ISA=portable|avx2`
+    /// caps it, for testing and comparison).
+    pub fn detect() -> Isa {
+        let best = Self::best();
+        match std::env::var("DSA_INDEXER_ISA").ok().as_deref() {
+            Some("portable") => Isa::Portable,
+            Some("avx2") => best.min(Isa::Avx2),
+            _ => best,
+        }
+    }
+
+    fn best() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                return Isa::Avx512Vnni;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Portable
+    }
+
+    /// Every instruction set this CPU can run, narrowest first.
+    pub fn available() -> Vec<Isa> {
+        let best = Self::best();
+        [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni]
+            .into_iter()
+            .filter(|&i| i <= best)
+            .collect()
+    }
+
+    /// Short name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512Vnni => "avx512-vnni",
+        }
+    }
+}
+
+/// Each packed E2M1 byte as one i32 word of two doubled values (`i16` each): element
+/// `2e` (low nibble) in the low half, `2e + 1` in the high half.
+static PAIR: [i32; 256] = {
+    let mut t = [0i32; 256];
+    let mut b = 0;
+    while b < 256 {
+        let lo = e2m1::DOUBLED[b & 0xF] as i16 as u16 as u32;
+        let hi = e2m1::DOUBLED[b >> 4] as i16 as u16 as u32;
+        t[b] = (lo | (hi << 16)) as i32;
+        b += 1;
+    }
+    t
+};
 
 /// Per-worker operand buffers.
 #[derive(Debug)]
@@ -16,22 +106,33 @@ pub struct Engine {
     heads: usize,
     dim: usize,
     class: Class,
-    /// Exact class: doubled query values `[R, H, D]`.
-    q_i16: Vec<i16>,
+    isa: Isa,
+    /// Exact class: pair words of the group's queries `[R, H, D/2]`.
+    q_pairs: Vec<i32>,
     /// Tolerance class: query values `[R, H, D]`.
     q_f64: Vec<f64>,
     /// Query group scales `[R, H, G]` (fp4 queries).
     q_scale: Vec<f32>,
     /// Weights `[R, H]`.
     w: Vec<f32>,
-    k_i16: Vec<i16>,
+    /// Exact class: the key block's pair words, transposed `[D/2, LANES]`.
+    k_pairs: Vec<i32>,
+    /// Exact class: the key block's group scales `[G, LANES]`.
+    k_block_scale: Vec<f32>,
+    /// Tolerance class: one key's values `[D]`.
     k_f64: Vec<f64>,
+    /// Tolerance class: one key's group scales `[G]`.
     k_scale: Vec<f32>,
 }
 
 impl Engine {
-    /// Buffers for problem `p`.
+    /// Buffers for problem `p`, dot products on [`Isa::detect`].
     pub fn new(p: &Problem) -> Self {
+        Self::with_isa(p, Isa::detect())
+    }
+
+    /// Buffers for problem `p`, dot products on `isa` (capped at what the CPU supports).
+    pub fn with_isa(p: &Problem, isa: Isa) -> Self {
         let (h, d, g) = (p.heads, p.dim, p.dim / 32);
         let class = p.class();
         let exact = class == Class::Exact;
@@ -39,24 +140,31 @@ impl Engine {
             heads: h,
             dim: d,
             class,
-            q_i16: vec![0; if exact { ROW_GROUP * h * d } else { 0 }],
+            isa: isa.min(Isa::best()),
+            q_pairs: vec![0; if exact { ROW_GROUP * h * d / 2 } else { 0 }],
             q_f64: vec![0.0; if exact { 0 } else { ROW_GROUP * h * d }],
             q_scale: vec![0.0; ROW_GROUP * h * g],
             w: vec![0.0; ROW_GROUP * h],
-            k_i16: vec![0; if exact { d } else { 0 }],
+            k_pairs: vec![0; if exact { d / 2 * LANES } else { 0 }],
+            k_block_scale: vec![0.0; if exact { g * LANES } else { 0 }],
             k_f64: vec![0.0; if exact { 0 } else { d }],
             k_scale: vec![0.0; g],
         }
     }
 
+    /// The instruction set the exact class runs on.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
     /// Heap bytes one engine holds for a problem of this shape.
     pub fn bytes(heads: usize, dim: usize, class: Class) -> usize {
-        let (rhd, g) = (ROW_GROUP * heads * dim, dim / 32);
+        let (rh, g) = (ROW_GROUP * heads, dim / 32);
         let operands = match class {
-            Class::Exact => rhd * 2 + dim * 2,
-            Class::Tolerance => rhd * 8 + dim * 8,
+            Class::Exact => rh * dim / 2 * 4 + dim / 2 * LANES * 4 + g * LANES * 4,
+            Class::Tolerance => rh * dim * 8 + dim * 8,
         };
-        operands + ROW_GROUP * heads * g * 4 + ROW_GROUP * heads * 4 + g * 4
+        operands + rh * g * 4 + rh * 4 + g * 4
     }
 
     fn load_rows(&mut self, p: &Problem, rows: &[usize]) {
@@ -64,20 +172,24 @@ impl Engine {
         for (r, &i) in rows.iter().enumerate() {
             for hh in 0..h {
                 self.w[r * h + hh] = p.inputs.weights[[i, hh]];
-                let base = (r * h + hh) * d;
                 match p.inputs.q {
                     Queries::E4m3(q) => {
+                        let base = (r * h + hh) * d;
                         for e in 0..d {
                             self.q_f64[base + e] = e4m3::decode(q[[i, hh, e]]) as f64;
                         }
                     }
                     Queries::E2m1 { packed, scale } => {
-                        for e in 0..d {
-                            let b = packed[[i, hh, e / 2]];
-                            let c = if e % 2 == 0 { b & 0xF } else { b >> 4 };
-                            if self.class == Class::Exact {
-                                self.q_i16[base + e] = e2m1::DOUBLED[c as usize] as i16;
-                            } else {
+                        if self.class == Class::Exact {
+                            let base = (r * h + hh) * d / 2;
+                            for e in 0..d / 2 {
+                                self.q_pairs[base + e] = PAIR[packed[[i, hh, e]] as usize];
+                            }
+                        } else {
+                            let base = (r * h + hh) * d;
+                            for e in 0..d {
+                                let b = packed[[i, hh, e / 2]];
+                                let c = if e % 2 == 0 { b & 0xF } else { b >> 4 };
                                 self.q_f64[base + e] = e2m1::decode(c) as f64;
                             }
                         }
@@ -90,6 +202,47 @@ impl Engine {
         }
     }
 
+    /// Exact class: transpose keys `x0 .. x0 + count` (`count <= LANES`) into the block
+    /// buffers; lanes past `count` are zero.
+    fn load_key_block(&mut self, p: &Problem, x0: usize, count: usize) {
+        let (d2, g) = (self.dim / 2, self.dim / 32);
+        if let Keys::E2m1 { packed, scale } = p.inputs.k {
+            for lane in 0..LANES {
+                if lane < count {
+                    let row = packed.row(x0 + lane);
+                    for (e, &b) in row.iter().enumerate().take(d2) {
+                        self.k_pairs[e * LANES + lane] = PAIR[b as usize];
+                    }
+                    for gg in 0..g {
+                        self.k_block_scale[gg * LANES + lane] =
+                            ue8m0::decode(scale[[x0 + lane, gg]]);
+                    }
+                } else {
+                    for e in 0..d2 {
+                        self.k_pairs[e * LANES + lane] = 0;
+                    }
+                    for gg in 0..g {
+                        self.k_block_scale[gg * LANES + lane] = 1.0;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Exact class: logits of loaded row `r` against the loaded key block, per lane.
+    fn exact_block(&self, r: usize, out: &mut [f32; LANES]) {
+        match self.isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is capped by `Isa::best()`, which detected these features.
+            Isa::Avx512Vnni => unsafe { x86::block_avx512(self, r, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, AVX2 was detected.
+            Isa::Avx2 => unsafe { x86::block_avx2(self, r, out) },
+            _ => block_portable(self, r, out),
+        }
+    }
+
+    /// Tolerance class: load flat key `x`; returns its per-key scale (E4M3 keys).
     fn load_key(&mut self, p: &Problem, x: usize) -> Option<f32> {
         let (d, g) = (self.dim, self.dim / 32);
         match p.inputs.k {
@@ -103,11 +256,7 @@ impl Engine {
                 for e in 0..d {
                     let b = packed[[x, e / 2]];
                     let c = if e % 2 == 0 { b & 0xF } else { b >> 4 };
-                    if self.class == Class::Exact {
-                        self.k_i16[e] = e2m1::DOUBLED[c as usize] as i16;
-                    } else {
-                        self.k_f64[e] = e2m1::decode(c) as f64;
-                    }
+                    self.k_f64[e] = e2m1::decode(c) as f64;
                 }
                 for gg in 0..g {
                     self.k_scale[gg] = ue8m0::decode(scale[[x, gg]]);
@@ -117,51 +266,35 @@ impl Engine {
         }
     }
 
-    /// Logit of loaded row `r` against the loaded key (SPEC 4 steps 1 to 4).
+    /// Tolerance class: logit of loaded row `r` against the loaded key (SPEC 4).
     #[inline]
-    fn logit(&self, r: usize, kscale: Option<f32>, q_fp4: bool) -> f32 {
+    fn tolerance_logit(&self, r: usize, kscale: Option<f32>, q_fp4: bool) -> f32 {
         let (h, d, g) = (self.heads, self.dim, self.dim / 32);
         let mut terms = [0f32; 64];
         for (hh, term) in terms.iter_mut().enumerate().take(h) {
             let base = (r * h + hh) * d;
-            let a = match self.class {
-                Class::Exact => {
-                    let mut t = [0f32; 4];
-                    for (gg, tg) in t.iter_mut().enumerate().take(g) {
-                        let qs = &self.q_i16[base + gg * 32..base + gg * 32 + 32];
-                        let ks = &self.k_i16[gg * 32..gg * 32 + 32];
-                        let acc: i32 = qs.iter().zip(ks).map(|(&a, &b)| (a * b) as i32).sum();
-                        // acc = 4 * s_g exactly; s_g is exact in f32.
-                        let s = acc as f32 * 0.25;
-                        *tg = (s * self.q_scale[(r * h + hh) * g + gg]) * self.k_scale[gg];
+            let mut t = [0f64; 4];
+            for (gg, tg) in t.iter_mut().enumerate().take(g) {
+                let qs = &self.q_f64[base + gg * 32..base + gg * 32 + 32];
+                let ks = &self.k_f64[gg * 32..gg * 32 + 32];
+                // Every partial sum is exact in f64, so any order gives s_g.
+                let mut acc = [0f64; 4];
+                for c in 0..8 {
+                    for l in 0..4 {
+                        acc[l] += qs[c * 4 + l] * ks[c * 4 + l];
                     }
-                    pairwise_f32(&t[..g])
                 }
-                Class::Tolerance => {
-                    let mut t = [0f64; 4];
-                    for (gg, tg) in t.iter_mut().enumerate().take(g) {
-                        let qs = &self.q_f64[base + gg * 32..base + gg * 32 + 32];
-                        let ks = &self.k_f64[gg * 32..gg * 32 + 32];
-                        // Every partial sum is exact in f64, so any order gives s_g.
-                        let mut acc = [0f64; 4];
-                        for c in 0..8 {
-                            for l in 0..4 {
-                                acc[l] += qs[c * 4 + l] * ks[c * 4 + l];
-                            }
-                        }
-                        let s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-                        let c = if q_fp4 {
-                            self.q_scale[(r * h + hh) * g + gg] as f64
-                        } else if kscale.is_none() {
-                            self.k_scale[gg] as f64
-                        } else {
-                            1.0
-                        };
-                        *tg = s * c;
-                    }
-                    pairwise_f64(&t[..g]) as f32
-                }
-            };
+                let s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+                let c = if q_fp4 {
+                    self.q_scale[(r * h + hh) * g + gg] as f64
+                } else if kscale.is_none() {
+                    self.k_scale[gg] as f64
+                } else {
+                    1.0
+                };
+                *tg = s * c;
+            }
+            let a = pairwise_f64(&t[..g]) as f32;
             *term = self.w[r * h + hh] * relu(a);
         }
         let l = pairwise_f32(&terms[..h]);
@@ -193,11 +326,28 @@ impl Engine {
                 .map(|r| ns[r])
                 .max()
                 .unwrap_or(0);
-            for j in 0..nmax {
-                let kscale = self.load_key(p, ks[r0] + j);
-                for r in 0..rows.len() {
-                    if same[r] && j < ns[r] {
-                        out[r][j] = self.logit(r, kscale, q_fp4);
+            if self.class == Class::Exact {
+                let mut lanes = [0f32; LANES];
+                let mut j0 = 0;
+                while j0 < nmax {
+                    let count = (nmax - j0).min(LANES);
+                    self.load_key_block(p, ks[r0] + j0, count);
+                    for r in 0..rows.len() {
+                        if same[r] && j0 < ns[r] {
+                            self.exact_block(r, &mut lanes);
+                            let m = (ns[r] - j0).min(LANES);
+                            out[r][j0..j0 + m].copy_from_slice(&lanes[..m]);
+                        }
+                    }
+                    j0 += LANES;
+                }
+            } else {
+                for j in 0..nmax {
+                    let kscale = self.load_key(p, ks[r0] + j);
+                    for r in 0..rows.len() {
+                        if same[r] && j < ns[r] {
+                            out[r][j] = self.tolerance_logit(r, kscale, q_fp4);
+                        }
                     }
                 }
             }
@@ -206,4 +356,181 @@ impl Engine {
             }
         }
     }
+}
+
+/// SPEC 4 step 2 (exact class) and step 3 for one head, lane-wise: `acc[g]` holds
+/// `4 * s_g` per key. Returns `w_h * relu(a_h)` per lane.
+#[inline(always)]
+fn head_term(
+    acc: &[[i32; LANES]; 4],
+    groups: usize,
+    q_scale: &[f32],
+    k_scale: &[f32],
+    w: f32,
+    term: &mut [f32; LANES],
+) {
+    let mut t = [[0f32; LANES]; 4];
+    for g in 0..groups {
+        let qs = q_scale[g];
+        let ks = &k_scale[g * LANES..g * LANES + LANES];
+        for l in 0..LANES {
+            // 4 s_g is an integer below 2^13: exact in f32, and so is the * 0.25.
+            let s = acc[g][l] as f32 * 0.25;
+            t[g][l] = (s * qs) * ks[l];
+        }
+    }
+    for l in 0..LANES {
+        let a = match groups {
+            1 => t[0][l],
+            2 => t[0][l] + t[1][l],
+            _ => (t[0][l] + t[1][l]) + (t[2][l] + t[3][l]),
+        };
+        term[l] = w * if a > 0.0 { a } else { 0.0 };
+    }
+}
+
+/// SPEC 4 step 4, lane-wise: the pairwise sum over `n` (a power of two) head terms,
+/// adjacent pairs level by level (the same tree as halves of halves).
+#[inline(always)]
+fn heads_pairwise(terms: &mut [[f32; LANES]; 64], n: usize, out: &mut [f32; LANES]) {
+    let mut n = n;
+    while n > 1 {
+        for i in 0..n / 2 {
+            for l in 0..LANES {
+                terms[i][l] = terms[2 * i][l] + terms[2 * i + 1][l];
+            }
+        }
+        n /= 2;
+    }
+    *out = terms[0];
+}
+
+/// The epilogue of one row against the loaded block, given a dot-product routine that
+/// fills `acc[g]` with `4 * s_g` per lane for head `h`.
+#[inline(always)]
+fn block_with(
+    e: &Engine,
+    r: usize,
+    out: &mut [f32; LANES],
+    mut dots: impl FnMut(&[i32], &mut [[i32; LANES]; 4]),
+) {
+    let (h, d2, g) = (e.heads, e.dim / 2, e.dim / 32);
+    let mut terms = [[0f32; LANES]; 64];
+    let mut acc = [[0i32; LANES]; 4];
+    for (hh, term) in terms.iter_mut().enumerate().take(h) {
+        let q = &e.q_pairs[(r * h + hh) * d2..(r * h + hh + 1) * d2];
+        dots(q, &mut acc);
+        head_term(
+            &acc,
+            g,
+            &e.q_scale[(r * h + hh) * g..(r * h + hh + 1) * g],
+            &e.k_block_scale,
+            e.w[r * h + hh],
+            term,
+        );
+    }
+    heads_pairwise(&mut terms, h, out);
+}
+
+/// Portable dot products: `acc[g][l] = sum_e lo*lo + hi*hi` over the group's 16 words.
+fn block_portable(e: &Engine, r: usize, out: &mut [f32; LANES]) {
+    let g = e.dim / 32;
+    let kp = &e.k_pairs;
+    block_with(e, r, out, |q, acc| {
+        for (gg, a) in acc.iter_mut().enumerate().take(g) {
+            *a = [0; LANES];
+            for w in 0..16 {
+                let qw = q[gg * 16 + w];
+                let (q0, q1) = (qw as i16 as i32, (qw >> 16) as i16 as i32);
+                let kw = &kp[(gg * 16 + w) * LANES..(gg * 16 + w + 1) * LANES];
+                for l in 0..LANES {
+                    let k = kw[l];
+                    a[l] += q0 * (k as i16 as i32) + q1 * ((k >> 16) as i16 as i32);
+                }
+            }
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{block_with, Engine, LANES};
+    use std::arch::x86_64::*;
+
+    /// AVX-512 VNNI: one `vpdpwssd` per (group word, 16 keys); the groups' chains are
+    /// independent, so they interleave.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+    pub(super) unsafe fn block_avx512(e: &Engine, r: usize, out: &mut [f32; LANES]) {
+        let g = e.dim / 32;
+        let kp = e.k_pairs.as_ptr();
+        block_with(e, r, out, |q, acc| {
+            // SAFETY: `k_pairs` holds `D/2 * LANES` words and `q` holds `D/2` words;
+            // every index below is `< D/2` (words) or `< D/2 * LANES`.
+            unsafe {
+                let mut a = [_mm512_setzero_si512(); 4];
+                for w in 0..16 {
+                    for (gg, ag) in a.iter_mut().enumerate().take(g) {
+                        let i = gg * 16 + w;
+                        let kv = _mm512_loadu_si512(kp.add(i * LANES) as *const _);
+                        let qv = _mm512_set1_epi32(*q.get_unchecked(i));
+                        *ag = _mm512_dpwssd_epi32(*ag, kv, qv);
+                    }
+                }
+                for gg in 0..g {
+                    _mm512_storeu_si512(acc[gg].as_mut_ptr() as *mut _, a[gg]);
+                }
+            }
+        });
+    }
+
+    /// AVX2: `vpmaddwd` + `vpaddd` on two halves of 8 keys.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn block_avx2(e: &Engine, r: usize, out: &mut [f32; LANES]) {
+        let g = e.dim / 32;
+        let kp = e.k_pairs.as_ptr();
+        block_with(e, r, out, |q, acc| {
+            // SAFETY: as in `block_avx512`.
+            unsafe {
+                let mut a = [[_mm256_setzero_si256(); 2]; 4];
+                for w in 0..16 {
+                    for (gg, ag) in a.iter_mut().enumerate().take(g) {
+                        let i = gg * 16 + w;
+                        let qv = _mm256_set1_epi32(*q.get_unchecked(i));
+                        let k0 = _mm256_loadu_si256(kp.add(i * LANES) as *const _);
+                        let k1 = _mm256_loadu_si256(kp.add(i * LANES + 8) as *const _);
+                        ag[0] = _mm256_add_epi32(ag[0], _mm256_madd_epi16(k0, qv));
+                        ag[1] = _mm256_add_epi32(ag[1], _mm256_madd_epi16(k1, qv));
+                    }
+                }
+                for gg in 0..g {
+                    _mm256_storeu_si256(acc[gg].as_mut_ptr() as *mut _, a[gg][0]);
+                    _mm256_storeu_si256(acc[gg].as_mut_ptr().add(8) as *mut _, a[gg][1]);
+                }
+            }
+        });
+    }
+}
+
+/// The engine's logits for every row of `p`, rows concatenated (`f32 [sum n]`, the
+/// layout of [`crate::reference::logits`]), on `isa`, single-threaded. For tests that
+/// hold the engine bitwise to the reference.
+pub fn engine_logits(p: &Problem, isa: Isa) -> Vec<f32> {
+    let rows = p.batch.rows();
+    let mut out = vec![0f32; p.batch.valid_pairs()];
+    let mut e = Engine::with_isa(p, isa);
+    let mut rest: &mut [f32] = &mut out;
+    let mut i = 0;
+    while i < rows.len() {
+        let g = (rows.len() - i).min(ROW_GROUP);
+        let idx: Vec<usize> = (i..i + g).collect();
+        let mut outs: Vec<&mut [f32]> = Vec::with_capacity(g);
+        for &row in &idx {
+            let (a, b) = std::mem::take(&mut rest).split_at_mut(rows[row].n);
+            outs.push(a);
+            rest = b;
+        }
+        e.rows(p, &idx, &mut outs);
+        i += g;
+    }
+    out
 }
