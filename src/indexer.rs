@@ -135,7 +135,9 @@ impl Backend for CpuBackend {
         RowFootprint {
             align: CPU_ROW_ALIGN,
             workers: self.threads(),
-            worker_bytes: crate::cpu::Engine::bytes(p.heads, p.dim, p.class()),
+            // The engine's buffers, plus the worker record itself (kept in a Vec).
+            worker_bytes: crate::cpu::Engine::bytes(p.heads, p.dim, p.class())
+                + std::mem::size_of::<Worker>(),
         }
     }
     fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {

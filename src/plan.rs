@@ -205,7 +205,8 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
         tiles.push(cur);
     }
     let max_tile_rows = tiles.iter().map(|t| t.rows.len()).max().unwrap_or(0);
-    let workers = fp.workers().max(1).min(max_tile_rows.max(1));
+    // No rows, no workers: an empty batch has no transient at all.
+    let workers = fp.workers().max(1).min(max_tile_rows);
     let source = matches!(params.role, PlanRole::Source { .. });
     let peak = Peak {
         logits_tile: tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0),
