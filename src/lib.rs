@@ -39,6 +39,8 @@
 
 pub mod batch;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dump;
 pub mod error;
 pub mod formats;

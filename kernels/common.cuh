@@ -1,0 +1,147 @@
+// common.cuh: types, codecs, ranking key and inline-PTX tensor-core helpers shared by
+// every kernel. NVRTC compiles it with no CUDA toolkit headers: everything here is
+// built-in or inline PTX. The host prepends it (and the variant's #defines) to each
+// kernel source; kernels do not #include it.
+//
+// Arithmetic rule (SPEC 4): every f32 step is one IEEE binary32 operation, written
+// with __fmul_rn / __fadd_rn, compiled with --fmad=false and no flush to zero.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FULL_MASK 0xffffffffu
+
+// ---- codecs (SPEC 2) --------------------------------------------------------------
+
+// Twice the E2M1 magnitude of index 0..7, a nibble each: {0,1,2,3,4,6,8,12}.
+#define E2M1_DOUBLED_MAG 0xC8643210u
+// E4M3 byte of the E2M1 magnitude of index 0..7: {0, .5, 1, 1.5, 2, 3, 4, 6}.
+#define E2M1_AS_E4M3 0x4C4844403C383000ull
+
+// E2M1 code (low nibble) -> twice its value as an int8 bit pattern (in the low byte).
+__device__ __forceinline__ u32 e2m1_doubled_s8(u32 c) {
+  u32 mag = (E2M1_DOUBLED_MAG >> ((c & 7u) * 4u)) & 0xFu;
+  return (c & 8u) ? ((0u - mag) & 0xFFu) : mag;
+}
+
+// E2M1 code -> the E4M3 byte of the same value (exact; -0 -> 0x80).
+__device__ __forceinline__ u32 e2m1_e4m3(u32 c) {
+  u32 b = (u32)((E2M1_AS_E4M3 >> ((c & 7u) * 8u)) & 0xFFu);
+  return b | ((c & 8u) << 4);
+}
+
+// Two packed E2M1 codes (one byte) -> two int8 / e4m3 bytes (low element first).
+template <bool DOUBLED>
+__device__ __forceinline__ u32 e2m1_pair(u32 byte) {
+  if (DOUBLED) return e2m1_doubled_s8(byte & 0xFu) | (e2m1_doubled_s8(byte >> 4) << 8);
+  return e2m1_e4m3(byte & 0xFu) | (e2m1_e4m3(byte >> 4) << 8);
+}
+
+// Four packed bytes (8 codes) -> 8 output bytes as two u32 (low element first).
+template <bool DOUBLED>
+__device__ __forceinline__ void e2m1_word(u32 w, u32 &lo, u32 &hi) {
+  lo = e2m1_pair<DOUBLED>(w & 0xFFu) | (e2m1_pair<DOUBLED>((w >> 8) & 0xFFu) << 16);
+  hi = e2m1_pair<DOUBLED>((w >> 16) & 0xFFu) | (e2m1_pair<DOUBLED>(w >> 24) << 16);
+}
+
+// UE8M0 byte e -> 2^(e - 127 - extra) as an f32, exact for results >= 2^-149
+// (e = 0 with extra = 0 is 2^-127, bits 0x00400000, as SPEC 2 says).
+__device__ __forceinline__ float ue8m0_pow2(u32 e, int extra) {
+  int x = (int)e - extra;  // biased exponent of the result
+  if (x >= 1) return __uint_as_float(((u32)x) << 23);
+  int sh = 22 + x;  // subnormal: 2^(x - 127) = 2^-149 * 2^(x + 22)
+  return sh >= 0 ? __uint_as_float(1u << sh) : 0.0f;
+}
+
+// Decoded E4M3 byte (for the device codec test): exact in f32.
+__device__ __forceinline__ float e4m3_decode(u32 b) {
+  u32 e = (b >> 3) & 0xFu, m = b & 7u;
+  if (e == 0xFu && m == 7u) return __uint_as_float(0x7fc00000u);
+  float v = e == 0 ? __fmul_rn((float)m, 0.001953125f)               // m * 2^-9
+                   : __fmul_rn((float)(8u + m), ue8m0_pow2(e + 117u, 0));  // (8+m) 2^(e-10)
+  return (b & 0x80u) ? -v : v;
+}
+
+// ---- SPEC 5 ranking key -------------------------------------------------------------
+
+// Order-preserving key: NaN as -inf, -0.0 as +0.0, larger = better. Never 0: the
+// smallest key (-inf) is 0x007FFFFF, so 0 is free for "not a candidate".
+__device__ __forceinline__ u32 rank_key(float x) {
+  u32 b = __float_as_uint(x);
+  if (x != x) b = 0xFF800000u;
+  else if (x == 0.0f) b = 0u;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// relu(x) = x > 0 ? x : +0.0 (NaN -> +0.0).
+__device__ __forceinline__ float relu_f32(float x) { return x > 0.0f ? x : 0.0f; }
+
+// int32 -> f32 for |v| < 2^22 with two full-rate ops (exact): 1.5 * 2^23 + v.
+__device__ __forceinline__ float small_i2f(int v) {
+  return __fsub_rn(__int_as_float(v + 0x4B400000), 12582912.0f);
+}
+
+// ---- tensor cores ---------------------------------------------------------------------
+
+// D = A(16x32 s8, row) * B(32x8 s8, col) + C, s32 accumulate: exact for our ranges.
+__device__ __forceinline__ void mma_s8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D = A(16x32 e4m3, row) * B(32x8 e4m3, col) + C, f32 accumulate.
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 b16 matrices from shared memory; lane l gives the address of row (l & 7) of
+// matrix (l >> 3).
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void *smem) {
+  u32 addr = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// ---- block-wide helpers -----------------------------------------------------------
+
+// Exclusive prefix sum of v over the block (blockDim.x a multiple of 32, <= 1024);
+// *total receives the block sum. `scratch` holds 33 u32. Ends with a barrier.
+__device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32 *scratch, u32 *total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  u32 x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    u32 y = __shfl_up_sync(FULL_MASK, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    u32 s = lane < nw ? scratch[lane] : 0u;
+    u32 t = s;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      u32 y = __shfl_up_sync(FULL_MASK, t, o);
+      if (lane >= o) t += y;
+    }
+    scratch[lane] = t - s;  // exclusive
+    if (lane == 31) scratch[32] = t;
+  }
+  __syncthreads();
+  u32 r = scratch[warp] + x - v;
+  *total = scratch[32];
+  __syncthreads();
+  return r;
+}

@@ -1,0 +1,244 @@
+// mqa_logits: SPEC 4 on tensor cores.
+// block: one row group (<= LG_ROWS rows of one request, one warp each) x keys
+//        [c*LG_KEYS, c*LG_KEYS + LG_KEYS) -> logits[row_off[i] + j] for j < n_i.
+//
+// Variant macros (set by the host): DSA_H (heads), DSA_G (groups of 32 dims),
+// DSA_QF, DSA_KF (0 = E4M3, 1 = E2M1).
+//
+// Layout: keys are the MMA's M side (16 keys per m-tile, staged through shared memory
+// and fed by ldmatrix), heads its N side (8 per n-tile, the query row's fragments live
+// in registers), one k=32 step per scale group. A lane of the m16n8 accumulator holds
+// keys (gid, gid+8) x heads (2*tig, 2*tig+1), so SPEC 4's head sum P is: one add in the
+// thread, a shuffle at lane offset 1, one at offset 2 (tig bits = head bits 1, 2), then
+// the n-tiles pairwise in the thread.
+//
+// Exact class (E2M1 x E2M1): s8 MMA on doubled values gives 4*s_g exactly;
+// t_g = (s_g * 2^(eq-127)) * 2^(ek-127) computed as (f32(4 s_g) * 2^(eq-129)) *
+// 2^(ek-127), the same real product in one rounding each, so bitwise the reference.
+// Tolerance class: e4m3 MMA with f32 accumulate (E2M1 operands converted exactly to
+// E4M3). E4M3 x E4M3 chains the groups in the accumulator (every c_g is 1); a mixed
+// pair takes each group's f32 MMA sum, scales it in f64 and sums the groups pairwise
+// in f64, rounding once, as SPEC 4 does.
+
+#ifndef DSA_H
+#error "DSA_H must be defined by the host"
+#endif
+#define H DSA_H
+#define G DSA_G
+#define QF DSA_QF
+#define KF DSA_KF
+#define D (G * 32)
+#define NT (H / 8)
+#define EXACT (QF == 1 && KF == 1)
+#define LG_ROWS 8
+#define LG_KEYS 64
+#define LG_THREADS (LG_ROWS * 32)
+#define KSTRIDE (D + 16)  // bytes per staged key row: ldmatrix rows land in distinct banks
+
+static_assert(H == 8 || H == 16 || H == 32 || H == 64, "H must be a power of two in 8..=64");
+static_assert(G == 1 || G == 2 || G == 4, "D must be 32, 64 or 128");
+static_assert(LG_KEYS % 32 == 0, "keys per block: whole pairs of 16-key m-tiles");
+static_assert((KSTRIDE / 4) % 8 == 4, "key row stride must rotate banks by 4 words");
+
+// Pairwise sum P of N values in place (N a power of two): SPEC 4's order.
+template <int N>
+__device__ __forceinline__ float pairwise_f32(float (&x)[N]) {
+#pragma unroll
+  for (int s = 1; s < N; s <<= 1)
+#pragma unroll
+    for (int i = 0; i < N; i += 2 * s) x[i] = __fadd_rn(x[i], x[i + s]);
+  return x[0];
+}
+template <int N>
+__device__ __forceinline__ double pairwise_f64(double (&x)[N]) {
+#pragma unroll
+  for (int s = 1; s < N; s <<= 1)
+#pragma unroll
+    for (int i = 0; i < N; i += 2 * s) x[i] = __dadd_rn(x[i], x[i + s]);
+  return x[0];
+}
+
+extern "C" __global__ void __launch_bounds__(LG_THREADS) mqa_logits(
+    const u8 *__restrict__ q,        // E4M3 [T,H,D] or packed E2M1 [T,H,D/2]
+    const u8 *__restrict__ q_scale,  // UE8M0 [T,H,G] (E2M1 queries)
+    const u8 *__restrict__ k,        // E4M3 [L,D] or packed E2M1 [L,D/2]
+    const u8 *__restrict__ k_scale8,    // UE8M0 [L,G] (E2M1 keys)
+    const float *__restrict__ k_scale32,  // f32 [L] (E4M3 keys)
+    const float *__restrict__ w,     // [T,H]
+    const u32 *__restrict__ row_n,   // visible keys per row
+    const u32 *__restrict__ row_ks,  // flat key offset per row
+    const u64 *__restrict__ row_off, // row's offset (floats) in the tile buffer
+    const uint4 *__restrict__ groups,  // (row0, rows, nmax, 0) per row group
+    u32 group0, float *__restrict__ logits) {
+  __shared__ __align__(16) u8 skey[LG_KEYS * KSTRIDE];
+  // Key scales: E2M1 keys 2^(e-127) per (key, group); E4M3 keys the per-key scale.
+  __shared__ float skscale[LG_KEYS * (KF == 1 ? G : 1)];
+  // Per warp (row): query group scales [G][H] and weights [H].
+  __shared__ __align__(8) float sqs[LG_ROWS][(QF == 1 ? G : 1) * H];
+  __shared__ __align__(8) float sw[LG_ROWS][H];
+
+  const uint4 grp = groups[group0 + blockIdx.y];
+  const u32 j0 = blockIdx.x * LG_KEYS;
+  if (j0 >= grp.z) return;  // whole block past the group's longest row
+  const u32 ks = row_ks[grp.x];
+  const u32 nkeys = min((u32)LG_KEYS, grp.z - j0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+
+  // ---- stage the key tile: coalesced 16-byte loads, E2M1 decoded once per block ----
+  if (KF == 1) {
+    // D/2 bytes per key = G chunks of 16 bytes (32 codes each).
+    for (int t = tid; t < LG_KEYS * G; t += LG_THREADS) {
+      const int kk = t / G, p = t % G;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if ((u32)kk < nkeys)
+        v = *reinterpret_cast<const uint4 *>(k + (u64)(ks + j0 + kk) * (D / 2) + p * 16);
+      uint4 a, b;
+      e2m1_word<EXACT>(v.x, a.x, a.y);
+      e2m1_word<EXACT>(v.y, a.z, a.w);
+      e2m1_word<EXACT>(v.z, b.x, b.y);
+      e2m1_word<EXACT>(v.w, b.z, b.w);
+      *reinterpret_cast<uint4 *>(skey + kk * KSTRIDE + p * 32) = a;
+      *reinterpret_cast<uint4 *>(skey + kk * KSTRIDE + p * 32 + 16) = b;
+    }
+    for (int t = tid; t < LG_KEYS * G; t += LG_THREADS) {
+      const int kk = t / G;
+      skscale[t] = (u32)kk < nkeys ? ue8m0_pow2(k_scale8[(u64)(ks + j0) * G + t], 0) : 0.0f;
+    }
+  } else {
+    for (int t = tid; t < LG_KEYS * 2 * G; t += LG_THREADS) {
+      const int kk = t / (2 * G), p = t % (2 * G);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if ((u32)kk < nkeys)
+        v = *reinterpret_cast<const uint4 *>(k + (u64)(ks + j0 + kk) * D + p * 16);
+      *reinterpret_cast<uint4 *>(skey + kk * KSTRIDE + p * 16) = v;
+    }
+    for (int t = tid; t < LG_KEYS; t += LG_THREADS)
+      skscale[t] = (u32)t < nkeys ? k_scale32[ks + j0 + t] : 0.0f;
+  }
+
+  // ---- this warp's query row: weights, scales and MMA B fragments ----
+  const bool active = (u32)warp < grp.y;
+  const u32 row = grp.x + (active ? warp : 0);
+  const u32 n = active ? row_n[row] : 0u;
+  for (int h = lane; h < H; h += 32) sw[warp][h] = w[(u64)row * H + h];
+  if (QF == 1) {
+    for (int t = lane; t < H * G; t += 32) {
+      const int h = t / G, g = t % G;
+      // Exact class folds the 1/4 of 4*s_g into the query scale (a power of two: exact).
+      sqs[warp][g * H + h] = ue8m0_pow2(q_scale[(u64)row * H * G + t], EXACT ? 2 : 0);
+    }
+  }
+  u32 bq[NT][G][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int h = nt * 8 + gid;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int d = g * 32 + half * 16 + tig * 4;
+        u32 v;
+        if (QF == 1) {
+          const u8 *p = q + ((u64)row * H + h) * (D / 2) + d / 2;
+          const u32 two = (u32)p[0] | ((u32)p[1] << 8);
+          v = e2m1_pair<EXACT>(two & 0xFFu) | (e2m1_pair<EXACT>(two >> 8) << 16);
+        } else {
+          v = *reinterpret_cast<const u32 *>(q + ((u64)row * H + h) * D + d);
+        }
+        bq[nt][g][half] = v;
+      }
+    }
+  }
+  __syncthreads();
+  if (!active || j0 >= n) return;  // no barrier below this point
+  float *out = logits + row_off[row];
+  const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
+
+  for (int mp = 0; mp < LG_KEYS / 32; ++mp) {
+    const u32 jb = j0 + mp * 32;  // keys jb .. jb+31: m-tiles 2*mp, 2*mp+1
+    if (jb >= n) break;
+    u32 a[2][G][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int r = mp * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        ldmatrix_x4(a[mt][g], skey + r * KSTRIDE + g * 32 + (lane >> 4) * 16);
+      }
+    // Key-side scales of this lane's keys (gid, gid+8) in each m-tile.
+    float kc[2][(KF == 1) ? G : 1][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int g = 0; g < ((KF == 1) ? G : 1); ++g)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          kc[mt][g][r] = skscale[(mp * 32 + mt * 16 + gid + 8 * r) * ((KF == 1) ? G : 1) + g];
+
+    float s[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float2 wv = *reinterpret_cast<const float2 *>(&sw[warp][nt * 8 + 2 * tig]);
+      float v[2];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        // a_h for (key gid, head 2t), (gid, 2t+1), (gid+8, 2t), (gid+8, 2t+1).
+        float ah[4];
+#if EXACT
+        float t[4][G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          int acc[4] = {0, 0, 0, 0};
+          mma_s8(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
+          const float2 qs = *reinterpret_cast<const float2 *>(&sqs[warp][g * H + nt * 8 + 2 * tig]);
+          t[0][g] = __fmul_rn(__fmul_rn(small_i2f(acc[0]), qs.x), kc[mt][g][0]);
+          t[1][g] = __fmul_rn(__fmul_rn(small_i2f(acc[1]), qs.y), kc[mt][g][0]);
+          t[2][g] = __fmul_rn(__fmul_rn(small_i2f(acc[2]), qs.x), kc[mt][g][1]);
+          t[3][g] = __fmul_rn(__fmul_rn(small_i2f(acc[3]), qs.y), kc[mt][g][1]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ah[e] = pairwise_f32<G>(t[e]);
+#elif QF == 0 && KF == 0
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int g = 0; g < G; ++g) mma_e4m3(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ah[e] = acc[e];
+#else
+        double t[4][G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_e4m3(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+#if QF == 1
+            const double c = (double)sqs[warp][g * H + nt * 8 + 2 * tig + (e & 1)];
+#else
+            const double c = (double)kc[mt][g][e >> 1];
+#endif
+            t[e][g] = __dmul_rn((double)acc[e], c);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ah[e] = __double2float_rn(pairwise_f64<G>(t[e]));
+#endif
+        // term_h = w_h * relu(a_h); first head pair in the thread.
+        const float u0 = __fadd_rn(__fmul_rn(wv.x, relu_f32(ah[0])), __fmul_rn(wv.y, relu_f32(ah[1])));
+        const float u1 = __fadd_rn(__fmul_rn(wv.x, relu_f32(ah[2])), __fmul_rn(wv.y, relu_f32(ah[3])));
+        // Head bit 1 (lane offset 1): even lanes keep key gid, odd lanes key gid+8.
+        const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
+        v[mt] = __fadd_rn(odd ? u1 : u0, r1);
+      }
+      // Head bit 2 (lane offset 2): lanes with tig bit 1 clear keep m-tile 0.
+      const float r2 = __shfl_xor_sync(FULL_MASK, hi ? v[0] : v[1], 2);
+      s[nt] = __fadd_rn(hi ? v[1] : v[0], r2);
+    }
+    float logit = pairwise_f32<NT>(s);
+    const int kk = mp * 32 + (hi ? 16 : 0) + gid + (odd ? 8 : 0);
+    if (KF == 0) logit = __fmul_rn(logit, skscale[kk]);
+    const u32 j = j0 + kk;
+    if (j < n) out[j] = logit;
+  }
+}

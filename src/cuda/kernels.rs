@@ -1,0 +1,146 @@
+//! Kernel sources (embedded), their variants, and NVRTC compilation for `sm_90a`.
+//!
+//! Every kernel is `kernels/common.cuh` + the variant's `#define`s + one `.cu` file,
+//! compiled at run time by NVRTC with `--fmad=false --ftz=false` (SPEC 4 forbids
+//! contracted multiply-adds and flushing subnormals) and no toolkit headers. Compilation
+//! needs only libnvrtc, not a GPU: [`compile`] is what the NVRTC compile test calls.
+
+use crate::error::{Error, Result};
+use crate::problem::Format;
+
+/// `kernels/common.cuh`.
+pub const COMMON: &str = include_str!("../../kernels/common.cuh");
+/// `kernels/logits.cu`.
+pub const LOGITS: &str = include_str!("../../kernels/logits.cu");
+/// `kernels/topk.cu`.
+pub const TOPK: &str = include_str!("../../kernels/topk.cu");
+
+/// Target architecture: Hopper with its arch-specific instructions.
+pub const ARCH: &str = "sm_90a";
+
+/// Rows per logits block (one warp each); must match `LG_ROWS` in `logits.cu`.
+pub const LOGITS_ROWS: usize = 8;
+/// Keys per logits block; must match `LG_KEYS` in `logits.cu`.
+pub const LOGITS_KEYS: usize = 64;
+/// Threads of a top-k block; must match `TK_THREADS` in `topk.cu`.
+pub const TOPK_THREADS: usize = 512;
+/// Ids per top-k chunk of the ordered pass (`TK_THREADS * TK_ITEMS`).
+pub const TOPK_CHUNK: usize = 512 * 8;
+/// Threads of a block-keys block.
+pub const BLOCK_KEYS_THREADS: usize = 256;
+
+/// One compiled module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Variant {
+    /// `mqa_logits` for `H` heads, `G = D/32` groups and a format pair.
+    Logits {
+        /// `H`.
+        heads: usize,
+        /// `D / 32`.
+        groups: usize,
+        /// Query format.
+        q: Format,
+        /// Key format.
+        k: Format,
+    },
+    /// `topk_ragged_f32`, `block_keys_f32`, `kept_blocks_u32`, `decode_codes`.
+    Topk,
+}
+
+fn fmt_code(f: Format) -> u32 {
+    match f {
+        Format::E4m3 => 0,
+        Format::E2m1 => 1,
+    }
+}
+
+impl Variant {
+    /// Every variant the backend can load: 4 head counts x 3 dims x 4 format pairs, and top-k.
+    pub fn all() -> Vec<Variant> {
+        let mut v = vec![Variant::Topk];
+        for heads in [8, 16, 32, 64] {
+            for groups in [1, 2, 4] {
+                for q in [Format::E4m3, Format::E2m1] {
+                    for k in [Format::E4m3, Format::E2m1] {
+                        v.push(Variant::Logits {
+                            heads,
+                            groups,
+                            q,
+                            k,
+                        });
+                    }
+                }
+            }
+        }
+        v
+    }
+
+    /// A short name (`logits_h32_g4_e2m1_e2m1`, `topk`).
+    pub fn name(&self) -> String {
+        match *self {
+            Variant::Logits {
+                heads,
+                groups,
+                q,
+                k,
+            } => format!("logits_h{heads}_g{groups}_{q}_{k}"),
+            Variant::Topk => "topk".into(),
+        }
+    }
+
+    /// The full NVRTC source of this variant.
+    pub fn source(&self) -> String {
+        match *self {
+            Variant::Logits {
+                heads,
+                groups,
+                q,
+                k,
+            } => format!(
+                "#define DSA_H {heads}\n#define DSA_G {groups}\n#define DSA_QF {}\n#define DSA_KF {}\n{COMMON}\n{LOGITS}",
+                fmt_code(q),
+                fmt_code(k)
+            ),
+            Variant::Topk => format!("{COMMON}\n{TOPK}"),
+        }
+    }
+}
+
+/// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen the library by its usual names; loads nothing else.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Compile one variant to PTX for [`ARCH`]. Needs libnvrtc, not a GPU.
+pub fn compile(v: Variant) -> Result<cudarc::nvrtc::Ptx> {
+    if !nvrtc_present() {
+        return Err(Error::Backend {
+            backend: "cuda",
+            problem: "libnvrtc not found (install NVRTC 13.0 or put it on LD_LIBRARY_PATH)".into(),
+        });
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        fmad: Some(false),
+        use_fast_math: Some(false),
+        arch: Some(ARCH),
+        name: Some(format!("{}.cu", v.name())),
+        options: vec!["-std=c++17".into()],
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(v.source(), opts).map_err(|e| {
+        let detail = match &e {
+            cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+                log.to_string_lossy().into_owned()
+            }
+            other => format!("{other:?}"),
+        };
+        Error::Backend {
+            backend: "cuda",
+            problem: format!("NVRTC failed on {}: {detail}", v.name()),
+        }
+    })
+}
