@@ -234,11 +234,27 @@ impl Engine {
         match self.isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa` is capped by `Isa::best()`, which detected these features.
-            Isa::Avx512Vnni => unsafe { x86::block_avx512(self, r, out) },
+            Isa::Avx512Vnni => unsafe {
+                match self.dim {
+                    32 => x86::block_avx512::<1>(self, r, out),
+                    64 => x86::block_avx512::<2>(self, r, out),
+                    _ => x86::block_avx512::<4>(self, r, out),
+                }
+            },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above, AVX2 was detected.
-            Isa::Avx2 => unsafe { x86::block_avx2(self, r, out) },
-            _ => block_portable(self, r, out),
+            Isa::Avx2 => unsafe {
+                match self.dim {
+                    32 => x86::block_avx2::<1>(self, r, out),
+                    64 => x86::block_avx2::<2>(self, r, out),
+                    _ => x86::block_avx2::<4>(self, r, out),
+                }
+            },
+            _ => match self.dim {
+                32 => block_portable::<1>(self, r, out),
+                64 => block_portable::<2>(self, r, out),
+                _ => block_portable::<4>(self, r, out),
+            },
         }
     }
 
@@ -361,16 +377,15 @@ impl Engine {
 /// SPEC 4 step 2 (exact class) and step 3 for one head, lane-wise: `acc[g]` holds
 /// `4 * s_g` per key. Returns `w_h * relu(a_h)` per lane.
 #[inline(always)]
-fn head_term(
+fn head_term<const G: usize>(
     acc: &[[i32; LANES]; 4],
-    groups: usize,
     q_scale: &[f32],
     k_scale: &[f32],
     w: f32,
     term: &mut [f32; LANES],
 ) {
     let mut t = [[0f32; LANES]; 4];
-    for g in 0..groups {
+    for g in 0..G {
         let qs = q_scale[g];
         let ks = &k_scale[g * LANES..g * LANES + LANES];
         for l in 0..LANES {
@@ -380,7 +395,7 @@ fn head_term(
         }
     }
     for l in 0..LANES {
-        let a = match groups {
+        let a = match G {
             1 => t[0][l],
             2 => t[0][l] + t[1][l],
             _ => (t[0][l] + t[1][l]) + (t[2][l] + t[3][l]),
@@ -405,47 +420,57 @@ fn heads_pairwise(terms: &mut [[f32; LANES]; 64], n: usize, out: &mut [f32; LANE
     *out = terms[0];
 }
 
+/// Heads whose dot products are computed together (independent accumulator chains).
+const HEAD_BLOCK: usize = 4;
+
+/// Accumulators of [`HEAD_BLOCK`] heads: `acc[head][g][lane] = 4 * s_g`.
+type Acc = [[[i32; LANES]; 4]; HEAD_BLOCK];
+
 /// The epilogue of one row against the loaded block, given a dot-product routine that
-/// fills `acc[g]` with `4 * s_g` per lane for head `h`.
+/// fills `acc` for the [`HEAD_BLOCK`] heads whose pair words `q` (`[HEAD_BLOCK, D/2]`)
+/// it is given.
 #[inline(always)]
-fn block_with(
+fn block_with<const G: usize>(
     e: &Engine,
     r: usize,
     out: &mut [f32; LANES],
-    mut dots: impl FnMut(&[i32], &mut [[i32; LANES]; 4]),
+    mut dots: impl FnMut(&[i32], &mut Acc),
 ) {
-    let (h, d2, g) = (e.heads, e.dim / 2, e.dim / 32);
+    let (h, d2) = (e.heads, e.dim / 2);
     let mut terms = [[0f32; LANES]; 64];
-    let mut acc = [[0i32; LANES]; 4];
-    for (hh, term) in terms.iter_mut().enumerate().take(h) {
-        let q = &e.q_pairs[(r * h + hh) * d2..(r * h + hh + 1) * d2];
-        dots(q, &mut acc);
-        head_term(
-            &acc,
-            g,
-            &e.q_scale[(r * h + hh) * g..(r * h + hh + 1) * g],
-            &e.k_block_scale,
-            e.w[r * h + hh],
-            term,
-        );
+    let mut acc: Acc = [[[0; LANES]; 4]; HEAD_BLOCK];
+    // H is a power of two >= 8, so head blocks tile it.
+    for hb in (0..h).step_by(HEAD_BLOCK) {
+        let base = r * h + hb;
+        dots(&e.q_pairs[base * d2..(base + HEAD_BLOCK) * d2], &mut acc);
+        for (k, a) in acc.iter().enumerate() {
+            head_term::<G>(
+                a,
+                &e.q_scale[(base + k) * G..(base + k + 1) * G],
+                &e.k_block_scale,
+                e.w[base + k],
+                &mut terms[hb + k],
+            );
+        }
     }
     heads_pairwise(&mut terms, h, out);
 }
 
 /// Portable dot products: `acc[g][l] = sum_e lo*lo + hi*hi` over the group's 16 words.
-fn block_portable(e: &Engine, r: usize, out: &mut [f32; LANES]) {
-    let g = e.dim / 32;
+fn block_portable<const G: usize>(e: &Engine, r: usize, out: &mut [f32; LANES]) {
     let kp = &e.k_pairs;
-    block_with(e, r, out, |q, acc| {
-        for (gg, a) in acc.iter_mut().enumerate().take(g) {
-            *a = [0; LANES];
-            for w in 0..16 {
-                let qw = q[gg * 16 + w];
-                let (q0, q1) = (qw as i16 as i32, (qw >> 16) as i16 as i32);
-                let kw = &kp[(gg * 16 + w) * LANES..(gg * 16 + w + 1) * LANES];
-                for l in 0..LANES {
-                    let k = kw[l];
-                    a[l] += q0 * (k as i16 as i32) + q1 * ((k >> 16) as i16 as i32);
+    let d2 = e.dim / 2;
+    block_with::<G>(e, r, out, |q, acc| {
+        for (hk, ah) in acc.iter_mut().enumerate() {
+            for (gg, a) in ah.iter_mut().enumerate().take(G) {
+                *a = [0; LANES];
+                let qg = &q[hk * d2 + gg * 16..hk * d2 + gg * 16 + 16];
+                let kg = &kp[gg * 16 * LANES..(gg + 1) * 16 * LANES];
+                for (&qw, kw) in qg.iter().zip(kg.chunks_exact(LANES)) {
+                    let (q0, q1) = (qw as i16 as i32, (qw >> 16) as i16 as i32);
+                    for (al, &k) in a.iter_mut().zip(kw) {
+                        *al += q0 * (k as i16 as i32) + q1 * ((k >> 16) as i16 as i32);
+                    }
                 }
             }
         }
@@ -454,57 +479,69 @@ fn block_portable(e: &Engine, r: usize, out: &mut [f32; LANES]) {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{block_with, Engine, LANES};
+    use super::{block_with, Engine, HEAD_BLOCK, LANES};
     use std::arch::x86_64::*;
 
-    /// AVX-512 VNNI: one `vpdpwssd` per (group word, 16 keys); the groups' chains are
-    /// independent, so they interleave.
+    /// AVX-512 VNNI: one `vpdpwssd` per (head, group word, 16 keys); the
+    /// `HEAD_BLOCK * G` accumulator chains are independent, so they interleave.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
-    pub(super) unsafe fn block_avx512(e: &Engine, r: usize, out: &mut [f32; LANES]) {
-        let g = e.dim / 32;
+    pub(super) unsafe fn block_avx512<const G: usize>(
+        e: &Engine,
+        r: usize,
+        out: &mut [f32; LANES],
+    ) {
         let kp = e.k_pairs.as_ptr();
-        block_with(e, r, out, |q, acc| {
-            // SAFETY: `k_pairs` holds `D/2 * LANES` words and `q` holds `D/2` words;
-            // every index below is `< D/2` (words) or `< D/2 * LANES`.
+        let d2 = e.dim / 2;
+        block_with::<G>(e, r, out, |q, acc| {
+            // SAFETY: `k_pairs` holds `D/2 * LANES` words and `q` holds
+            // `HEAD_BLOCK * D/2` words; every index below is within those.
             unsafe {
-                let mut a = [_mm512_setzero_si512(); 4];
+                let mut a = [[_mm512_setzero_si512(); G]; HEAD_BLOCK];
                 for w in 0..16 {
-                    for (gg, ag) in a.iter_mut().enumerate().take(g) {
-                        let i = gg * 16 + w;
-                        let kv = _mm512_loadu_si512(kp.add(i * LANES) as *const _);
-                        let qv = _mm512_set1_epi32(*q.get_unchecked(i));
-                        *ag = _mm512_dpwssd_epi32(*ag, kv, qv);
+                    let mut kv = [_mm512_setzero_si512(); G];
+                    for (gg, k) in kv.iter_mut().enumerate() {
+                        *k = _mm512_loadu_si512(kp.add((gg * 16 + w) * LANES) as *const _);
+                    }
+                    for (hk, ah) in a.iter_mut().enumerate() {
+                        for (gg, ag) in ah.iter_mut().enumerate() {
+                            let qv = _mm512_set1_epi32(*q.get_unchecked(hk * d2 + gg * 16 + w));
+                            *ag = _mm512_dpwssd_epi32(*ag, kv[gg], qv);
+                        }
                     }
                 }
-                for gg in 0..g {
-                    _mm512_storeu_si512(acc[gg].as_mut_ptr() as *mut _, a[gg]);
+                for hk in 0..HEAD_BLOCK {
+                    for gg in 0..G {
+                        _mm512_storeu_si512(acc[hk][gg].as_mut_ptr() as *mut _, a[hk][gg]);
+                    }
                 }
             }
         });
     }
 
-    /// AVX2: `vpmaddwd` + `vpaddd` on two halves of 8 keys.
+    /// AVX2: `vpmaddwd` + `vpaddd` on two halves of 8 keys, one head at a time.
     #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn block_avx2(e: &Engine, r: usize, out: &mut [f32; LANES]) {
-        let g = e.dim / 32;
+    pub(super) unsafe fn block_avx2<const G: usize>(e: &Engine, r: usize, out: &mut [f32; LANES]) {
         let kp = e.k_pairs.as_ptr();
-        block_with(e, r, out, |q, acc| {
+        let d2 = e.dim / 2;
+        block_with::<G>(e, r, out, |q, acc| {
             // SAFETY: as in `block_avx512`.
             unsafe {
-                let mut a = [[_mm256_setzero_si256(); 2]; 4];
-                for w in 0..16 {
-                    for (gg, ag) in a.iter_mut().enumerate().take(g) {
-                        let i = gg * 16 + w;
-                        let qv = _mm256_set1_epi32(*q.get_unchecked(i));
-                        let k0 = _mm256_loadu_si256(kp.add(i * LANES) as *const _);
-                        let k1 = _mm256_loadu_si256(kp.add(i * LANES + 8) as *const _);
-                        ag[0] = _mm256_add_epi32(ag[0], _mm256_madd_epi16(k0, qv));
-                        ag[1] = _mm256_add_epi32(ag[1], _mm256_madd_epi16(k1, qv));
+                for (hk, acc_h) in acc.iter_mut().enumerate() {
+                    let mut a = [[_mm256_setzero_si256(); 2]; G];
+                    for w in 0..16 {
+                        for (gg, ag) in a.iter_mut().enumerate() {
+                            let i = gg * 16 + w;
+                            let qv = _mm256_set1_epi32(*q.get_unchecked(hk * d2 + i));
+                            let k0 = _mm256_loadu_si256(kp.add(i * LANES) as *const _);
+                            let k1 = _mm256_loadu_si256(kp.add(i * LANES + 8) as *const _);
+                            ag[0] = _mm256_add_epi32(ag[0], _mm256_madd_epi16(k0, qv));
+                            ag[1] = _mm256_add_epi32(ag[1], _mm256_madd_epi16(k1, qv));
+                        }
                     }
-                }
-                for gg in 0..g {
-                    _mm256_storeu_si256(acc[gg].as_mut_ptr() as *mut _, a[gg][0]);
-                    _mm256_storeu_si256(acc[gg].as_mut_ptr().add(8) as *mut _, a[gg][1]);
+                    for gg in 0..G {
+                        _mm256_storeu_si256(acc_h[gg].as_mut_ptr() as *mut _, a[gg][0]);
+                        _mm256_storeu_si256(acc_h[gg].as_mut_ptr().add(8) as *mut _, a[gg][1]);
+                    }
                 }
             }
         });

@@ -1,1 +1,801 @@
-fn main() {}
+//! `dsa-indexer`: run the indexer on a built-in workload, write synthetic dumps, replay
+//! engine dumps against the CPU reference, plan memory, and benchmark.
+//!
+//! Exit codes: 0 success (for `replay`: identical or equal up to ties and tolerance),
+//! 1 `replay` found a difference, 2 bad input (malformed dump, bad option value).
+
+#[macro_use]
+#[path = "cli/errors.rs"]
+mod errors;
+#[path = "cli/replay.rs"]
+mod replay;
+#[path = "cli/workload.rs"]
+mod workload;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use dsa_indexer::batch::Batch;
+use dsa_indexer::dump::{Dump, RoleKind};
+use dsa_indexer::indexer::{Backend, CpuBackend, RowFootprint, CPU_ROW_ALIGN};
+use dsa_indexer::plan::{self, PlanParams, PlanRole, DEFAULT_BUDGET};
+use dsa_indexer::problem::{Class, Format};
+use dsa_indexer::reference::Output;
+use serde_json::json;
+
+use errors::Result;
+use workload::Shape;
+
+#[derive(Parser)]
+#[command(
+    name = "dsa-indexer",
+    version,
+    about = "The indexer of DeepSeek sparse attention under a memory budget: run, gen, replay, plan, bench"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Option<Cmd>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the indexer on a synthetic workload (no options: the built-in default, a
+    /// V4.1-shaped batch) and print rows, keys, time and a checksum of the outputs.
+    Run(RunArgs),
+    /// Write a synthetic dump: random inputs through the crate's quantizers, and the
+    /// reference's outputs as the expected tensors.
+    Gen(GenArgs),
+    /// Replay a dump on the reference through the chunked driver and diff its expected
+    /// outputs (exit 0 identical or equal up to ties/tolerance, 1 different, 2 bad dump).
+    Replay(ReplayArgs),
+    /// Plan a layer under a byte budget: the seed engine's unbounded transient next to
+    /// the planned peak, term by term.
+    Plan(PlanArgs),
+    /// Benchmark the logits + top-k driver on a preset: median time and effective TFLOP/s.
+    Bench(BenchArgs),
+}
+
+/// Where the indexer runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    /// The fast CPU engine (bitwise equal to the reference).
+    Cpu,
+    /// The CUDA backend (feature `cuda`).
+    Cuda,
+}
+
+impl Device {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+        }
+    }
+    pub fn describe(&self) -> String {
+        match self {
+            Device::Cpu => format!(
+                "cpu ({}, {} threads)",
+                dsa_indexer::cpu::Isa::detect().name(),
+                rayon::current_num_threads()
+            ),
+            Device::Cuda => "cuda".into(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Fmt {
+    E4m3,
+    E2m1,
+}
+
+impl From<Fmt> for Format {
+    fn from(f: Fmt) -> Format {
+        match f {
+            Fmt::E4m3 => Format::E4m3,
+            Fmt::E2m1 => Format::E2m1,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum RoleArg {
+    Plain,
+    Source,
+    Consumer,
+}
+
+/// Workload shape: a preset, then overrides.
+#[derive(Args, Clone)]
+struct ShapeArgs {
+    /// Named preset: default, v41-replay, v41-source-tail, v32, small.
+    #[arg(long, default_value = "default")]
+    preset: String,
+    /// Random seed of the inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Index heads H (power of two, 8..=64).
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Head dimension D (32, 64, 128).
+    #[arg(long)]
+    dim: Option<usize>,
+    /// Keys selected per row K.
+    #[arg(long)]
+    topk: Option<usize>,
+    /// Compression ratio r.
+    #[arg(long)]
+    ratio: Option<usize>,
+    /// Query format.
+    #[arg(long, value_enum)]
+    q_format: Option<Fmt>,
+    /// Key format.
+    #[arg(long, value_enum)]
+    k_format: Option<Fmt>,
+    /// Layer role (a consumer's candidates come from a source over the same batch).
+    #[arg(long, value_enum)]
+    role: Option<RoleArg>,
+    /// Source layers: publish only each request's last `tail` rows.
+    #[arg(long)]
+    tail: Option<usize>,
+    /// Candidate block size B.
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// Candidate blocks kept NB.
+    #[arg(long)]
+    num_blocks: Option<usize>,
+    /// Tokens per request after this step, comma separated (S_b).
+    #[arg(long, value_delimiter = ',')]
+    seq_lens: Option<Vec<usize>>,
+    /// First query position of each request (q0_b), comma separated; default 0.
+    #[arg(long, value_delimiter = ',')]
+    query_starts: Option<Vec<usize>>,
+}
+
+impl ShapeArgs {
+    fn shape(&self) -> Result<Shape> {
+        let mut s = Shape::preset(&self.preset)?;
+        if let Some(v) = self.heads {
+            s.heads = v;
+        }
+        if let Some(v) = self.dim {
+            s.dim = v;
+        }
+        if let Some(v) = self.topk {
+            s.topk = v;
+        }
+        if let Some(v) = self.ratio {
+            s.ratio = v;
+        }
+        if let Some(v) = self.q_format {
+            s.q_format = v.into();
+        }
+        if let Some(v) = self.k_format {
+            s.k_format = v.into();
+        }
+        if let Some(v) = self.role {
+            s.role = match v {
+                RoleArg::Plain => RoleKind::Plain,
+                RoleArg::Source => RoleKind::Source,
+                RoleArg::Consumer => RoleKind::Consumer,
+            };
+        }
+        if self.tail.is_some() {
+            s.tail = self.tail;
+        }
+        if s.role != RoleKind::Source && self.tail.is_none() {
+            s.tail = None;
+        }
+        if let Some(v) = self.block_size {
+            s.block_size = v;
+        }
+        if let Some(v) = self.num_blocks {
+            s.num_blocks = v;
+        }
+        if let Some(v) = &self.seq_lens {
+            s.seq_lens = v.clone();
+            s.query_starts = vec![0; v.len()];
+        }
+        if let Some(v) = &self.query_starts {
+            s.query_starts = v.clone();
+        }
+        if s.query_starts.len() != s.seq_lens.len() {
+            bail!(
+                "query_starts: {} values, expected one per request ({})",
+                s.query_starts.len(),
+                s.seq_lens.len()
+            );
+        }
+        Ok(s)
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    shape: ShapeArgs,
+    /// Byte budget of the logits tile (e.g. 2GiB, 512MiB, 1048576).
+    #[arg(long, value_parser = parse_bytes, default_value = "2GiB")]
+    budget: usize,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct GenArgs {
+    /// Output file (.safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    #[command(flatten)]
+    shape: ShapeArgs,
+    /// Write `expected_logits` (sum n floats): auto = when at most 16M values.
+    #[arg(long, value_enum, default_value_t = LogitsArg::Auto)]
+    logits: LogitsArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogitsArg {
+    Auto,
+    Yes,
+    No,
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// The dump (safetensors, the golden schema).
+    file: PathBuf,
+    /// Replay only rows A..B (original numbering).
+    #[arg(long, value_parser = parse_range)]
+    rows: Option<(usize, usize)>,
+    /// Replay only the rows of request B.
+    #[arg(long)]
+    request: Option<usize>,
+    /// Print row I's scores and selections.
+    #[arg(long)]
+    show_row: Option<usize>,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Byte budget of the logits tile.
+    #[arg(long, value_parser = parse_bytes, default_value = "256MiB")]
+    budget: usize,
+    /// Differing rows shown per tensor.
+    #[arg(long, default_value_t = 5)]
+    show: usize,
+    /// Print index sets in full.
+    #[arg(long)]
+    verbose: bool,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Query rows R (the last R positions of one request).
+    #[arg(long, default_value_t = 16384)]
+    rows: usize,
+    /// Compressed keys of the request (its tokens are context * ratio).
+    #[arg(long, default_value_t = 487_936)]
+    context: usize,
+    #[arg(long, default_value_t = 32)]
+    heads: usize,
+    #[arg(long, default_value_t = 128)]
+    dim: usize,
+    #[arg(long, default_value_t = 512)]
+    topk: usize,
+    #[arg(long, default_value_t = 1)]
+    ratio: usize,
+    #[arg(long, value_parser = parse_bytes, default_value = "2GiB")]
+    budget: usize,
+    /// Source layers: publish only the last `tail` rows.
+    #[arg(long)]
+    tail: Option<usize>,
+    #[arg(long, value_enum, default_value_t = RoleArg::Plain)]
+    role: RoleArg,
+    #[arg(long, default_value_t = 8)]
+    block_size: usize,
+    #[arg(long, default_value_t = 2048)]
+    num_blocks: usize,
+    /// Format class of the operand buffers (exact = fp4 x fp4).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    exact: bool,
+    /// Workers of the CPU footprint (default: this machine's threads).
+    #[arg(long)]
+    workers: Option<usize>,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    shape: ShapeArgs,
+    /// Timed runs (after one warm-up run).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    #[arg(long, value_parser = parse_bytes, default_value = "2GiB")]
+    budget: usize,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    #[arg(long)]
+    json: bool,
+}
+
+/// `2GiB`, `512MiB`, `64KiB`, `1.5G`, or a plain byte count.
+fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" | "kb" => 1024.0,
+        "m" | "mib" | "mb" => 1024.0 * 1024.0,
+        "g" | "gib" | "gb" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tib" | "tb" => 1024f64.powi(4),
+        u => return Err(format!("{s:?}: unknown unit {u:?} (B, KiB, MiB, GiB, TiB)")),
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a byte count such as 2GiB"))?;
+    let b = v * mult;
+    if !(b.is_finite() && b >= 0.0 && b < usize::MAX as f64) {
+        return Err(format!("{s:?}: out of range"));
+    }
+    Ok(b as usize)
+}
+
+/// `A..B` or `A:B`.
+fn parse_range(s: &str) -> std::result::Result<(usize, usize), String> {
+    let (a, b) = s
+        .split_once("..")
+        .or_else(|| s.split_once(':'))
+        .ok_or_else(|| format!("{s:?}: expected A..B"))?;
+    let p = |x: &str| {
+        x.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("{s:?}: expected A..B with integers"))
+    };
+    Ok((p(a)?, p(b)?))
+}
+
+/// Bytes in binary units, 2 decimals.
+pub fn human_bytes(b: u128) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.2} {}", units[u])
+    }
+}
+
+/// Run `f` on the CUDA backend, or say why there is none.
+pub fn cuda_backend<T>(f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<T> {
+    #[cfg(feature = "cuda")]
+    {
+        let _ = &f;
+        bail!("--device cuda: the CUDA backend is not wired into this build of the tool yet")
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = f;
+        bail!("--device cuda: built without the cuda feature (rebuild with `--features cuda`)")
+    }
+}
+
+/// FNV-1a (64-bit) over the outputs' little-endian bytes: `raw`, `page`, then the
+/// published blocks of a source.
+fn checksum(out: &Output) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |v: i32| {
+        for b in v.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    out.raw.iter().for_each(|&v| eat(v));
+    out.page.iter().for_each(|&v| eat(v));
+    if let Some(pb) = &out.published {
+        pb.blocks.iter().for_each(|&v| eat(v));
+    }
+    h
+}
+
+fn class_name(c: Class) -> &'static str {
+    match c {
+        Class::Exact => "exact",
+        Class::Tolerance => "tolerance",
+    }
+}
+
+fn cmd_run(a: &RunArgs) -> Result<i32> {
+    let shape = a.shape.shape()?;
+    let tg = Instant::now();
+    let dump = workload::synth(&shape, a.shape.seed)?;
+    let t_gen = tg.elapsed().as_secs_f64();
+    let batch = dump.batch()?;
+    let published = dump.published_input(&batch);
+    let p = dump.problem(&batch, published.as_ref())?;
+    let t0 = Instant::now();
+    let out = replay::run_driver(&p, a.device, a.budget, false)?;
+    let secs = t0.elapsed().as_secs_f64();
+    let sum = checksum(&out);
+    let pairs = batch.valid_pairs();
+    let tflops = 2.0 * pairs as f64 * (p.heads * p.dim) as f64 / secs / 1e12;
+    if a.json {
+        let j = json!({
+            "preset": a.shape.preset, "seed": a.shape.seed,
+            "rows": batch.num_rows(), "keys": batch.num_keys(), "requests": batch.requests().len(),
+            "valid_pairs": pairs,
+            "heads": p.heads, "dim": p.dim, "topk": p.topk, "ratio": batch.ratio(),
+            "q_format": p.q_format().to_string(), "k_format": p.k_format().to_string(),
+            "class": class_name(p.class()), "role": p.role.name(),
+            "device": a.device.name(), "budget_bytes": a.budget,
+            "seconds": secs, "gen_seconds": t_gen, "tflops": tflops,
+            "checksum": format!("{sum:016x}"),
+        });
+        println!("{}", serde_json::to_string_pretty(&j).unwrap_or_default());
+    } else {
+        println!(
+            "dsa-indexer run: preset {} (seed {}), H={} D={} K={} ratio {}, {} x {} ({} class), {}",
+            a.shape.preset,
+            a.shape.seed,
+            p.heads,
+            p.dim,
+            p.topk,
+            batch.ratio(),
+            p.q_format(),
+            p.k_format(),
+            class_name(p.class()),
+            p.role.name()
+        );
+        println!(
+            "  rows      {} ({} requests, seq_lens {:?}, query_starts {:?})",
+            batch.num_rows(),
+            batch.requests().len(),
+            shape.seq_lens,
+            shape.query_starts
+        );
+        println!(
+            "  keys      {} ({} visible (row, key) pairs)",
+            batch.num_keys(),
+            pairs
+        );
+        println!(
+            "  time      {:.3} s on {} ({:.3} effective TFLOP/s; inputs generated in {:.2} s)",
+            secs,
+            a.device.describe(),
+            tflops,
+            t_gen
+        );
+        println!("  checksum  {sum:016x}  (FNV-1a 64 of raw, page, published)");
+    }
+    Ok(0)
+}
+
+fn cmd_gen(a: &GenArgs) -> Result<i32> {
+    let shape = a.shape.shape()?;
+    let t0 = Instant::now();
+    let mut dump = workload::synth(&shape, a.shape.seed)?;
+    let batch = dump.batch()?;
+    let published = dump.published_input(&batch);
+    let (out, logits) = {
+        let p = dump.problem(&batch, published.as_ref())?;
+        let (out, _) = dsa_indexer::indexer::run_cpu(&p, DEFAULT_BUDGET)?;
+        let want = match a.logits {
+            LogitsArg::Yes => true,
+            LogitsArg::No => false,
+            LogitsArg::Auto => batch.valid_pairs() <= 16 << 20,
+        };
+        let logits = want.then(|| parallel_logits(&p));
+        (out, logits)
+    };
+    workload::set_expected(&mut dump, &batch, &out, logits);
+    let bytes = dump.to_bytes()?;
+    std::fs::write(&a.out, &bytes)
+        .map_err(|e| errors::CliError::input(format!("{}: {e}", a.out.display())))?;
+    println!(
+        "wrote {}: preset {} (seed {}), {} rows, {} keys, H={} D={} K={}, {} x {}, {}, {} in {:.2} s",
+        a.out.display(),
+        a.shape.preset,
+        a.shape.seed,
+        batch.num_rows(),
+        batch.num_keys(),
+        shape.heads,
+        shape.dim,
+        shape.topk,
+        shape.q_format,
+        shape.k_format,
+        human_bytes(bytes.len() as u128),
+        if dump.expected.logits.is_some() {
+            "with expected_logits"
+        } else {
+            "without expected_logits"
+        },
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(0)
+}
+
+/// All visible logits, rows concatenated, from the fast engine in parallel.
+fn parallel_logits(p: &dsa_indexer::problem::Problem) -> Vec<f32> {
+    use rayon::prelude::*;
+    let rows = p.batch.rows();
+    let mut out = vec![0f32; p.batch.valid_pairs()];
+    let g = dsa_indexer::cpu::ROW_GROUP;
+    let mut chunks: Vec<(usize, &mut [f32])> = Vec::new();
+    let mut rest: &mut [f32] = &mut out;
+    for start in (0..rows.len()).step_by(g) {
+        let len: usize = rows[start..(start + g).min(rows.len())]
+            .iter()
+            .map(|r| r.n)
+            .sum();
+        let (a, b) = std::mem::take(&mut rest).split_at_mut(len);
+        chunks.push((start, a));
+        rest = b;
+    }
+    chunks.into_par_iter().for_each_init(
+        || dsa_indexer::cpu::Engine::new(p),
+        |e, (start, buf)| {
+            let idx: Vec<usize> = (start..(start + g).min(rows.len())).collect();
+            let mut outs: Vec<&mut [f32]> = Vec::new();
+            let mut rest = buf;
+            for &i in &idx {
+                let (a, b) = rest.split_at_mut(rows[i].n);
+                outs.push(a);
+                rest = b;
+            }
+            e.rows(p, &idx, &mut outs);
+        },
+    );
+    out
+}
+
+fn cmd_plan(a: &PlanArgs) -> Result<i32> {
+    if a.rows == 0 {
+        bail!("rows = 0: expected at least one row");
+    }
+    if a.ratio == 0 {
+        bail!("ratio = 0: expected ratio >= 1");
+    }
+    let seq = a
+        .context
+        .checked_mul(a.ratio)
+        .ok_or_else(|| errors::CliError::input("context * ratio overflows"))?;
+    if a.rows > seq {
+        bail!("rows = {}: more than the request's {seq} tokens", a.rows);
+    }
+    let batch = Batch::contiguous(&[seq], &[seq - a.rows], a.ratio)?;
+    let role = match a.role {
+        RoleArg::Plain if a.tail.is_some() => PlanRole::Source { tail: a.tail },
+        RoleArg::Plain => PlanRole::Plain,
+        RoleArg::Source => PlanRole::Source { tail: a.tail },
+        RoleArg::Consumer => PlanRole::Consumer,
+    };
+    let params = PlanParams {
+        heads: a.heads,
+        dim: a.dim,
+        topk: a.topk,
+        block_size: a.block_size,
+        num_blocks: a.num_blocks,
+        role,
+        budget: a.budget,
+    };
+    let class = if a.exact {
+        Class::Exact
+    } else {
+        Class::Tolerance
+    };
+    // The CPU backend's footprint: rows padded to 4 floats, one engine per worker.
+    let fp = RowFootprint {
+        align: CPU_ROW_ALIGN,
+        workers: a
+            .workers
+            .unwrap_or_else(|| CpuBackend::new().threads_for_plan()),
+        worker_bytes: dsa_indexer::cpu::Engine::bytes(a.heads, a.dim, class),
+    };
+    let pl = plan::plan(&batch, &params, &fp)?;
+    let pk = pl.peak;
+    let role_name = match role {
+        PlanRole::Plain => "plain".to_string(),
+        PlanRole::Source { tail: Some(t) } => format!("source, tail {t}"),
+        PlanRole::Source { tail: None } => "source".to_string(),
+        PlanRole::Consumer => "consumer".to_string(),
+    };
+    let terms = [
+        ("logits_tile", pk.logits_tile),
+        ("block_scores", pk.block_scores),
+        ("candidate_ids", pk.candidate_ids),
+        ("topk_scratch", pk.topk_scratch),
+        ("index_assembly", pk.index_assembly),
+        ("operands", pk.operands),
+    ];
+    if a.json {
+        let j = json!({
+            "rows": a.rows, "keys": batch.num_keys(), "tokens": seq,
+            "heads": a.heads, "dim": a.dim, "topk": a.topk, "ratio": a.ratio,
+            "role": role_name, "tail": a.tail, "budget_bytes": a.budget,
+            "block_size": a.block_size, "num_blocks": a.num_blocks,
+            "workers": pl.workers,
+            "unbounded_bytes": pl.unbounded_bytes as u64,
+            "planned_peak_bytes": pk.total(),
+            "terms": terms.iter().map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
+            "tiles": pl.tiles.len(),
+            "max_tile_rows": pl.max_tile_rows,
+            "published_rows": pl.published_rows,
+            "oversized_row": pl.has_oversized_row(),
+        });
+        println!("{}", serde_json::to_string_pretty(&j).unwrap_or_default());
+        return Ok(0);
+    }
+    println!(
+        "plan: {} rows x {} keys (one request of {} tokens, ratio {}), H={} D={} K={}, {}, budget {}",
+        a.rows,
+        batch.num_keys(),
+        seq,
+        a.ratio,
+        a.heads,
+        a.dim,
+        a.topk,
+        role_name,
+        human_bytes(a.budget as u128)
+    );
+    println!(
+        "  unbounded (seed engine: fp32 logits + bool mask + copy, 6 B per (row, key)): {:>12}  ({} B)",
+        human_bytes(pl.unbounded_bytes),
+        pl.unbounded_bytes
+    );
+    println!(
+        "  planned peak ({} workers, CPU footprint):{:>38}  ({} B)",
+        pl.workers,
+        human_bytes(pk.total() as u128),
+        pk.total()
+    );
+    for (n, v) in terms {
+        println!("    {n:<16} {:>12}  ({v} B)", human_bytes(v as u128));
+    }
+    println!(
+        "  tiles: {} (at most {} rows each){}; published rows: {}",
+        pl.tiles.len(),
+        pl.max_tile_rows,
+        if pl.has_oversized_row() {
+            ", one row alone exceeds the budget"
+        } else {
+            ""
+        },
+        pl.published_rows
+    );
+    Ok(0)
+}
+
+fn cmd_bench(a: &BenchArgs) -> Result<i32> {
+    let shape = a.shape.shape()?;
+    let dump: Dump = workload::synth(&shape, a.shape.seed)?;
+    let batch = dump.batch()?;
+    let published = dump.published_input(&batch);
+    let p = dump.problem(&batch, published.as_ref())?;
+    let _ = replay::run_driver(&p, a.device, a.budget, false)?; // warm-up
+    let mut times = Vec::with_capacity(a.reps.max(1));
+    let mut sum = 0;
+    for _ in 0..a.reps.max(1) {
+        let t0 = Instant::now();
+        let out = replay::run_driver(&p, a.device, a.budget, false)?;
+        times.push(t0.elapsed().as_secs_f64());
+        sum = checksum(&out);
+    }
+    times.sort_by(|x, y| x.total_cmp(y));
+    let med = times[times.len() / 2];
+    let pairs = batch.valid_pairs();
+    let flop = 2.0 * pairs as f64 * (p.heads * p.dim) as f64;
+    if a.json {
+        let j = json!({
+            "preset": a.shape.preset, "device": a.device.name(),
+            "isa": dsa_indexer::cpu::Isa::detect().name(),
+            "threads": rayon::current_num_threads(),
+            "rows": batch.num_rows(), "keys": batch.num_keys(), "valid_pairs": pairs,
+            "heads": p.heads, "dim": p.dim, "topk": p.topk,
+            "class": class_name(p.class()),
+            "reps": times.len(), "median_seconds": med, "min_seconds": times[0],
+            "tflops": flop / med / 1e12, "checksum": format!("{sum:016x}"),
+        });
+        println!("{}", serde_json::to_string_pretty(&j).unwrap_or_default());
+    } else {
+        println!(
+            "bench {} on {}: {} rows, {} keys, {} pairs, H={} D={} K={}, {} class",
+            a.shape.preset,
+            a.device.describe(),
+            batch.num_rows(),
+            batch.num_keys(),
+            pairs,
+            p.heads,
+            p.dim,
+            p.topk,
+            class_name(p.class())
+        );
+        println!(
+            "  median {:.3} s over {} runs (min {:.3} s): {:.4} effective TFLOP/s (2 * pairs * H * D / t), {:.1} M pairs/s",
+            med,
+            times.len(),
+            times[0],
+            flop / med / 1e12,
+            pairs as f64 / med / 1e6
+        );
+    }
+    Ok(0)
+}
+
+trait Threads {
+    fn threads_for_plan(&self) -> usize;
+}
+
+impl Threads for CpuBackend {
+    fn threads_for_plan(&self) -> usize {
+        rayon::current_num_threads().max(1)
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let res = match &cli.cmd {
+        None => cmd_run(&RunArgs {
+            shape: ShapeArgs::parse_default(),
+            budget: DEFAULT_BUDGET,
+            device: Device::Cpu,
+            json: false,
+        }),
+        Some(Cmd::Run(a)) => cmd_run(a),
+        Some(Cmd::Gen(a)) => cmd_gen(a),
+        Some(Cmd::Replay(a)) => replay::replay(&replay::Opts {
+            file: a.file.clone(),
+            rows: a.rows,
+            request: a.request,
+            show_row: a.show_row,
+            device: a.device,
+            budget: a.budget,
+            json: a.json,
+            max_show: a.show,
+            verbose: a.verbose,
+        }),
+        Some(Cmd::Plan(a)) => cmd_plan(a),
+        Some(Cmd::Bench(a)) => cmd_bench(a),
+    };
+    match res {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {}", e.msg);
+            std::process::exit(e.code);
+        }
+    }
+}
+
+impl ShapeArgs {
+    fn parse_default() -> ShapeArgs {
+        ShapeArgs {
+            preset: "default".into(),
+            seed: 0,
+            heads: None,
+            dim: None,
+            topk: None,
+            ratio: None,
+            q_format: None,
+            k_format: None,
+            role: None,
+            tail: None,
+            block_size: None,
+            num_blocks: None,
+            seq_lens: None,
+            query_starts: None,
+        }
+    }
+}
