@@ -49,6 +49,11 @@ pub trait Backend {
     fn tile(&mut self, p: &Problem, plan: &Plan, t: usize, out: &mut Output) -> Result<()>;
     /// Finish the run (copy back what the backend kept) and release its buffers.
     fn end(&mut self, p: &Problem, out: &mut Output) -> Result<()>;
+    /// Transient device bytes the last run allocated, for backends that count them
+    /// (checked against the plan's peak); `None` for host backends.
+    fn device_peak(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// The plan parameters of problem `p` under `budget`.

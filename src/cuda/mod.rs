@@ -1,2 +1,1184 @@
-//! The CUDA backend (feature `cuda`): kernels compiled at run time by NVRTC for `sm_90a`.
+//! The CUDA backend (feature `cuda`): the chunked driver's [`Backend`] on NVIDIA Hopper.
+//!
+//! Kernels (`kernels/*.cu`) are compiled at run time by NVRTC for `sm_90a` and cached per
+//! process ([`kernels`]). Per tile, everything runs on one stream with no host round
+//! trip: the logits kernel (tensor-core MMA, SPEC 4 bitwise in the exact class), for a
+//! source layer the block keys and kept blocks, then the ragged top-k with index
+//! assembly writing `raw` and `page` in place on the device. The host copies back only
+//! the outputs, once, in [`Backend::end`].
+//!
+//! Device memory: inputs and outputs are uploaded / allocated once per run; the
+//! transient (logits tile, block keys, per-row metadata) is allocated once per run,
+//! sized by the plan with this backend's row footprint ([`ROW_ALIGN`]), reused by every
+//! tile, and counted: [`CudaBackend::measured_peak`] never exceeds the plan's peak.
+//!
+//! Engines that already hold their inputs on the device call [`Engine::run_device`]
+//! with cudarc views and their own stream.
+//!
+//! Without libcuda, libnvrtc or a GPU every entry point returns [`Error::Backend`];
+//! a GPU other than sm_90 is refused with a clear message.
+
+pub mod bench;
 pub mod kernels;
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, DevicePtr,
+    LaunchConfig, PushKernelArg,
+};
+
+use crate::batch::Batch;
+use crate::error::{Error, Result};
+use crate::indexer::{Backend, RowFootprint};
+use crate::plan::{Footprint, Plan};
+use crate::problem::{Class, Format, Keys, Params, Problem, Queries, Role};
+use crate::reference::Output;
+
+pub use kernels::Variant;
+
+/// Logits row length on the device: `n` rounded up to 16 floats (64-byte rows).
+pub const ROW_ALIGN: usize = 16;
+
+/// The tolerance class's stated bound on this backend: `|x - ref| <= 2^TOLERANCE_LOG2 * M`
+/// (SPEC 4's `M`), 2^8 times tighter than SPEC 4's `2^-8 * M`, and what the tests hold it to.
+///
+/// Derivation: `mma.sync` e4m3 forms each 32-product group sum with f32 accumulation
+/// (seen exact in a probe; assumed here only to round each step to f32): at most
+/// `G <= 4` roundings of partial sums bounded by the group magnitudes. After that the
+/// GPU and the reference do the same f32 steps (weight, pairwise head sum of <= 6
+/// levels, key scale), each contributing <= 2^-24 relative to `M` on both sides, and
+/// the reference rounds its exact group sum once: in all about 20 * 2^-24 * M < 2^-19 M.
+/// The stated 2^-16 keeps an 8x margin while still catching an accumulator that keeps
+/// only ~13 bits (as Hopper's fp8 `wgmma` does), whose errors are near 2^-13 M.
+pub const TOLERANCE_LOG2: i32 = -16;
+
+/// Largest `K` the device top-k supports.
+pub const MAX_TOPK: usize = 1 << 16;
+
+/// Dynamic shared memory the consumer bitmap may take (bytes).
+const MAX_BITMAP_BYTES: usize = 160 * 1024;
+
+/// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
+/// index (i32), block-key offset (u64), and up to one 16-byte row group per row.
+const META_BYTES_PER_ROW: usize = 4 + 4 + 8 + 4 + 8 + 16;
+
+fn backend_err(problem: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: "cuda",
+        problem: problem.into(),
+    }
+}
+
+fn drv(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| backend_err(format!("{what}: {e:?}"))
+}
+
+/// Whether libcuda and libnvrtc can be loaded (checked before any cudarc call, which
+/// would panic without them).
+pub fn libraries_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda by its usual names.
+    let cuda = unsafe { cudarc::driver::sys::is_culib_present() };
+    cuda && kernels::nvrtc_present()
+}
+
+/// A CUDA device: its context, a stream, and the compiled modules of this process.
+#[derive(Debug)]
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: Mutex<Vec<(Variant, Arc<CudaModule>)>>,
+}
+
+impl Device {
+    /// Open device `ordinal` (an sm_90 GPU) with a new stream.
+    pub fn new(ordinal: usize) -> Result<Arc<Device>> {
+        if !libraries_present() {
+            return Err(backend_err(
+                "no CUDA: libcuda or libnvrtc not found (driver and NVRTC 13.0 needed)",
+            ));
+        }
+        let n = CudaContext::device_count().map_err(drv("cuDeviceGetCount"))?;
+        if n <= 0 {
+            return Err(backend_err("no CUDA device found"));
+        }
+        if ordinal >= n as usize {
+            return Err(Error::range(
+                "device",
+                ordinal,
+                "an existing CUDA device ordinal",
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv("cuCtxCreate"))?;
+        let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        Device::with_stream(stream)
+    }
+
+    /// Use a caller's stream (and its context): the engine API.
+    pub fn with_stream(stream: Arc<CudaStream>) -> Result<Arc<Device>> {
+        let ctx = stream.context().clone();
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(drv("compute capability"))?;
+        if (major, minor) != (9, 0) {
+            return Err(backend_err(format!(
+                "GPU {} is sm_{major}{minor}; the kernels are built and tested for sm_90a (H100/H200) only",
+                ctx.name().unwrap_or_default()
+            )));
+        }
+        Ok(Arc::new(Device {
+            ctx,
+            stream,
+            modules: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// The default device 0, opened once per process.
+    pub fn shared() -> Result<Arc<Device>> {
+        static DEV: Mutex<Option<Arc<Device>>> = Mutex::new(None);
+        let mut g = DEV
+            .lock()
+            .map_err(|_| backend_err("device lock poisoned"))?;
+        if let Some(d) = g.as_ref() {
+            return Ok(d.clone());
+        }
+        let d = Device::new(0)?;
+        *g = Some(d.clone());
+        Ok(d)
+    }
+
+    /// The stream every launch of this device goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// GPU name.
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_default()
+    }
+
+    fn module(&self, v: Variant) -> Result<Arc<CudaModule>> {
+        {
+            let g = self
+                .modules
+                .lock()
+                .map_err(|_| backend_err("module cache poisoned"))?;
+            if let Some((_, m)) = g.iter().find(|(k, _)| *k == v) {
+                return Ok(m.clone());
+            }
+        }
+        // Compile outside the lock; a racing thread may compile the same variant.
+        static NVRTC_CACHE: Mutex<Vec<(Variant, String)>> = Mutex::new(Vec::new());
+        let cached = NVRTC_CACHE
+            .lock()
+            .ok()
+            .and_then(|g| g.iter().find(|(k, _)| *k == v).map(|(_, p)| p.clone()));
+        let src = match cached {
+            Some(s) => s,
+            None => {
+                let s = kernels::compile(v)?.to_src();
+                if let Ok(mut g) = NVRTC_CACHE.lock() {
+                    g.push((v, s.clone()));
+                }
+                s
+            }
+        };
+        let m = self
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(src))
+            .map_err(drv("cuModuleLoadData"))?;
+        let mut g = self
+            .modules
+            .lock()
+            .map_err(|_| backend_err("module cache poisoned"))?;
+        g.push((v, m.clone()));
+        Ok(m)
+    }
+
+    /// A kernel of a variant.
+    pub fn function(&self, v: Variant, name: &str) -> Result<CudaFunction> {
+        self.module(v)?
+            .load_function(name)
+            .map_err(drv("cuModuleGetFunction"))
+    }
+
+    /// Decode every code of the three formats on the device (the codec test):
+    /// E4M3 as f32 bits `[256]`, E2M1 doubled s8 bytes and E4M3 bytes `[16]` each,
+    /// UE8M0 as f32 bits `[256]`.
+    pub fn decode_codes(&self) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>)> {
+        let f = self.function(Variant::Topk, "decode_codes")?;
+        let s = &self.stream;
+        let mut a = s.alloc_zeros::<u32>(256).map_err(drv("alloc"))?;
+        let mut b = s.alloc_zeros::<u32>(16).map_err(drv("alloc"))?;
+        let mut c = s.alloc_zeros::<u32>(16).map_err(drv("alloc"))?;
+        let mut d = s.alloc_zeros::<u32>(256).map_err(drv("alloc"))?;
+        let mut l = s.launch_builder(&f);
+        l.arg(&mut a).arg(&mut b).arg(&mut c).arg(&mut d);
+        // SAFETY: the kernel writes out[0..256] / out[0..16] of buffers of those lengths.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(drv("launch decode_codes"))?;
+        let get = |x: &CudaSlice<u32>| s.clone_dtoh(x).map_err(drv("copy back"));
+        Ok((get(&a)?, get(&b)?, get(&c)?, get(&d)?))
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The run: device pointers of the inputs, metadata, transient and outputs.
+// ---------------------------------------------------------------------------------
+
+/// Raw device addresses of a run's inputs (0 = absent).
+#[derive(Debug, Clone, Copy, Default)]
+struct Ptrs {
+    q: u64,
+    q_scale: u64,
+    k: u64,
+    k_scale8: u64,
+    k_scale32: u64,
+    w: u64,
+    k_slots: u64,
+    cblocks: u64,
+}
+
+/// Shape of a layer as the kernels see it.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    heads: usize,
+    dim: usize,
+    q: Format,
+    k: Format,
+    topk: usize,
+    page_cols: usize,
+    block_size: usize,
+    num_blocks: usize,
+    tail: Option<Option<usize>>, // Some(tail) for a source
+    consumer: bool,
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _g) = s.device_ptr(stream);
+    p
+}
+
+fn vptr<T>(s: &CudaView<'_, T>, stream: &CudaStream) -> u64 {
+    let (p, _g) = s.device_ptr(stream);
+    p
+}
+
+/// Per-tile launch geometry, computed once on the host in `begin`.
+#[derive(Debug, Clone)]
+struct TileGeom {
+    groups: std::ops::Range<usize>,
+    chunks: u32,
+    max_blocks: usize,
+    rows: std::ops::Range<usize>,
+}
+
+/// One run's device state.
+struct Run {
+    shape: Shape,
+    ptrs: Ptrs,
+    // Metadata (transient, counted).
+    row_n: CudaSlice<u32>,
+    row_ks: CudaSlice<u32>,
+    row_off: CudaSlice<u64>,
+    row_pub: CudaSlice<i32>,
+    row_boff: CudaSlice<u64>,
+    groups: CudaSlice<u32>,
+    logits: Option<CudaSlice<f32>>,
+    bkeys: Option<CudaSlice<u32>>,
+    geom: Vec<TileGeom>,
+    // Outputs.
+    raw: CudaSlice<i32>,
+    page: CudaSlice<i32>,
+    published: Option<CudaSlice<i32>>,
+    // Host-input uploads kept alive for the run (not transient).
+    _owned: Vec<OwnedBuf>,
+    transient: usize,
+    bitmap_words: u32,
+}
+
+#[allow(dead_code)]
+enum OwnedBuf {
+    U8(CudaSlice<u8>),
+    F32(CudaSlice<f32>),
+    I32(CudaSlice<i32>),
+}
+
+/// The footprint of the device for a problem with `rows` rows.
+fn footprint(rows: usize) -> RowFootprint {
+    RowFootprint {
+        align: ROW_ALIGN,
+        workers: 1,
+        worker_bytes: rows.saturating_mul(META_BYTES_PER_ROW),
+    }
+}
+
+/// Check what the kernels support, before any allocation.
+fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
+    if s.topk > MAX_TOPK {
+        return Err(Error::range(
+            "topk",
+            s.topk,
+            "at most 65536 on the CUDA backend",
+        ));
+    }
+    if batch.num_keys() >= (1usize << 31) {
+        return Err(Error::range(
+            "keys L",
+            batch.num_keys(),
+            "fewer than 2^31 keys on the CUDA backend",
+        ));
+    }
+    if batch.num_rows() >= (1usize << 31) {
+        return Err(Error::range(
+            "rows T",
+            batch.num_rows(),
+            "fewer than 2^31 rows on the CUDA backend",
+        ));
+    }
+    if s.consumer {
+        let max_n = batch.rows().iter().map(|r| r.n).max().unwrap_or(0);
+        let bytes = max_n.div_ceil(s.block_size).div_ceil(32) * 4;
+        if bytes > MAX_BITMAP_BYTES {
+            return Err(Error::range(
+                "block_size",
+                s.block_size,
+                "consumer rows need ceil(n / B) / 8 <= 160 KiB of shared memory on the CUDA backend",
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl Run {
+    #[allow(clippy::too_many_arguments)]
+    fn begin(
+        dev: &Device,
+        batch: &Batch,
+        shape: Shape,
+        ptrs: Ptrs,
+        owned: Vec<OwnedBuf>,
+        plan: &Plan,
+        publishes: &dyn Fn(usize) -> bool,
+    ) -> Result<Run> {
+        let s = &dev.stream;
+        let rows = batch.rows();
+        let t = rows.len();
+        let fp = footprint(t);
+        let mut row_n = Vec::with_capacity(t);
+        let mut row_ks = Vec::with_capacity(t);
+        let mut row_off = vec![0u64; t];
+        let mut row_pub = vec![-1i32; t];
+        let mut row_boff = vec![0u64; t];
+        let mut groups: Vec<u32> = Vec::new();
+        let mut geom = Vec::with_capacity(plan.tiles.len());
+        let mut npub = 0i32;
+        for r in rows {
+            row_n.push(r.n as u32);
+            row_ks.push(r.ks as u32);
+        }
+        for tile in &plan.tiles {
+            let (mut off, mut boff) = (0u64, 0u64);
+            let g0 = groups.len() / 4;
+            let (mut max_n, mut max_blocks) = (0usize, 0usize);
+            let mut i = tile.rows.start;
+            while i < tile.rows.end {
+                // A row group: up to LOGITS_ROWS consecutive rows of one request.
+                let mut e = i + 1;
+                while e < tile.rows.end
+                    && e - i < kernels::LOGITS_ROWS
+                    && rows[e].ks == rows[i].ks
+                    && rows[e].request == rows[i].request
+                {
+                    e += 1;
+                }
+                let nmax = rows[i..e].iter().map(|r| r.n).max().unwrap_or(0);
+                groups.extend_from_slice(&[i as u32, (e - i) as u32, nmax as u32, 0]);
+                max_n = max_n.max(nmax);
+                i = e;
+            }
+            for i in tile.rows.clone() {
+                row_off[i] = off;
+                off += (fp.row_bytes(rows[i].n) / 4) as u64;
+                if publishes(i) {
+                    row_pub[i] = npub;
+                    npub += 1;
+                    row_boff[i] = boff;
+                    let nb = rows[i].n.div_ceil(shape.block_size);
+                    boff += nb as u64;
+                    max_blocks = max_blocks.max(nb);
+                }
+            }
+            geom.push(TileGeom {
+                groups: g0..groups.len() / 4,
+                chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
+                max_blocks,
+                rows: tile.rows.clone(),
+            });
+        }
+        let up = |what: &str, e| drv(what)(e);
+        let mut transient = 0usize;
+        let row_n_d = s.clone_htod(&row_n).map_err(|e| up("upload row_n", e))?;
+        let row_ks_d = s.clone_htod(&row_ks).map_err(|e| up("upload row_ks", e))?;
+        let row_off_d = s
+            .clone_htod(&row_off)
+            .map_err(|e| up("upload row_off", e))?;
+        let row_pub_d = s
+            .clone_htod(&row_pub)
+            .map_err(|e| up("upload row_pub", e))?;
+        let row_boff_d = s
+            .clone_htod(&row_boff)
+            .map_err(|e| up("upload row_boff", e))?;
+        let groups_d = s.clone_htod(&groups).map_err(|e| up("upload groups", e))?;
+        transient += t * (4 + 4 + 8 + 4 + 8) + groups.len() * 4;
+        let logits = if plan.peak.logits_tile > 0 {
+            transient += plan.peak.logits_tile;
+            Some(
+                s.alloc_zeros::<f32>(plan.peak.logits_tile / 4)
+                    .map_err(drv("alloc logits tile"))?,
+            )
+        } else {
+            None
+        };
+        let bkeys = if plan.peak.block_scores > 0 {
+            transient += plan.peak.block_scores;
+            Some(
+                s.alloc_zeros::<u32>(plan.peak.block_scores / 4)
+                    .map_err(drv("alloc block keys"))?,
+            )
+        } else {
+            None
+        };
+        let raw = s
+            .alloc_zeros::<i32>(t * shape.topk)
+            .map_err(drv("alloc raw"))?;
+        let page = s
+            .alloc_zeros::<i32>(t * shape.page_cols)
+            .map_err(drv("alloc page"))?;
+        let published = if shape.tail.is_some() {
+            Some(
+                s.alloc_zeros::<i32>((npub as usize).max(1) * shape.num_blocks)
+                    .map_err(drv("alloc published"))?,
+            )
+        } else {
+            None
+        };
+        let max_n = rows.iter().map(|r| r.n).max().unwrap_or(0);
+        let bitmap_words = if shape.consumer {
+            max_n.div_ceil(shape.block_size).div_ceil(32).max(1) as u32
+        } else {
+            0
+        };
+        Ok(Run {
+            shape,
+            ptrs,
+            row_n: row_n_d,
+            row_ks: row_ks_d,
+            row_off: row_off_d,
+            row_pub: row_pub_d,
+            row_boff: row_boff_d,
+            groups: groups_d,
+            logits,
+            bkeys,
+            geom,
+            raw,
+            page,
+            published,
+            _owned: owned,
+            transient,
+            bitmap_words,
+        })
+    }
+
+    /// Launch tile `t`: logits, (source) block keys and kept blocks, top-k + assembly.
+    fn tile(&mut self, dev: &Device, t: usize) -> Result<()> {
+        self.logits_step(dev, t)?;
+        self.select_step(dev, t)
+    }
+
+    /// The logits kernel of tile `t`.
+    fn logits_step(&mut self, dev: &Device, t: usize) -> Result<()> {
+        let g = self.geom[t].clone();
+        if g.rows.is_empty() {
+            return Ok(());
+        }
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let logits_ptr = self.logits.as_ref().map_or(0, |l| ptr(l, s));
+        let row_n = ptr(&self.row_n, s);
+        let row_ks = ptr(&self.row_ks, s);
+        let row_off = ptr(&self.row_off, s);
+        let groups = ptr(&self.groups, s);
+        // 1. Logits.
+        if g.chunks > 0 && logits_ptr != 0 {
+            let f = dev.function(
+                Variant::Logits {
+                    heads: sh.heads,
+                    groups: sh.dim / 32,
+                    q: sh.q,
+                    k: sh.k,
+                },
+                "mqa_logits",
+            )?;
+            let mut start = g.groups.start;
+            while start < g.groups.end {
+                let count = (g.groups.end - start).min(65535);
+                let group0 = start as u32;
+                let mut l = s.launch_builder(&f);
+                l.arg(&p.q)
+                    .arg(&p.q_scale)
+                    .arg(&p.k)
+                    .arg(&p.k_scale8)
+                    .arg(&p.k_scale32)
+                    .arg(&p.w)
+                    .arg(&row_n)
+                    .arg(&row_ks)
+                    .arg(&row_off)
+                    .arg(&groups)
+                    .arg(&group0)
+                    .arg(&logits_ptr);
+                // SAFETY: every pointer addresses a live device buffer of the shape the
+                // kernel reads (validated problem); writes stay inside each row's
+                // footprint in the logits tile, which the plan sized.
+                unsafe {
+                    l.launch(LaunchConfig {
+                        grid_dim: (g.chunks, count as u32, 1),
+                        block_dim: ((kernels::LOGITS_ROWS * 32) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .map_err(drv("launch mqa_logits"))?;
+                start += count;
+            }
+        }
+        Ok(())
+    }
+
+    /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer.
+    fn select_step(&mut self, dev: &Device, t: usize) -> Result<()> {
+        let g = self.geom[t].clone();
+        if g.rows.is_empty() {
+            return Ok(());
+        }
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let logits_ptr = self.logits.as_ref().map_or(0, |l| ptr(l, s));
+        let row_n = ptr(&self.row_n, s);
+        let row_ks = ptr(&self.row_ks, s);
+        let row_off = ptr(&self.row_off, s);
+        let row_pub = ptr(&self.row_pub, s);
+        let row_boff = ptr(&self.row_boff, s);
+        let rows = g.rows.len() as u32;
+        let row0 = g.rows.start as u32;
+        // 2. Source: block keys, then kept blocks.
+        if let (Some(pubd), true) = (self.published.as_ref(), sh.tail.is_some()) {
+            let pub_ptr = ptr(pubd, s);
+            let bk = self.bkeys.as_ref().map_or(0, |b| ptr(b, s));
+            let bs = sh.block_size as u32;
+            let nbk = sh.num_blocks as u32;
+            if g.max_blocks > 0 && bk != 0 && logits_ptr != 0 {
+                let f = dev.function(Variant::Topk, "block_keys_f32")?;
+                let gx = g.max_blocks.div_ceil(kernels::BLOCK_KEYS_THREADS).min(1024) as u32;
+                let mut r = 0u32;
+                while r < rows {
+                    let count = (rows - r).min(65535);
+                    let r0 = row0 + r;
+                    let mut l = s.launch_builder(&f);
+                    l.arg(&logits_ptr)
+                        .arg(&row_off)
+                        .arg(&row_n)
+                        .arg(&row_pub)
+                        .arg(&row_boff)
+                        .arg(&r0)
+                        .arg(&bs)
+                        .arg(&bk);
+                    // SAFETY: reads each publishing row's n logits, writes its
+                    // ceil(n/B) block keys at its offset in the plan-sized buffer.
+                    unsafe {
+                        l.launch(LaunchConfig {
+                            grid_dim: (gx, count, 1),
+                            block_dim: (kernels::BLOCK_KEYS_THREADS as u32, 1, 1),
+                            shared_mem_bytes: 0,
+                        })
+                    }
+                    .map_err(drv("launch block_keys_f32"))?;
+                    r += count;
+                }
+            }
+            let f = dev.function(Variant::Topk, "kept_blocks_u32")?;
+            let mut l = s.launch_builder(&f);
+            l.arg(&bk)
+                .arg(&row_n)
+                .arg(&row_pub)
+                .arg(&row_boff)
+                .arg(&row0)
+                .arg(&bs)
+                .arg(&nbk)
+                .arg(&pub_ptr);
+            // SAFETY: publishing rows read their block keys and write their NB-wide
+            // published row; rows with no blocks write only -1.
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (rows, 1, 1),
+                    block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(drv("launch kept_blocks_u32"))?;
+        }
+        // 3. Top-k and index assembly.
+        let f = dev.function(Variant::Topk, "topk_ragged_f32")?;
+        let raw = ptr(&self.raw, s);
+        let page = ptr(&self.page, s);
+        let k = sh.topk as u32;
+        let pc = sh.page_cols as u32;
+        let nbk = sh.num_blocks as u32;
+        let bs = sh.block_size as u32;
+        let bw = self.bitmap_words;
+        let smem = if sh.consumer { bw * 4 } else { 0 };
+        if smem > 48 * 1024 {
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(drv("set shared memory size"))?;
+        }
+        let mut l = s.launch_builder(&f);
+        l.arg(&logits_ptr)
+            .arg(&row_off)
+            .arg(&row_n)
+            .arg(&row_ks)
+            .arg(&row0)
+            .arg(&k)
+            .arg(&raw)
+            .arg(&page)
+            .arg(&pc)
+            .arg(&p.k_slots)
+            .arg(&p.cblocks)
+            .arg(&nbk)
+            .arg(&bs)
+            .arg(&bw);
+        // SAFETY: each block reads its row's n logits (written by step 1, same stream)
+        // and writes its row of raw [T, K] and page [T, page_cols].
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (rows, 1, 1),
+                block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+                shared_mem_bytes: smem,
+            })
+        }
+        .map_err(drv("launch topk_ragged_f32"))?;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The host-input backend.
+// ---------------------------------------------------------------------------------
+
+/// The CUDA backend for host inputs: uploads them once per run, keeps the outputs on
+/// the device until [`Backend::end`].
+pub struct CudaBackend {
+    dev: Arc<Device>,
+    run: Option<Run>,
+    peak: usize,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.dev.name())
+            .field("peak", &self.peak)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// On the process's shared device 0.
+    pub fn new() -> Result<Self> {
+        Ok(CudaBackend::on(Device::shared()?))
+    }
+
+    /// On a given device.
+    pub fn on(dev: Arc<Device>) -> Self {
+        CudaBackend {
+            dev,
+            run: None,
+            peak: 0,
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Transient device bytes of the last run (logits tile, block keys, metadata).
+    pub fn measured_peak(&self) -> usize {
+        self.peak
+    }
+
+    /// Every row's logits over its visible keys, rows concatenated (the layout of
+    /// [`crate::reference::logits`]), computed tile by tile under `budget` exactly as a
+    /// run computes them. For tests and tools: it copies each tile's logits back.
+    pub fn logits(&mut self, p: &Problem, budget: usize) -> Result<Vec<f32>> {
+        let plan = crate::indexer::plan_for(self, p, budget)?;
+        self.begin(p, &plan)?;
+        let mut out = Vec::with_capacity(p.batch.valid_pairs());
+        let fp = footprint(p.batch.num_rows());
+        for t in 0..plan.tiles.len() {
+            let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
+            run.tile(&self.dev, t)?;
+            let Some(l) = run.logits.as_ref() else {
+                continue;
+            };
+            let all = self
+                .dev
+                .stream
+                .clone_dtoh(l)
+                .map_err(drv("copy logits back"))?;
+            let mut off = 0usize;
+            for i in plan.tiles[t].rows.clone() {
+                let n = p.batch.rows()[i].n;
+                out.extend_from_slice(&all[off..off + n]);
+                off += fp.row_bytes(n) / 4;
+            }
+        }
+        self.run = None;
+        Ok(out)
+    }
+
+    /// Candidate blocks, top-k and index assembly on the device from given scores
+    /// (each row's `n` scores, rows concatenated, as [`crate::reference::logits`]
+    /// returns them): the selection half of a run, for tests that feed it the CPU's
+    /// logits.
+    pub fn select_scores(&mut self, p: &Problem, scores: &[f32], budget: usize) -> Result<Output> {
+        if scores.len() != p.batch.valid_pairs() {
+            return Err(Error::shape(
+                "scores",
+                &[scores.len()],
+                &[p.batch.valid_pairs()],
+            ));
+        }
+        let plan = crate::indexer::plan_for(self, p, budget)?;
+        let mut out = Output::alloc(p);
+        self.begin(p, &plan)?;
+        let fp = footprint(p.batch.num_rows());
+        let mut src = 0usize;
+        for t in 0..plan.tiles.len() {
+            let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
+            if let Some(l) = run.logits.as_mut() {
+                let mut host = vec![0f32; l.len()];
+                let mut off = 0usize;
+                for i in plan.tiles[t].rows.clone() {
+                    let n = p.batch.rows()[i].n;
+                    host[off..off + n].copy_from_slice(&scores[src..src + n]);
+                    src += n;
+                    off += fp.row_bytes(n) / 4;
+                }
+                self.dev
+                    .stream
+                    .memcpy_htod(&host, l)
+                    .map_err(drv("upload scores"))?;
+            }
+            run.select_step(&self.dev, t)?;
+        }
+        self.end(p, &mut out)?;
+        Ok(out)
+    }
+}
+
+fn upload<T: cudarc::driver::DeviceRepr + Copy>(
+    s: &Arc<CudaStream>,
+    v: ndarray::ArrayViewD<'_, T>,
+    what: &str,
+) -> Result<CudaSlice<T>> {
+    let host: Vec<T> = match v.as_slice() {
+        Some(x) => x.to_vec(),
+        None => v.iter().copied().collect(),
+    };
+    if host.is_empty() {
+        // A zero-length allocation is not allowed: one element that nothing reads.
+        return s.alloc_zeros_like_one::<T>(what);
+    }
+    s.clone_htod(&host).map_err(drv(what))
+}
+
+trait AllocOne {
+    fn alloc_zeros_like_one<T: cudarc::driver::DeviceRepr>(
+        &self,
+        what: &str,
+    ) -> Result<CudaSlice<T>>;
+}
+impl AllocOne for Arc<CudaStream> {
+    fn alloc_zeros_like_one<T: cudarc::driver::DeviceRepr>(
+        &self,
+        what: &str,
+    ) -> Result<CudaSlice<T>> {
+        // SAFETY: an uninitialised one-element buffer that no kernel reads (its length
+        // stands for an empty input).
+        unsafe { self.alloc::<T>(1) }.map_err(drv(what))
+    }
+}
+
+fn shape_of(p: &Problem) -> Shape {
+    Shape {
+        heads: p.heads,
+        dim: p.dim,
+        q: p.q_format(),
+        k: p.k_format(),
+        topk: p.topk,
+        page_cols: p.page_cols,
+        block_size: p.block_size,
+        num_blocks: p.num_blocks,
+        tail: match p.role {
+            Role::Source { tail } => Some(tail),
+            _ => None,
+        },
+        consumer: matches!(p.role, Role::Consumer(_)),
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn max_topk(&self) -> usize {
+        MAX_TOPK
+    }
+    fn footprint(&self, p: &Problem) -> RowFootprint {
+        footprint(p.batch.num_rows())
+    }
+    fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
+        let shape = shape_of(p);
+        check_shape(&shape, p.batch)?;
+        self.run = None;
+        let s = self.dev.stream.clone();
+        let mut owned = Vec::new();
+        let mut ptrs = Ptrs::default();
+        let keep_u8 = |v: CudaSlice<u8>, owned: &mut Vec<OwnedBuf>| {
+            let a = ptr(&v, &s);
+            owned.push(OwnedBuf::U8(v));
+            a
+        };
+        match p.inputs.q {
+            Queries::E4m3(q) => ptrs.q = keep_u8(upload(&s, q.into_dyn(), "upload q")?, &mut owned),
+            Queries::E2m1 { packed, scale } => {
+                ptrs.q = keep_u8(upload(&s, packed.into_dyn(), "upload q")?, &mut owned);
+                ptrs.q_scale = keep_u8(upload(&s, scale.into_dyn(), "upload q_scale")?, &mut owned);
+            }
+        }
+        match p.inputs.k {
+            Keys::E4m3 { codes, scale } => {
+                ptrs.k = keep_u8(upload(&s, codes.into_dyn(), "upload k")?, &mut owned);
+                let ks = upload(&s, scale.into_dyn(), "upload k_scale")?;
+                ptrs.k_scale32 = ptr(&ks, &s);
+                owned.push(OwnedBuf::F32(ks));
+            }
+            Keys::E2m1 { packed, scale } => {
+                ptrs.k = keep_u8(upload(&s, packed.into_dyn(), "upload k")?, &mut owned);
+                ptrs.k_scale8 =
+                    keep_u8(upload(&s, scale.into_dyn(), "upload k_scale")?, &mut owned);
+            }
+        }
+        let w = upload(&s, p.inputs.weights.into_dyn(), "upload weights")?;
+        ptrs.w = ptr(&w, &s);
+        owned.push(OwnedBuf::F32(w));
+        if let Some(slots) = p.inputs.k_slots {
+            let v = upload(&s, slots.into_dyn(), "upload k_slots")?;
+            ptrs.k_slots = ptr(&v, &s);
+            owned.push(OwnedBuf::I32(v));
+        }
+        if let Role::Consumer(c) = p.role {
+            let v = upload(&s, c.blocks.view().into_dyn(), "upload candidates")?;
+            ptrs.cblocks = ptr(&v, &s);
+            owned.push(OwnedBuf::I32(v));
+        }
+        let publishes = |i: usize| p.publishes(i);
+        let run = Run::begin(&self.dev, p.batch, shape, ptrs, owned, plan, &publishes)?;
+        self.peak = run.transient;
+        self.run = Some(run);
+        Ok(())
+    }
+    fn tile(&mut self, _p: &Problem, _plan: &Plan, t: usize, _out: &mut Output) -> Result<()> {
+        let run = self
+            .run
+            .as_mut()
+            .ok_or_else(|| backend_err("tile before begin"))?;
+        run.tile(&self.dev, t)
+    }
+    fn end(&mut self, _p: &Problem, out: &mut Output) -> Result<()> {
+        let Some(run) = self.run.take() else {
+            return Ok(());
+        };
+        let s = &self.dev.stream;
+        let copy = |d: &CudaSlice<i32>, h: &mut ndarray::Array2<i32>, what: &str| -> Result<()> {
+            let v = s.clone_dtoh(d).map_err(drv(what))?;
+            let n = h.len();
+            let dst = h
+                .as_slice_mut()
+                .ok_or_else(|| backend_err("output not contiguous"))?;
+            dst.copy_from_slice(&v[..n]);
+            Ok(())
+        };
+        copy(&run.raw, &mut out.raw, "copy raw back")?;
+        copy(&run.page, &mut out.page, "copy page back")?;
+        if let (Some(d), Some(pb)) = (run.published.as_ref(), out.published.as_mut()) {
+            copy(d, &mut pb.blocks, "copy published back")?;
+        }
+        s.synchronize().map_err(drv("synchronize"))?;
+        Ok(())
+    }
+    fn device_peak(&self) -> Option<usize> {
+        Some(self.peak)
+    }
+}
+
+/// Run problem `p` on the shared CUDA device in tiles whose logits fit `budget` bytes.
+pub fn run_cuda(p: &Problem, budget: usize) -> Result<(Output, Plan)> {
+    let mut b = CudaBackend::new()?;
+    crate::indexer::run(&mut b, p, budget)
+}
+
+// ---------------------------------------------------------------------------------
+// The engine API: inputs already on the device, the caller's stream.
+// ---------------------------------------------------------------------------------
+
+/// Key values already on the device.
+#[derive(Debug)]
+pub enum DeviceKeys<'a> {
+    /// E4M3 `[L, D]` and f32 per-key scales `[L]`.
+    E4m3 {
+        /// Codes.
+        codes: CudaView<'a, u8>,
+        /// Per-key scale.
+        scale: CudaView<'a, f32>,
+    },
+    /// Packed E2M1 `[L, D/2]` and UE8M0 `[L, D/32]`.
+    E2m1 {
+        /// Packed codes.
+        packed: CudaView<'a, u8>,
+        /// Group scales.
+        scale: CudaView<'a, u8>,
+    },
+}
+
+/// Query values already on the device.
+#[derive(Debug)]
+pub enum DeviceQueries<'a> {
+    /// E4M3 `[T, H, D]`.
+    E4m3(CudaView<'a, u8>),
+    /// Packed E2M1 `[T, H, D/2]` and UE8M0 `[T, H, D/32]`.
+    E2m1 {
+        /// Packed codes.
+        packed: CudaView<'a, u8>,
+        /// Group scales.
+        scale: CudaView<'a, u8>,
+    },
+}
+
+/// A layer-forward whose inputs live on the device. Shapes are checked against the
+/// batch; element values are the caller's contract (as in SPEC 4: no NaN E4M3 codes,
+/// no UE8M0 255, finite weights, finite positive key scales, slots >= 0).
+#[derive(Debug)]
+pub struct DeviceInputs<'a> {
+    /// `H`.
+    pub heads: usize,
+    /// `D`.
+    pub dim: usize,
+    /// Queries.
+    pub q: DeviceQueries<'a>,
+    /// Keys.
+    pub k: DeviceKeys<'a>,
+    /// Weights `[T, H]`.
+    pub weights: CudaView<'a, f32>,
+    /// Pool slots `[L]`; `None` is the identity.
+    pub k_slots: Option<CudaView<'a, i32>>,
+}
+
+/// What a device run leaves on the device.
+#[derive(Debug)]
+pub struct DeviceOutput {
+    /// `raw [T, K]`, row-major.
+    pub raw: CudaSlice<i32>,
+    /// `page [T, page_cols]`.
+    pub page: CudaSlice<i32>,
+    /// Source layers: `[P, NB]` kept block ids.
+    pub published: Option<CudaSlice<i32>>,
+    /// The plan it ran.
+    pub plan: Plan,
+    /// Transient device bytes it allocated.
+    pub measured_peak: usize,
+}
+
+/// The engine entry point: a device (possibly on the caller's stream).
+#[derive(Debug, Clone)]
+pub struct Engine {
+    dev: Arc<Device>,
+}
+
+impl Engine {
+    /// On the caller's stream (its context must be an sm_90 GPU).
+    pub fn on_stream(stream: Arc<CudaStream>) -> Result<Engine> {
+        if !libraries_present() {
+            return Err(backend_err("no CUDA: libcuda or libnvrtc not found"));
+        }
+        Ok(Engine {
+            dev: Device::with_stream(stream)?,
+        })
+    }
+
+    /// Run a plain or source layer (`tail`: `None` plain, `Some(t)` source) whose
+    /// inputs are on the device; the outputs stay there. Launches are queued on the
+    /// engine's stream; the call returns after queuing (outputs are ready in stream
+    /// order). Consumer layers take `candidates` (`[T, NB]` on the device).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_device(
+        &self,
+        batch: &Batch,
+        inputs: &DeviceInputs<'_>,
+        params: Params,
+        source_tail: Option<Option<usize>>,
+        candidates: Option<&CudaView<'_, i32>>,
+        budget: usize,
+    ) -> Result<DeviceOutput> {
+        let s = self.dev.stream.clone();
+        let (t, l) = (batch.num_rows(), batch.num_keys());
+        let (h, d) = (inputs.heads, inputs.dim);
+        if !(h.is_power_of_two() && (8..=64).contains(&h)) {
+            return Err(Error::range("heads", h, "a power of two in 8..=64"));
+        }
+        if ![32, 64, 128].contains(&d) {
+            return Err(Error::range("dim", d, "32, 64 or 128"));
+        }
+        let g = d / 32;
+        let len = |field: &str, got: usize, want: usize| -> Result<()> {
+            if got != want {
+                return Err(Error::shape(field, &[got], &[want]));
+            }
+            Ok(())
+        };
+        let mut ptrs = Ptrs::default();
+        let qf = match &inputs.q {
+            DeviceQueries::E4m3(q) => {
+                len("q", q.len(), t * h * d)?;
+                ptrs.q = vptr(q, &s);
+                Format::E4m3
+            }
+            DeviceQueries::E2m1 { packed, scale } => {
+                len("q", packed.len(), t * h * d / 2)?;
+                len("q_scale", scale.len(), t * h * g)?;
+                ptrs.q = vptr(packed, &s);
+                ptrs.q_scale = vptr(scale, &s);
+                Format::E2m1
+            }
+        };
+        let kf = match &inputs.k {
+            DeviceKeys::E4m3 { codes, scale } => {
+                len("k", codes.len(), l * d)?;
+                len("k_scale", scale.len(), l)?;
+                ptrs.k = vptr(codes, &s);
+                ptrs.k_scale32 = vptr(scale, &s);
+                Format::E4m3
+            }
+            DeviceKeys::E2m1 { packed, scale } => {
+                len("k", packed.len(), l * d / 2)?;
+                len("k_scale", scale.len(), l * g)?;
+                ptrs.k = vptr(packed, &s);
+                ptrs.k_scale8 = vptr(scale, &s);
+                Format::E2m1
+            }
+        };
+        len("weights", inputs.weights.len(), t * h)?;
+        ptrs.w = vptr(&inputs.weights, &s);
+        if let Some(slots) = &inputs.k_slots {
+            len("k_slots", slots.len(), l)?;
+            ptrs.k_slots = vptr(slots, &s);
+        }
+        if params.topk == 0 {
+            return Err(Error::range("topk", 0, "1 ..= 65536"));
+        }
+        let page_cols = match params.page_cols {
+            Some(c) if c < params.topk => {
+                return Err(Error::range("page_cols", c, "page_cols >= topk"))
+            }
+            Some(c) => c,
+            None => params.topk.div_ceil(64) * 64,
+        };
+        if params.block_size == 0 {
+            return Err(Error::range("block_size", 0, "block_size >= 1"));
+        }
+        if params.num_blocks == 0 {
+            return Err(Error::range("num_blocks", 0, "num_blocks >= 1"));
+        }
+        if let Some(Some(0)) = source_tail {
+            return Err(Error::range("tail", 0, "tail >= 1"));
+        }
+        if let Some(c) = candidates {
+            len("candidates", c.len(), t * params.num_blocks)?;
+            ptrs.cblocks = vptr(c, &s);
+        }
+        let shape = Shape {
+            heads: h,
+            dim: d,
+            q: qf,
+            k: kf,
+            topk: params.topk,
+            page_cols,
+            block_size: params.block_size,
+            num_blocks: params.num_blocks,
+            tail: source_tail,
+            consumer: candidates.is_some(),
+        };
+        check_shape(&shape, batch)?;
+        let pp = crate::plan::PlanParams {
+            heads: h,
+            dim: d,
+            topk: params.topk,
+            block_size: params.block_size,
+            num_blocks: params.num_blocks,
+            role: match (source_tail, candidates) {
+                (Some(tail), _) => crate::plan::PlanRole::Source { tail },
+                (None, Some(_)) => crate::plan::PlanRole::Consumer,
+                _ => crate::plan::PlanRole::Plain,
+            },
+            budget,
+        };
+        let plan = crate::plan::plan(batch, &pp, &footprint(t))?;
+        let publishes = |i: usize| {
+            source_tail.is_some_and(|tail| {
+                crate::batch::publishes(&batch.rows()[i], batch.requests(), tail)
+            })
+        };
+        let mut run = Run::begin(&self.dev, batch, shape, ptrs, Vec::new(), &plan, &publishes)?;
+        for ti in 0..plan.tiles.len() {
+            run.tile(&self.dev, ti)?;
+        }
+        let measured_peak = run.transient;
+        Ok(DeviceOutput {
+            raw: run.raw,
+            page: run.page,
+            published: run.published,
+            plan,
+            measured_peak,
+        })
+    }
+}
+
+/// Whether `p`'s class is held bitwise (exact) on this backend.
+pub fn is_bitwise(p: &Problem) -> bool {
+    p.class() == Class::Exact
+}

@@ -1,0 +1,689 @@
+//! The CUDA backend against the reference (issue 6). Runs on an H200; without a GPU
+//! every test prints "no CUDA device, skipping" and passes, unless `DSA_REQUIRE_GPU=1`,
+//! under which a skip is a failure.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::strategies::{build, shape_with};
+use common::{bits, first_diff, golden_files};
+use dsa_indexer::batch::Batch;
+use dsa_indexer::cuda::{self, kernels, CudaBackend, TOLERANCE_LOG2};
+use dsa_indexer::dump::{Dump, RoleKind};
+use dsa_indexer::formats::{e2m1, e4m3, ue8m0};
+use dsa_indexer::indexer::{plan_for, run as run_backend, Backend};
+use dsa_indexer::problem::*;
+use dsa_indexer::reference::{self, rank_key, Output};
+use ndarray::{Array1, Array2, Array3};
+use proptest::prelude::*;
+
+/// The backend, or `None` (after printing why) when there is no GPU.
+fn gpu() -> Option<CudaBackend> {
+    match CudaBackend::new() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            if std::env::var("DSA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("DSA_REQUIRE_GPU=1 but the CUDA backend is unavailable: {e}");
+            }
+            eprintln!("no CUDA device, skipping ({e})");
+            None
+        }
+    }
+}
+
+fn check_eq<T: PartialEq + Copy + std::fmt::Debug>(tag: &str, what: &str, got: &[T], want: &[T]) {
+    if let Some(i) = first_diff(got, want) {
+        panic!(
+            "{tag}: {what} differs first at flat index {i}: got {:?}, expected {:?} (lengths {} / {})",
+            got.get(i),
+            want.get(i),
+            got.len(),
+            want.len()
+        );
+    }
+}
+
+fn check_outputs(tag: &str, got: &Output, want: &Output) {
+    check_eq(
+        tag,
+        "raw",
+        got.raw.as_slice().unwrap(),
+        want.raw.as_slice().unwrap(),
+    );
+    check_eq(
+        tag,
+        "page",
+        got.page.as_slice().unwrap(),
+        want.page.as_slice().unwrap(),
+    );
+    match (&got.published, &want.published) {
+        (Some(g), Some(w)) => check_eq(
+            tag,
+            "published",
+            g.blocks.as_slice().unwrap(),
+            w.blocks.as_slice().unwrap(),
+        ),
+        (None, None) => {}
+        _ => panic!("{tag}: published present on one side only"),
+    }
+}
+
+/// Exact class: logits, raw, page and published bitwise equal the reference's, at
+/// several budgets; the measured device peak is within the plan.
+fn check_exact(b: &mut CudaBackend, tag: &str, p: &Problem) {
+    let want_logits = reference::logits(p);
+    let want = reference::run(p);
+    for budget in [1usize, 4096, 1 << 20, usize::MAX] {
+        let tag = format!("{tag} at budget {budget}");
+        let got_logits = b.logits(p, budget).unwrap();
+        check_eq(
+            &tag,
+            "logits (bits)",
+            &bits(&got_logits),
+            &bits(&want_logits),
+        );
+        let (out, plan) = run_backend(b, p, budget).unwrap();
+        check_outputs(&tag, &out, &want);
+        let peak = b.device_peak().unwrap();
+        assert!(
+            peak <= plan.peak.total(),
+            "{tag}: measured device peak {peak} > planned {}",
+            plan.peak.total()
+        );
+    }
+}
+
+fn dump_problem(d: &Dump) -> (Batch, Option<Published>) {
+    let batch = d.batch().unwrap();
+    let published = d.published_input(&batch);
+    (batch, published)
+}
+
+#[test]
+fn codecs_decode_on_the_device_as_the_host_tables() {
+    let Some(b) = gpu() else { return };
+    let (f8, f4d, f4e, s8) = b.device().decode_codes().unwrap();
+    for c in 0..256usize {
+        let want = e4m3::TABLE[c];
+        let got = f32::from_bits(f8[c]);
+        assert!(
+            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+            "e4m3 0x{c:02x}: device {got:?}, host {want:?}"
+        );
+        if c < 255 {
+            assert_eq!(s8[c], ue8m0::TABLE[c].to_bits(), "ue8m0 {c}");
+        }
+    }
+    for c in 0..16usize {
+        assert_eq!(f4d[c] as u8 as i8, e2m1::DOUBLED[c], "e2m1 doubled 0x{c:x}");
+        let v = e4m3::TABLE[f4e[c] as usize];
+        assert_eq!(
+            v.to_bits(),
+            e2m1::TABLE[c].to_bits(),
+            "e2m1 0x{c:x} as e4m3 0x{:02x}",
+            f4e[c]
+        );
+    }
+}
+
+// ---- tolerance class: the bound this backend states, and SPEC 5's rule ----
+
+/// `M` of SPEC 4 for row `i`, visible key `j` (f64).
+fn magnitude(p: &Problem, i: usize, j: usize) -> f64 {
+    let row = p.batch.rows()[i];
+    let x = row.ks + j;
+    let (h, g) = (p.heads, p.dim / 32);
+    let kval = |e: usize| -> f64 {
+        match p.inputs.k {
+            Keys::E4m3 { codes, .. } => e4m3::decode(codes[[x, e]]) as f64,
+            Keys::E2m1 { packed, .. } => {
+                let b = packed[[x, e / 2]];
+                e2m1::decode(if e % 2 == 0 { b & 0xF } else { b >> 4 }) as f64
+            }
+        }
+    };
+    let kc = |gg: usize| -> f64 {
+        match p.inputs.k {
+            Keys::E2m1 { scale, .. } => ue8m0::decode(scale[[x, gg]]) as f64,
+            _ => 1.0,
+        }
+    };
+    let kscale = match p.inputs.k {
+        Keys::E4m3 { scale, .. } => scale[x] as f64,
+        _ => 1.0,
+    };
+    let mut m = 0f64;
+    for hh in 0..h {
+        let mut s = 0f64;
+        for gg in 0..g {
+            let (mut dot, mut qc) = (0f64, 1f64);
+            for e in gg * 32..gg * 32 + 32 {
+                let qv = match p.inputs.q {
+                    Queries::E4m3(q) => e4m3::decode(q[[i, hh, e]]) as f64,
+                    Queries::E2m1 { packed, scale } => {
+                        qc = ue8m0::decode(scale[[i, hh, gg]]) as f64;
+                        let b = packed[[i, hh, e / 2]];
+                        e2m1::decode(if e % 2 == 0 { b & 0xF } else { b >> 4 }) as f64
+                    }
+                };
+                dot += (qv * kval(e)).abs();
+            }
+            s += qc * kc(gg) * dot;
+        }
+        m += (p.inputs.weights[[i, hh]] as f64).abs() * s;
+    }
+    m * kscale
+}
+
+fn bound(p: &Problem, i: usize, j: usize) -> f64 {
+    2f64.powi(TOLERANCE_LOG2) * magnitude(p, i, j)
+}
+
+/// Every logit within the stated bound of the reference's.
+fn check_logits_bound(tag: &str, p: &Problem, got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{tag}: logits length");
+    let mut k = 0;
+    let mut worst = 0f64;
+    for (i, row) in p.batch.rows().iter().enumerate() {
+        for j in 0..row.n {
+            let (x, r) = (got[k], want[k]);
+            k += 1;
+            if x.to_bits() == r.to_bits() || (x.is_nan() && r.is_nan()) {
+                continue;
+            }
+            let b = bound(p, i, j);
+            let err = (x as f64 - r as f64).abs();
+            assert!(
+                err <= b,
+                "{tag}: row {i}, key {j}: cuda {x:e}, reference {r:e}, |diff| {err:e} > bound {b:e}"
+            );
+            if b > 0.0 {
+                worst = worst.max(err / b * 2f64.powi(TOLERANCE_LOG2));
+            }
+        }
+    }
+    worst
+}
+
+/// SPEC 5's correctness rule for a selection from scores within the bound.
+fn check_selection_rule(tag: &str, p: &Problem, out: &Output, want_logits: &[f32]) {
+    let score = |x: f32| {
+        if x.is_nan() {
+            f64::NEG_INFINITY
+        } else {
+            x as f64
+        }
+    };
+    let mut base = 0;
+    for (i, row) in p.batch.rows().iter().enumerate() {
+        let n = row.n;
+        let s = &want_logits[base..base + n];
+        base += n;
+        let cands: Vec<usize> = match p.role {
+            Role::Consumer(c) => reference::candidates::consumer_candidates(
+                c.blocks.row(i).as_slice().unwrap(),
+                n,
+                p.block_size,
+            )
+            .collect(),
+            _ => (0..n).collect(),
+        };
+        let sel: Vec<i32> = out.raw.row(i).iter().copied().filter(|&x| x >= 0).collect();
+        assert_eq!(
+            sel.len(),
+            cands.len().min(p.topk),
+            "{tag}: row {i} selected count"
+        );
+        assert!(
+            sel.windows(2).all(|w| w[0] < w[1]),
+            "{tag}: row {i} not ascending"
+        );
+        for (c, &j) in sel.iter().enumerate() {
+            assert_eq!(
+                out.page[[i, c]],
+                p.slot(row.ks + j as usize),
+                "{tag}: row {i} page[{c}]"
+            );
+        }
+        if cands.len() <= p.topk {
+            assert_eq!(
+                sel,
+                cands.iter().map(|&j| j as i32).collect::<Vec<_>>(),
+                "{tag}: row {i}"
+            );
+            continue;
+        }
+        let mut sorted: Vec<f64> = cands.iter().map(|&j| score(s[j])).collect();
+        sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+        let kth = sorted[p.topk - 1];
+        let rb = cands.iter().map(|&j| bound(p, i, j)).fold(0f64, f64::max);
+        let chosen: std::collections::HashSet<usize> = sel.iter().map(|&j| j as usize).collect();
+        for &j in &cands {
+            let v = score(s[j]);
+            if chosen.contains(&j) {
+                assert!(
+                    v >= kth - rb,
+                    "{tag}: row {i} selected {j} with {v:e} < {kth:e} - {rb:e}"
+                );
+            } else {
+                assert!(
+                    v <= kth + rb,
+                    "{tag}: row {i} left out {j} with {v:e} > {kth:e} + {rb:e}"
+                );
+            }
+        }
+        assert!(
+            chosen.iter().all(|j| cands.contains(j)),
+            "{tag}: row {i} selected a non-candidate"
+        );
+    }
+}
+
+/// Tolerance class: the stated bound on logits, SPEC 5's rule on the selection, and
+/// the device top-k on the CPU's logits bitwise equal to the CPU's.
+fn check_tolerance(b: &mut CudaBackend, tag: &str, p: &Problem) -> f64 {
+    let want_logits = reference::logits(p);
+    let want = reference::run(p);
+    let got_logits = b.logits(p, usize::MAX).unwrap();
+    let worst = check_logits_bound(tag, p, &got_logits, &want_logits);
+    for budget in [1usize, 1 << 20, usize::MAX] {
+        let (out, plan) = run_backend(b, p, budget).unwrap();
+        check_selection_rule(&format!("{tag} at budget {budget}"), p, &out, &want_logits);
+        assert!(b.device_peak().unwrap() <= plan.peak.total(), "{tag}: peak");
+    }
+    // Same scores in, bitwise the reference's selection out.
+    let cpu_logits = reference::logits(p);
+    let sel = b.select_scores(p, &cpu_logits, 4096).unwrap();
+    check_outputs(&format!("{tag}: top-k of the CPU logits"), &sel, &want);
+    worst
+}
+
+#[test]
+fn golden_vectors() {
+    let Some(mut b) = gpu() else { return };
+    let files = golden_files();
+    assert!(files.len() >= 14, "golden files: {}", files.len());
+    for path in files {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let d = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
+        let (batch, published) = dump_problem(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
+        let e = &d.expected;
+        if p.class() == Class::Exact {
+            let got = b.logits(&p, usize::MAX).unwrap();
+            check_eq(
+                &name,
+                "logits (bits) vs golden",
+                &bits(&got),
+                &bits(e.logits.as_ref().unwrap()),
+            );
+            check_exact(&mut b, &name, &p);
+            let (out, _) = run_backend(&mut b, &p, usize::MAX).unwrap();
+            check_eq(
+                &name,
+                "raw vs golden",
+                out.raw.as_slice().unwrap(),
+                e.raw.as_ref().unwrap().as_slice().unwrap(),
+            );
+            check_eq(
+                &name,
+                "page vs golden",
+                out.page.as_slice().unwrap(),
+                e.page.as_ref().unwrap().as_slice().unwrap(),
+            );
+            eprintln!("{name}: exact class, bitwise");
+        } else {
+            let worst = check_tolerance(&mut b, &name, &p);
+            eprintln!("{name}: tolerance class, worst |diff| / M = {worst:e}");
+        }
+    }
+}
+
+fn exact_shape() -> impl Strategy<Value = common::strategies::Shape> {
+    shape_with(150, vec![8, 16, 32, 64]).prop_map(|mut s| {
+        s.q_format = Format::E2m1;
+        s.k_format = Format::E2m1;
+        s
+    })
+}
+
+proptest! {
+    #![proptest_config(common::config(16))]
+
+    #[test]
+    fn exact_class_random_batches_are_bitwise(s in exact_shape()) {
+        let Some(mut b) = gpu() else { return Ok(()) };
+        let d = build(&s);
+        let (batch, _) = dump_problem(&d);
+        let p = d.problem(&batch, None).unwrap();
+        check_exact(&mut b, &format!("{s:?}"), &p);
+        // A consumer of this source's blocks (all rows published when there is no tail).
+        if s.role == RoleKind::Source && s.tail.is_none() {
+            let published = reference::run(&p).published.unwrap();
+            let mut pc = p;
+            pc.role = Role::Consumer(&published);
+            check_exact(&mut b, &format!("consumer of {s:?}"), &pc);
+        }
+    }
+
+    #[test]
+    fn tolerance_class_random_batches_meet_the_bound(s in shape_with(100, vec![8, 16, 32, 64])) {
+        let Some(mut b) = gpu() else { return Ok(()) };
+        let d = build(&s);
+        let (batch, _) = dump_problem(&d);
+        let p = d.problem(&batch, None).unwrap();
+        if p.class() == Class::Exact {
+            check_exact(&mut b, &format!("{s:?}"), &p);
+        } else {
+            check_tolerance(&mut b, &format!("{s:?}"), &p);
+        }
+    }
+}
+
+// ---- fixed cases ----
+
+/// Owned inputs of a hand-made exact-class (or fp8) problem.
+struct Case {
+    batch: Batch,
+    q: Array3<u8>,
+    qs: Array3<u8>,
+    k: Array2<u8>,
+    ks: Array2<u8>,
+    w: Array2<f32>,
+}
+
+impl Case {
+    fn random(batch: Batch, h: usize, d: usize, seed: u64) -> Case {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (t, l, g) = (batch.num_rows(), batch.num_keys(), d / 32);
+        Case {
+            q: Array3::from_shape_fn((t, h, d / 2), |_| rng.gen()),
+            qs: Array3::from_shape_fn((t, h, g), |_| rng.gen_range(120..=134)),
+            k: Array2::from_shape_fn((l, d / 2), |_| rng.gen()),
+            ks: Array2::from_shape_fn((l, g), |_| rng.gen_range(120..=134)),
+            w: Array2::from_shape_fn((t, h), |_| rng.gen_range(-1.0f32..1.0)),
+            batch,
+        }
+    }
+    fn problem<'a>(&'a self, params: Params, role: Role<'a>) -> Problem<'a> {
+        let inputs = Inputs {
+            q: Queries::E2m1 {
+                packed: self.q.view(),
+                scale: self.qs.view(),
+            },
+            k: Keys::E2m1 {
+                packed: self.k.view(),
+                scale: self.ks.view(),
+            },
+            weights: self.w.view(),
+            k_slots: None,
+        };
+        Problem::new(&self.batch, inputs, params, role).unwrap()
+    }
+}
+
+#[test]
+fn boundary_sizes_from_the_kernel_constants() {
+    let Some(mut b) = gpu() else { return };
+    let (r, kc, chunk) = (
+        kernels::LOGITS_ROWS,
+        kernels::LOGITS_KEYS,
+        kernels::TOPK_CHUNK,
+    );
+    // Context lengths around the logits key tile, its m-tile pairs, and rows around a group.
+    for s in [1, 15, 16, 17, 31, 32, 33, kc - 1, kc, kc + 1, 2 * kc + 1] {
+        for rows in [1, r - 1, r, r + 1, 2 * r + 3] {
+            let rows = rows.min(s);
+            let batch = Batch::contiguous(&[s, 3], &[s - rows, 0], 1).unwrap();
+            let c = Case::random(batch, 32, 64, (s * 100 + rows) as u64);
+            for k in [1usize, s.saturating_sub(1).max(1), s, s + 1] {
+                let p = c.problem(Params::new(k), Role::Plain);
+                check_exact(&mut b, &format!("S={s} rows={rows} K={k}"), &p);
+            }
+        }
+    }
+    // Rows around the top-k kernel's chunk (its ordered pass), K around n.
+    for n in [chunk - 1, chunk, chunk + 1] {
+        let batch = Batch::explicit(&[n + 1], &[0, 0], &[n - 1, n], 1).unwrap();
+        let c = Case::random(batch, 16, 32, n as u64);
+        for k in [1, 2048, n - 1, n, n + 1] {
+            let p = c.problem(Params::new(k), Role::Plain);
+            check_exact(&mut b, &format!("n={n} K={k}"), &p);
+        }
+    }
+    // Source rows around B * NB.
+    let (bs, nb) = (4usize, 5usize);
+    for n in [bs * nb - 1, bs * nb, bs * nb + 1, 3 * bs * nb] {
+        let batch = Batch::contiguous(&[n], &[n.saturating_sub(3)], 1).unwrap();
+        let c = Case::random(batch, 8, 32, 7 + n as u64);
+        let params = Params {
+            topk: 3,
+            page_cols: None,
+            block_size: bs,
+            num_blocks: nb,
+        };
+        let p = c.problem(params, Role::Source { tail: Some(2) });
+        check_exact(&mut b, &format!("source tail 2, n={n}"), &p);
+        let p = c.problem(params, Role::Source { tail: None });
+        check_exact(&mut b, &format!("source n={n}"), &p);
+        let published = reference::run(&p).published.unwrap();
+        let pc = c.problem(params, Role::Consumer(&published));
+        check_exact(&mut b, &format!("consumer n={n}"), &pc);
+    }
+}
+
+#[test]
+fn special_values_are_bitwise() {
+    let Some(mut b) = gpu() else { return };
+    let batch = Batch::contiguous(&[40, 9], &[0, 3], 1).unwrap();
+    let (h, d) = (16, 128);
+    // UE8M0 bytes 0, 1 and 254; subnormal products; overflow to inf and NaN.
+    for (name, qe, ke) in [
+        ("scales 0 x 0 (subnormal products)", 0u8, 0u8),
+        ("scales 1 x 1", 1, 1),
+        ("scales 0 x 254", 0, 254),
+        (
+            "scales 254 x 254 (overflow to inf, inf - inf = NaN)",
+            254,
+            254,
+        ),
+        ("scales 1 x 130", 1, 130),
+    ] {
+        let mut c = Case::random(batch.clone(), h, d, qe as u64 * 7 + ke as u64);
+        c.qs.fill(qe);
+        c.ks.fill(ke);
+        // Mixed-sign weights so that overflowing heads give inf - inf.
+        check_exact(&mut b, name, &c.problem(Params::new(5), Role::Plain));
+        c.w.mapv_inplace(|x| -x.abs());
+        check_exact(
+            &mut b,
+            &format!("{name}, negative weights"),
+            &c.problem(Params::new(5), Role::Plain),
+        );
+    }
+    // All-zero queries: every logit +0 or -0: ties everywhere, lowest j wins.
+    let mut c = Case::random(batch.clone(), h, d, 3);
+    c.q.fill(0x88); // -0, -0
+    check_exact(
+        &mut b,
+        "all-zero queries",
+        &c.problem(Params::new(4), Role::Plain),
+    );
+    // Repeated keys: exact ties between different j.
+    let mut c = Case::random(batch.clone(), h, d, 4);
+    let k0 = c.k.row(0).to_owned();
+    let s0 = c.ks.row(0).to_owned();
+    for x in 0..c.k.nrows() {
+        if x % 3 != 1 {
+            c.k.row_mut(x).assign(&k0);
+            c.ks.row_mut(x).assign(&s0);
+        }
+    }
+    check_exact(
+        &mut b,
+        "repeated keys",
+        &c.problem(Params::new(6), Role::Plain),
+    );
+    check_exact(
+        &mut b,
+        "repeated keys, source",
+        &c.problem(
+            Params {
+                topk: 6,
+                page_cols: Some(70),
+                block_size: 2,
+                num_blocks: 3,
+            },
+            Role::Source { tail: None },
+        ),
+    );
+}
+
+#[test]
+fn tolerance_fixed_case_448_squared_plus_31_times_14() {
+    let Some(mut b) = gpu() else { return };
+    // One row, one key, H = 8, D = 32: products 448*448 and 31 x 14 = 201138 exactly.
+    let batch = Batch::contiguous(&[1], &[0], 1).unwrap();
+    let mut q = Array3::from_elem((1, 8, 32), 0x58u8); // 14.0 = 1.75 * 8
+    let mut k = Array2::from_elem((1, 32), 0x38u8); // 1.0
+    for hh in 0..8 {
+        q[[0, hh, 0]] = 0x7E; // 448
+    }
+    k[[0, 0]] = 0x7E;
+    assert_eq!(e4m3::decode(0x58), 14.0);
+    let ks = Array1::from_elem(1, 1.0f32);
+    let w = Array2::from_elem((1, 8), 1.0f32);
+    let inputs = Inputs {
+        q: Queries::E4m3(q.view()),
+        k: Keys::E4m3 {
+            codes: k.view(),
+            scale: ks.view(),
+        },
+        weights: w.view(),
+        k_slots: None,
+    };
+    let p = Problem::new(&batch, inputs, Params::new(1), Role::Plain).unwrap();
+    let got = b.logits(&p, usize::MAX).unwrap();
+    let want = reference::logits(&p);
+    assert_eq!(want, vec![8.0 * 201138.0]);
+    check_logits_bound("448^2 + 31*14", &p, &got, &want);
+    eprintln!(
+        "448^2 + 31*14 (x 8 heads): cuda {}, exact {}",
+        got[0], want[0]
+    );
+}
+
+#[test]
+fn same_bits_for_every_budget_and_every_run() {
+    let Some(mut b) = gpu() else { return };
+    let batch = Batch::contiguous(&[300, 77, 150], &[200, 0, 140], 1).unwrap();
+    let c = Case::random(batch, 32, 128, 11);
+    let p = c.problem(
+        Params {
+            topk: 16,
+            page_cols: None,
+            block_size: 4,
+            num_blocks: 8,
+        },
+        Role::Source { tail: Some(5) },
+    );
+    let first = run_backend(&mut b, &p, usize::MAX).unwrap().0;
+    let first_logits = b.logits(&p, usize::MAX).unwrap();
+    let one_row = p.batch.rows().iter().map(|r| r.n).max().unwrap() * 4;
+    for budget in [
+        1usize,
+        one_row / 2,
+        one_row,
+        3 * one_row,
+        1 << 16,
+        1 << 20,
+        usize::MAX,
+    ] {
+        let (out, plan) = run_backend(&mut b, &p, budget).unwrap();
+        check_outputs(
+            &format!("budget {budget} ({} tiles)", plan.tiles.len()),
+            &out,
+            &first,
+        );
+        let l = b.logits(&p, budget).unwrap();
+        check_eq(
+            &format!("budget {budget}"),
+            "logits (bits)",
+            &bits(&l),
+            &bits(&first_logits),
+        );
+    }
+    check_outputs("reference", &first, &reference::run(&p));
+}
+
+#[test]
+fn engine_api_takes_device_inputs_on_the_callers_stream() {
+    let Some(b) = gpu() else { return };
+    let batch = Batch::contiguous(&[90, 33], &[60, 0], 1).unwrap();
+    let c = Case::random(batch, 16, 64, 5);
+    let p = c.problem(Params::new(8), Role::Plain);
+    let want = reference::run(&p);
+    let stream = b.device().context().new_stream().unwrap();
+    let q = stream.clone_htod(c.q.as_slice().unwrap()).unwrap();
+    let qs = stream.clone_htod(c.qs.as_slice().unwrap()).unwrap();
+    let k = stream.clone_htod(c.k.as_slice().unwrap()).unwrap();
+    let ks = stream.clone_htod(c.ks.as_slice().unwrap()).unwrap();
+    let w = stream.clone_htod(c.w.as_slice().unwrap()).unwrap();
+    let engine = cuda::Engine::on_stream(stream.clone()).unwrap();
+    let inputs = cuda::DeviceInputs {
+        heads: 16,
+        dim: 64,
+        q: cuda::DeviceQueries::E2m1 {
+            packed: q.as_view(),
+            scale: qs.as_view(),
+        },
+        k: cuda::DeviceKeys::E2m1 {
+            packed: k.as_view(),
+            scale: ks.as_view(),
+        },
+        weights: w.as_view(),
+        k_slots: None,
+    };
+    let out = engine
+        .run_device(&c.batch, &inputs, Params::new(8), None, None, 1 << 12)
+        .unwrap();
+    assert!(out.plan.tiles.len() > 1, "several tiles");
+    assert!(out.measured_peak <= out.plan.peak.total());
+    let raw = stream.clone_dtoh(&out.raw).unwrap();
+    let page = stream.clone_dtoh(&out.page).unwrap();
+    check_eq("engine", "raw", &raw, want.raw.as_slice().unwrap());
+    check_eq("engine", "page", &page, want.page.as_slice().unwrap());
+    // A shape mismatch is a typed error.
+    let bad = cuda::DeviceInputs {
+        heads: 32,
+        ..inputs
+    };
+    assert!(engine
+        .run_device(&c.batch, &bad, Params::new(8), None, None, 1 << 12)
+        .is_err());
+}
+
+#[test]
+fn plan_and_measured_peak() {
+    let Some(mut b) = gpu() else { return };
+    let batch = Batch::contiguous(&[2000], &[1000], 1).unwrap();
+    let c = Case::random(batch, 32, 128, 9);
+    let p = c.problem(Params::new(64), Role::Plain);
+    for budget in [1usize << 12, 1 << 16, 1 << 20, usize::MAX] {
+        let plan = plan_for(&b, &p, budget).unwrap();
+        let (_, plan2) = run_backend(&mut b, &p, budget).unwrap();
+        assert_eq!(plan, plan2);
+        let m = b.device_peak().unwrap();
+        assert!(
+            m <= plan.peak.total(),
+            "budget {budget}: measured {m} > planned {}",
+            plan.peak.total()
+        );
+        assert!(
+            plan.peak.logits_tile <= budget.max(plan.peak.logits_tile.min(budget))
+                || plan.has_oversized_row()
+        );
+    }
+    let _ = rank_key(0.0);
+}
