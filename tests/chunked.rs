@@ -11,7 +11,7 @@ use dsa_indexer::reference;
 use proptest::prelude::*;
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(common::config(48))]
 
     #[test]
     fn chunked_equals_untiled_reference(s in shape(), budget_pick in 0usize..4, budget_raw in 1usize..4000, consumer in any::<bool>()) {
@@ -57,11 +57,19 @@ proptest! {
 /// meet ragged rows from several requests in one tile.
 #[test]
 fn wider_batches_at_many_budgets() {
-    let strat = common::strategies::shape_with(300, vec![8, 32]);
-    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
-        cases: 8,
-        ..ProptestConfig::default()
-    });
+    wide(300, 8);
+}
+
+/// The heavy sweep: `cargo test --release --test chunked -- --ignored`.
+#[test]
+#[ignore]
+fn heavy_wide_batches_at_many_budgets() {
+    wide(3000, 24);
+}
+
+fn wide(max_seq: usize, cases: u32) {
+    let strat = common::strategies::shape_with(max_seq, vec![8, 32]);
+    let mut runner = proptest::test_runner::TestRunner::new(common::config(cases));
     runner
         .run(&strat, |s| {
             let d = build(&s);

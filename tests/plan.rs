@@ -29,7 +29,7 @@ fn role() -> impl Strategy<Value = PlanRole> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(common::config(256))]
 
     #[test]
     fn tiles_cover_rows_in_order_and_fit(

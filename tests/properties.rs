@@ -48,7 +48,7 @@ fn consumer_batch(d: &Dump, batch: &Batch) -> Batch {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(common::config(64))]
 
     /// Top-k equals a naive full sort under the ranking key; rows are sorted, -1
     /// padded; page follows k_slots and is -1 past K.

@@ -42,3 +42,15 @@ pub fn first_diff<T: PartialEq + Copy>(a: &[T], b: &[T]) -> Option<usize> {
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
+
+/// proptest config with `cases` by default, or `$PROPTEST_CASES` for heavier sweeps.
+pub fn config(cases: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(cases);
+    proptest::test_runner::Config {
+        cases,
+        ..proptest::test_runner::Config::default()
+    }
+}
