@@ -223,6 +223,7 @@ impl Batch {
 pub(crate) fn publishes(row: &Row, requests: &[Request], tail: Option<usize>) -> bool {
     match tail {
         None => true,
-        Some(t) => row.position + t >= requests[row.request].seq_len,
+        // `p >= S_b - tail`, written so that a huge tail cannot overflow.
+        Some(t) => row.position >= requests[row.request].seq_len.saturating_sub(t),
     }
 }
