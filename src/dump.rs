@@ -359,11 +359,41 @@ impl Meta {
     }
 }
 
+/// When a file's header parses but its data section is shorter than the header says,
+/// the error naming the first tensor whose bytes are missing.
+fn truncated(buf: &[u8]) -> Option<Error> {
+    let n = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?);
+    let n = usize::try_from(n).ok()?;
+    let header = buf.get(8..8usize.checked_add(n)?)?;
+    let v: serde_json::Value = serde_json::from_slice(header).ok()?;
+    let have = buf.len() - 8 - n;
+    let mut ts: Vec<(u64, u64, &String)> = v
+        .as_object()?
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .filter_map(|(k, t)| {
+            let o = t.get("data_offsets")?.as_array()?;
+            Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?, k))
+        })
+        .collect();
+    ts.sort();
+    let (a, b, name) = ts.into_iter().find(|&(_, b, _)| b > have as u64)?;
+    Some(derr(
+        name,
+        format!(
+            "truncated: its bytes are [{a}, {b}) of the data section, the file has {have} (file length {})",
+            buf.len()
+        ),
+    ))
+}
+
 impl Dump {
     /// Parse a dump. Any problem is an [`Error::Dump`] naming the tensor.
     pub fn from_bytes(buf: &[u8]) -> Result<Dump> {
-        let (_, header) =
-            SafeTensors::read_metadata(buf).map_err(|e| derr("header", e.to_string()))?;
+        let (_, header) = SafeTensors::read_metadata(buf).map_err(|e| match truncated(buf) {
+            Some(err) => err,
+            None => derr("header", e.to_string()),
+        })?;
         let st = SafeTensors::deserialize(buf).map_err(|e| derr("header", e.to_string()))?;
         let empty = HashMap::new();
         let meta = Meta::parse(header.metadata().as_ref().unwrap_or(&empty))?;

@@ -141,8 +141,11 @@ fn val(x: f32) -> f64 {
 
 /// The `k`-th best score among `cands` under the ranking key.
 fn kth_score(scores: &[f32], cands: &[usize], k: usize) -> f32 {
+    if cands.is_empty() || k == 0 {
+        return f32::NAN;
+    }
     let mut keys: Vec<(u32, usize)> = cands.iter().map(|&j| (rank_key(scores[j]), j)).collect();
-    let k = k.min(keys.len()).max(1);
+    let k = k.min(keys.len());
     keys.select_nth_unstable_by(k - 1, |a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     scores[keys[k - 1].1]
 }
@@ -652,6 +655,10 @@ fn compare_published(
         let n = p.batch.rows()[i].n;
         let res = match parse_row(b.as_slice().unwrap_or(&[])) {
             Err(e) => Err(vec![e]),
+            Ok(e) if n == 0 => Err(vec![format!(
+                "row has no visible keys, expected publishes {}",
+                abbrev(&e, false)
+            )]),
             Ok(e) => {
                 let scores = row_scores(p, i);
                 let nb = n.div_ceil(bs);

@@ -1,0 +1,365 @@
+//! The real `dsa-indexer` binary: replay verdicts and exit codes, gen, malformed dumps,
+//! plan's JSON, and the default `run` checksum.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use dsa_indexer::dump::Dump;
+use dsa_indexer::reference::{self, rank_key};
+use safetensors::tensor::{Dtype, TensorView};
+use safetensors::SafeTensors;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_dsa-indexer"))
+}
+
+fn run(args: &[&str]) -> (i32, String, String) {
+    let o: Output = bin().args(args).output().expect("run dsa-indexer");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+fn replay(path: &Path) -> (i32, String, String) {
+    run(&["replay", path.to_str().unwrap()])
+}
+
+fn gen(dir: &Path, name: &str, extra: &[&str]) -> std::path::PathBuf {
+    let out = dir.join(name);
+    let mut args = vec!["gen", "--out", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    let (code, so, se) = run(&args);
+    assert_eq!(code, 0, "gen {extra:?} failed: {so}{se}");
+    out
+}
+
+#[test]
+fn replay_of_every_golden_file_is_identical() {
+    let files = common::golden_files();
+    assert!(files.len() >= 14, "found {} golden files", files.len());
+    for f in files {
+        let (code, so, se) = replay(&f);
+        assert_eq!(code, 0, "{}: exit {code}\n{so}{se}", f.display());
+        assert!(
+            so.contains("verdict: identical"),
+            "{}: not identical\n{so}",
+            f.display()
+        );
+    }
+}
+
+#[test]
+fn gen_then_replay_matches() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, extra) in [
+        (
+            "small.safetensors",
+            vec!["--preset", "small", "--seed", "3"],
+        ),
+        (
+            "small_source.safetensors",
+            vec!["--preset", "small", "--role", "source", "--tail", "4"],
+        ),
+        (
+            "small_consumer.safetensors",
+            vec!["--preset", "small", "--role", "consumer", "--ratio", "2"],
+        ),
+        (
+            "small_q8.safetensors",
+            vec!["--preset", "small", "--q-format", "e4m3", "--heads", "16"],
+        ),
+        (
+            "small_k8.safetensors",
+            vec!["--preset", "small", "--k-format", "e4m3", "--dim", "64"],
+        ),
+    ] {
+        let f = gen(dir.path(), name, &extra);
+        let (code, so, se) = replay(&f);
+        assert_eq!(code, 0, "{name}: exit {code}\n{so}{se}");
+        assert!(so.contains("verdict: identical"), "{name}:\n{so}");
+        assert!(so.contains("logits"), "{name}: gen wrote no logits\n{so}");
+    }
+    // Partial replays.
+    let f = dir.path().join("small.safetensors");
+    let (code, so, _) = run(&["replay", f.to_str().unwrap(), "--rows", "3..9"]);
+    assert_eq!(code, 0, "{so}");
+    assert!(so.contains("6 rows (selected)"), "{so}");
+    let (code, so, _) = run(&["replay", f.to_str().unwrap(), "--request", "1"]);
+    assert_eq!(code, 0, "{so}");
+    assert!(so.contains("15 rows (selected)"), "{so}");
+    let (code, so, _) = run(&["replay", f.to_str().unwrap(), "--show-row", "7"]);
+    assert_eq!(code, 0, "{so}");
+    assert!(so.contains("row 7 (request 0, position 12"), "{so}");
+}
+
+/// The row's reference scores, selection and K-th score of a small exact-class dump.
+fn row_facts(d: &Dump, i: usize) -> (Vec<f32>, Vec<usize>, f32) {
+    let batch = d.batch().unwrap();
+    let p = d.problem(&batch, None).unwrap();
+    let n = batch.rows()[i].n;
+    let mut s = vec![0f32; n];
+    reference::row_logits(&p, i, &mut s);
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| rank_key(s[b]).cmp(&rank_key(s[a])).then(a.cmp(&b)));
+    let kth = s[order[p.topk - 1]];
+    (s, order, kth)
+}
+
+/// Write expected `raw` row `i` (and the page it implies, identity slots) as `ids`.
+fn set_row(d: &mut Dump, i: usize, mut ids: Vec<i32>) {
+    ids.sort_unstable();
+    let batch = d.batch().unwrap();
+    let ks = batch.rows()[i].ks as i32;
+    let raw = d.expected.raw.as_mut().unwrap();
+    for (c, v) in raw.row_mut(i).iter_mut().enumerate() {
+        *v = ids.get(c).copied().unwrap_or(-1);
+    }
+    let page = d.expected.page.as_mut().unwrap();
+    for (c, v) in page.row_mut(i).iter_mut().enumerate() {
+        *v = ids.get(c).map_or(-1, |&j| ks + j);
+    }
+}
+
+#[test]
+fn index_moved_far_below_kth_is_different_naming_the_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = gen(dir.path(), "small.safetensors", &["--preset", "small"]);
+    let mut d = Dump::from_bytes(&std::fs::read(&f).unwrap()).unwrap();
+    // Row 20: request 0, position 25, 26 visible keys > K = 16.
+    let i = 20;
+    let (s, order, kth) = row_facts(&d, i);
+    let k = d.meta.topk;
+    assert!(order.len() > k, "row {i} must have more than K candidates");
+    // Replace the K-th selected key by the worst one.
+    let worst = *order.last().unwrap();
+    assert!(
+        (kth - s[worst]) > 0.25 * (s[order[0]] - kth).abs().max(1e-3),
+        "the worst key must lie far below the K-th score ({} vs {kth})",
+        s[worst]
+    );
+    let mut ids: Vec<i32> = order[..k].iter().map(|&j| j as i32).collect();
+    ids[k - 1] = worst as i32;
+    set_row(&mut d, i, ids);
+    let bad = dir.path().join("moved.safetensors");
+    std::fs::write(&bad, d.to_bytes().unwrap()).unwrap();
+    let (code, so, se) = replay(&bad);
+    assert_eq!(code, 1, "{so}{se}");
+    assert!(so.contains("verdict: different"), "{so}");
+    assert!(
+        so.contains(&format!("row {i} (request 0, position 25")),
+        "{so}"
+    );
+    assert!(
+        so.contains(&format!("only expected: key {worst} ")),
+        "the moved key is shown\n{so}"
+    );
+}
+
+#[test]
+fn swap_between_exactly_tied_keys_is_equal_up_to_ties() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = gen(dir.path(), "small.safetensors", &["--preset", "small"]);
+    let mut d = Dump::from_bytes(&std::fs::read(&f).unwrap()).unwrap();
+    let i = 20;
+    let k = d.meta.topk;
+    let (_, order, _) = row_facts(&d, i);
+    let (jk, jn) = (order[k - 1], order[k]);
+    // Make key jn an exact copy of key jk: the two now tie at the K-th score.
+    let batch = d.batch().unwrap();
+    let ks = batch.rows()[i].ks;
+    match &mut d.k {
+        dsa_indexer::dump::KData::E2m1 { packed, scale } => {
+            let (p, s) = (
+                packed.row(ks + jk).to_owned(),
+                scale.row(ks + jk).to_owned(),
+            );
+            packed.row_mut(ks + jn).assign(&p);
+            scale.row_mut(ks + jn).assign(&s);
+        }
+        _ => panic!("small preset has fp4 keys"),
+    }
+    // Expected outputs of the modified inputs from the reference ...
+    let (raw, page, logits) = {
+        let b = d.batch().unwrap();
+        let p = d.problem(&b, None).unwrap();
+        let out = reference::run(&p);
+        (out.raw, out.page, reference::logits(&p))
+    };
+    d.expected.raw = Some(raw);
+    d.expected.page = Some(page);
+    d.expected.logits = Some(logits);
+    let (s, order, kth) = row_facts(&d, i);
+    assert_eq!(s[jk].to_bits(), s[jn].to_bits(), "keys {jk} and {jn} tie");
+    assert_eq!(s[jk], kth);
+    let (sel, unsel) = (order[k - 1], order[k]);
+    assert_eq!(s[sel].to_bits(), s[unsel].to_bits());
+    let identical = dir.path().join("tied.safetensors");
+    std::fs::write(&identical, d.to_bytes().unwrap()).unwrap();
+    let (code, so, _) = replay(&identical);
+    assert_eq!(code, 0, "{so}");
+    assert!(so.contains("verdict: identical"), "{so}");
+    // ... then the other tied key selected instead.
+    let mut ids: Vec<i32> = order[..k].iter().map(|&j| j as i32).collect();
+    ids[k - 1] = unsel as i32;
+    set_row(&mut d, i, ids);
+    let swapped = dir.path().join("swapped.safetensors");
+    std::fs::write(&swapped, d.to_bytes().unwrap()).unwrap();
+    let (code, so, se) = replay(&swapped);
+    assert_eq!(code, 0, "{so}{se}");
+    assert!(
+        so.contains("verdict: equal up to ties and tolerance"),
+        "{so}"
+    );
+    assert!(
+        so.contains(&format!("row {i} (request 0, position 25")),
+        "{so}"
+    );
+}
+
+/// Re-serialize a golden file with `edit` applied to its (name, dtype, shape, bytes).
+fn rewrite(src: &Path, dst: &Path, edit: impl Fn(&mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>)) {
+    let buf = std::fs::read(src).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&buf).unwrap();
+    let st = SafeTensors::deserialize(&buf).unwrap();
+    let mut t: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    edit(&mut t);
+    let views: Vec<(String, TensorView)> = t
+        .iter()
+        .map(|(n, dt, s, b)| (n.clone(), TensorView::new(*dt, s.clone(), b).unwrap()))
+        .collect();
+    let bytes = safetensors::serialize(views, meta.metadata().clone()).unwrap();
+    std::fs::write(dst, bytes).unwrap();
+}
+
+fn assert_exit2(path: &Path, tensor: &str) {
+    let (code, so, se) = replay(path);
+    assert_eq!(code, 2, "{}: exit {code}\n{so}{se}", path.display());
+    assert!(!se.contains("panicked"), "{se}");
+    let lines: Vec<&str> = se.lines().collect();
+    assert_eq!(lines.len(), 1, "one error line, got:\n{se}");
+    assert!(
+        lines[0].contains(tensor),
+        "the error names `{tensor}`: {}",
+        lines[0]
+    );
+}
+
+#[test]
+fn malformed_dumps_exit_2_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let golden = common::golden_dir().join("v41_plain.safetensors");
+    let p = |n: &str| dir.path().join(n);
+
+    rewrite(&golden, &p("missing.st"), |t| {
+        t.retain(|x| x.0 != "weights")
+    });
+    assert_exit2(&p("missing.st"), "weights");
+
+    rewrite(&golden, &p("mistyped.st"), |t| {
+        for x in t.iter_mut().filter(|x| x.0 == "q") {
+            // Same bytes, read as F32: a dtype no dump accepts for q.
+            x.1 = Dtype::F32;
+            x.2[2] /= 4;
+        }
+    });
+    assert_exit2(&p("mistyped.st"), "q");
+
+    rewrite(&golden, &p("shape.st"), |t| {
+        for x in t.iter_mut().filter(|x| x.0 == "weights") {
+            let (rows, h) = (x.2[0], x.2[1]);
+            x.2 = vec![rows * 2, h / 2];
+        }
+    });
+    assert_exit2(&p("shape.st"), "weights");
+
+    rewrite(&golden, &p("scale255.st"), |t| {
+        for x in t.iter_mut().filter(|x| x.0 == "k_scale") {
+            x.3[5] = 255;
+        }
+    });
+    assert_exit2(&p("scale255.st"), "k_scale");
+
+    let bytes = std::fs::read(&golden).unwrap();
+    std::fs::write(p("truncated.st"), &bytes[..bytes.len() - 100]).unwrap();
+    let (code, _, se) = replay(&p("truncated.st"));
+    assert_eq!(code, 2, "{se}");
+    assert!(se.contains("truncated"), "{se}");
+    assert!(!se.contains("panicked"), "{se}");
+
+    let mut corrupt = bytes.clone();
+    for b in &mut corrupt[8..40] {
+        *b = b'#';
+    }
+    std::fs::write(p("corrupt.st"), &corrupt).unwrap();
+    assert_exit2(&p("corrupt.st"), "header");
+
+    std::fs::write(p("empty.st"), b"").unwrap();
+    assert_exit2(&p("empty.st"), "header");
+}
+
+fn plan_json(args: &[&str]) -> serde_json::Value {
+    let mut a = vec!["plan", "--json"];
+    a.extend_from_slice(args);
+    let (code, so, se) = run(&a);
+    assert_eq!(code, 0, "{se}");
+    serde_json::from_str(&so).unwrap_or_else(|e| panic!("plan --json: {e}\n{so}"))
+}
+
+#[test]
+fn plan_json_parses_and_bounds_the_peak() {
+    const GIB: f64 = (1u64 << 30) as f64;
+    let v = plan_json(&["--rows", "16384", "--context", "487936"]);
+    for key in ["unbounded_bytes", "planned_peak_bytes", "tiles"] {
+        assert!(v.get(key).is_some(), "missing {key}: {v}");
+    }
+    let gib = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap() / GIB;
+    assert!((gib(&v, "unbounded_bytes") - 44.7).abs() < 0.05, "{v}");
+    for extra in [
+        vec!["--role", "plain"],
+        vec!["--role", "source", "--tail", "128"],
+    ] {
+        let mut a = vec!["--rows", "16384", "--context", "1048576"];
+        a.extend(extra.iter());
+        let v = plan_json(&a);
+        assert!((gib(&v, "unbounded_bytes") - 96.0).abs() < 1e-9, "{v}");
+        assert!(gib(&v, "planned_peak_bytes") <= 2.5, "{extra:?}: {v}");
+        assert!(v["tiles"].as_u64().unwrap() > 1, "{v}");
+    }
+}
+
+#[test]
+fn bad_options_exit_2() {
+    let (code, _, se) = run(&["plan", "--budget", "0"]);
+    assert_eq!(code, 2, "{se}");
+    assert!(se.contains("budget"), "{se}");
+    let (code, _, se) = run(&["run", "--preset", "nope"]);
+    assert_eq!(code, 2, "{se}");
+    let (code, _, se) = run(&["run", "--preset", "small", "--heads", "12"]);
+    assert_eq!(code, 2, "{se}");
+    assert!(se.contains("heads"), "{se}");
+    let (code, _, se) = run(&["replay", "/nonexistent/dump.safetensors"]);
+    assert_eq!(code, 2, "{se}");
+}
+
+/// The default workload's checksum. Obtained once by running
+/// `cargo run --release -- run` (AVX-512 VNNI engine, 2 threads) on 2026-11-29; the
+/// portable and AVX2 engines and any thread count give the same outputs (the engine is
+/// bitwise the reference), so the constant holds on every machine.
+const DEFAULT_RUN_CHECKSUM: &str = "9feec301bfcc303d";
+
+#[test]
+fn default_run_checksum() {
+    let (code, so, se) = run(&["run", "--json"]);
+    assert_eq!(code, 0, "{se}");
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["rows"], 5120, "{v}");
+    assert_eq!(v["checksum"], DEFAULT_RUN_CHECKSUM, "{v}");
+}
