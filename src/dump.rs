@@ -619,7 +619,29 @@ impl Dump {
     /// The batch of the dump.
     pub fn batch(&self) -> Result<Batch> {
         match &self.layout {
-            Layout::Contiguous(q0) => Batch::contiguous(&self.seq_lens, q0, self.meta.ratio),
+            Layout::Contiguous(q0) => {
+                // Rows are materialised: check the count against `q` first, so that a
+                // small file with a huge `seq_lens` is an error, not a huge allocation.
+                let t = match &self.q {
+                    QData::E4m3(q) => q.shape()[0],
+                    QData::E2m1 { packed, .. } => packed.shape()[0],
+                };
+                let rows = self
+                    .seq_lens
+                    .iter()
+                    .zip(q0)
+                    .try_fold(0usize, |a, (&s, &q)| a.checked_add(s.saturating_sub(q)));
+                if rows != Some(t) {
+                    return Err(derr(
+                        "query_starts",
+                        format!(
+                            "seq_lens - query_starts sum to {} rows, q has {t}",
+                            rows.map_or("more than usize::MAX".into(), |r| r.to_string())
+                        ),
+                    ));
+                }
+                Batch::contiguous(&self.seq_lens, q0, self.meta.ratio)
+            }
             Layout::Explicit {
                 requests,
                 positions,

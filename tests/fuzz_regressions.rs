@@ -1,7 +1,10 @@
 //! Regression tests for what the fuzz targets (`fuzz/`) found. Each test names its
 //! target and the artifact's input in words; `fuzz/FINDINGS.md` has the runs.
 
+mod common;
+
 use dsa_indexer::batch::Batch;
+use dsa_indexer::dump::{Dump, Layout};
 use dsa_indexer::problem::{Inputs, Keys, Params, Problem, Queries, Role};
 use dsa_indexer::reference;
 use ndarray::{Array1, Array2, Array3};
@@ -44,4 +47,27 @@ fn huge_tail_publishes_every_row() {
     assert_eq!(out.published.unwrap().rows.len(), rows);
     let (chunked, _) = dsa_indexer::indexer::run_cpu(&p, 16).unwrap();
     assert_eq!(chunked.raw, out.raw);
+}
+
+/// dump_parse (artifact `oom-005440bc...`, a mutated `consumer_fullsize`): `seq_lens`
+/// `[771374793]` with `query_starts` `[253951097]` made `Dump::batch` materialise
+/// 517M rows (16 GiB) before `q`'s 3 rows were compared. Now a typed error, at once.
+#[test]
+fn dump_with_huge_seq_lens_is_an_error_not_an_allocation() {
+    let path = common::golden_dir().join("consumer.safetensors");
+    let mut dump = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
+    assert!(dump.batch().is_ok());
+    dump.seq_lens = vec![771_374_793];
+    dump.layout = Layout::Contiguous(vec![253_951_097]);
+    let bytes = dump.to_bytes().unwrap();
+    let dump = Dump::from_bytes(&bytes).unwrap();
+    match dump.batch() {
+        Err(dsa_indexer::Error::Dump { tensor, .. }) => assert_eq!(tensor, "query_starts"),
+        other => panic!("expected a dump error on query_starts, got {other:?}"),
+    }
+    // Row counts that overflow usize are the same error.
+    let mut d = dump.clone();
+    d.seq_lens = vec![usize::MAX, usize::MAX];
+    d.layout = Layout::Contiguous(vec![0, 0]);
+    assert!(matches!(d.batch(), Err(dsa_indexer::Error::Dump { .. })));
 }
