@@ -11,7 +11,7 @@ use dsa_indexer::reference;
 use proptest::prelude::*;
 
 proptest! {
-    #![proptest_config(common::config(48))]
+    #![proptest_config(common::config(96))]
 
     #[test]
     fn chunked_equals_untiled_reference(s in shape(), budget_pick in 0usize..4, budget_raw in 1usize..4000, consumer in any::<bool>()) {
@@ -30,10 +30,16 @@ proptest! {
             }
         }
         // The consumer of a source, through the driver too.
-        if consumer && s.role == RoleKind::Source && s.tail.is_none() {
+        if consumer && s.role == RoleKind::Source {
             let published = want.published.clone().unwrap();
+            let rows: Vec<usize> = (0..batch.num_rows()).filter(|&i| p.publishes(i)).collect();
+            let cbatch = match s.tail {
+                Some(t) => batch.tail(t).unwrap(),
+                None => batch.clone(),
+            };
+            let sub = common::strategies::sub_rows(&d, &rows);
             let params = Params { topk: s.topk, page_cols: None, block_size: s.block_size, num_blocks: s.num_blocks };
-            let cp = Problem::new(&batch, d.inputs(), params, Role::Consumer(&published)).unwrap();
+            let cp = Problem::new(&cbatch, sub.inputs(), params, Role::Consumer(&published)).unwrap();
             let (got, _) = run_cpu(&cp, budget).unwrap();
             prop_assert_eq!(got, reference::run(&cp));
         }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::strategies::{build, case, shape, Shape};
+use common::strategies::{build, case, shape, sub_rows, Shape};
 use dsa_indexer::batch::Batch;
 use dsa_indexer::dump::{Dump, RoleKind};
 use dsa_indexer::problem::{Params, Problem, Role};
@@ -48,7 +48,7 @@ fn consumer_batch(d: &Dump, batch: &Batch) -> Batch {
 }
 
 proptest! {
-    #![proptest_config(common::config(64))]
+    #![proptest_config(common::config(128))]
 
     /// Top-k equals a naive full sort under the ranking key; rows are sorted, -1
     /// padded; page follows k_slots and is -1 past K.
@@ -135,7 +135,7 @@ proptest! {
         // The consumer of this source.
         let cbatch = consumer_batch(&d, &batch);
         prop_assert_eq!(cbatch.num_rows(), pub_rows.len());
-        let sub = sub_inputs(&d, &pub_rows);
+        let sub = sub_rows(&d, &pub_rows);
         let cp = Problem::new(&cbatch, sub.inputs(), Params { topk: s.topk, page_cols: None, block_size: bs, num_blocks: nbmax }, Role::Consumer(&published)).unwrap();
         let plain = Problem::new(&cbatch, sub.inputs(), Params { topk: s.topk, page_cols: None, block_size: bs, num_blocks: nbmax }, Role::Plain).unwrap();
         let co = reference::run(&cp);
@@ -154,22 +154,6 @@ proptest! {
             }
         }
     }
-}
-
-/// The inputs of `d` restricted to rows `rows` (in order), owned.
-pub fn sub_inputs(d: &Dump, rows: &[usize]) -> Dump {
-    use dsa_indexer::dump::QData;
-    use ndarray::Axis;
-    let mut out = d.clone();
-    out.q = match &d.q {
-        QData::E4m3(q) => QData::E4m3(q.select(Axis(0), rows)),
-        QData::E2m1 { packed, scale } => QData::E2m1 {
-            packed: packed.select(Axis(0), rows),
-            scale: scale.select(Axis(0), rows),
-        },
-    };
-    out.weights = d.weights.select(Axis(0), rows);
-    out
 }
 
 /// With small B and NB the restriction really removes keys: some consumer row has
@@ -204,7 +188,7 @@ fn small_blocks_really_restrict() {
         let pub_rows: Vec<usize> = (0..batch.num_rows()).filter(|&i| p.publishes(i)).collect();
         assert_eq!(pub_rows.len(), 10, "tail 5 of two requests");
         let cbatch = batch.tail(5).unwrap();
-        let sub = sub_inputs(&d, &pub_rows);
+        let sub = sub_rows(&d, &pub_rows);
         let params = Params {
             topk: 4,
             page_cols: None,
@@ -278,6 +262,62 @@ fn full_size_source_and_consumer() {
         assert_eq!(
             co.raw.row(i).to_vec(),
             topk::select_by_sort(&scores[i], &cands, 2048)
+        );
+    }
+}
+
+/// The model's K values, with many exact ties (narrow alphabets) and page_cols > K.
+#[test]
+fn model_topk_values_with_ties_and_wide_pages() {
+    for (k, seed) in [(512usize, 1u64), (1024, 2), (2048, 3)] {
+        let s = Shape {
+            seq_lens: vec![4100, 700],
+            query_starts: vec![4097, 698],
+            explicit: false,
+            ratio: 1,
+            heads: 8,
+            dim: 32,
+            q_format: dsa_indexer::problem::Format::E2m1,
+            k_format: dsa_indexer::problem::Format::E2m1,
+            topk: k,
+            block_size: 8,
+            num_blocks: 2048,
+            role: RoleKind::Plain,
+            tail: None,
+            narrow: true,
+            seed,
+        };
+        let d = build(&s);
+        let batch = d.batch().unwrap();
+        let params = Params {
+            topk: k,
+            page_cols: Some(k + 100),
+            block_size: 8,
+            num_blocks: 2048,
+        };
+        let p = Problem::new(&batch, d.inputs(), params, Role::Plain).unwrap();
+        let scores = logits_by_row(&p);
+        let out = reference::run(&p);
+        assert_eq!(out.page.ncols(), k + 100);
+        for (i, row) in batch.rows().iter().enumerate() {
+            let distinct: std::collections::HashSet<u32> =
+                scores[i].iter().map(|&x| rank_key(x)).collect();
+            assert!(distinct.len() * 4 < row.n, "K={k}: ties should be heavy");
+            let all: Vec<usize> = (0..row.n).collect();
+            let want = topk::select_by_sort(&scores[i], &all, k);
+            let raw = out.raw.row(i).to_vec();
+            assert_eq!(&raw[..want.len()], &want[..], "K={k} row {i}");
+            assert!(raw[want.len()..].iter().all(|&x| x == -1));
+            let page = out.page.row(i).to_vec();
+            assert!(
+                page[want.len()..].iter().all(|&x| x == -1),
+                "page past the selection is -1"
+            );
+        }
+        assert_eq!(
+            dsa_indexer::indexer::run_cpu(&p, 10_000).unwrap().0,
+            out,
+            "K={k} chunked"
         );
     }
 }

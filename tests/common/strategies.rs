@@ -235,3 +235,19 @@ pub fn build(s: &Shape) -> Dump {
 pub fn case() -> impl Strategy<Value = Dump> {
     shape().prop_map(|s| build(&s))
 }
+
+/// The inputs of `d` restricted to rows `rows` (in order), owned: a consumer's
+/// queries and weights are the source's at its published rows.
+pub fn sub_rows(d: &Dump, rows: &[usize]) -> Dump {
+    use ndarray::Axis;
+    let mut out = d.clone();
+    out.q = match &d.q {
+        QData::E4m3(q) => QData::E4m3(q.select(Axis(0), rows)),
+        QData::E2m1 { packed, scale } => QData::E2m1 {
+            packed: packed.select(Axis(0), rows),
+            scale: scale.select(Axis(0), rows),
+        },
+    };
+    out.weights = d.weights.select(Axis(0), rows);
+    out
+}
