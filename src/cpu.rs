@@ -456,22 +456,32 @@ fn block_with<const G: usize>(
     heads_pairwise(&mut terms, h, out);
 }
 
-/// Portable dot products: `acc[g][l] = sum_e lo*lo + hi*hi` over the group's 16 words.
+/// Portable dot products: `acc[g][l] = sum_w q.lo * k.lo + q.hi * k.hi` over the
+/// group's 16 words, on `i16` views of the pair words (the shape LLVM turns into
+/// `pmaddwd`-style code on any SIMD target).
 fn block_portable<const G: usize>(e: &Engine, r: usize, out: &mut [f32; LANES]) {
-    let kp = &e.k_pairs;
     let d2 = e.dim / 2;
+    // SAFETY: i16 has a smaller alignment than i32 and every i32 is two i16s; q and k
+    // are viewed the same way, so halves pair up on either endianness.
+    let kp: &[i16] = unsafe {
+        std::slice::from_raw_parts(e.k_pairs.as_ptr() as *const i16, e.k_pairs.len() * 2)
+    };
     block_with::<G>(e, r, out, |q, acc| {
+        // SAFETY: as above.
+        let q: &[i16] =
+            unsafe { std::slice::from_raw_parts(q.as_ptr() as *const i16, q.len() * 2) };
         for (hk, ah) in acc.iter_mut().enumerate() {
             for (gg, a) in ah.iter_mut().enumerate().take(G) {
-                *a = [0; LANES];
-                let qg = &q[hk * d2 + gg * 16..hk * d2 + gg * 16 + 16];
-                let kg = &kp[gg * 16 * LANES..(gg + 1) * 16 * LANES];
-                for (&qw, kw) in qg.iter().zip(kg.chunks_exact(LANES)) {
-                    let (q0, q1) = (qw as i16 as i32, (qw >> 16) as i16 as i32);
-                    for (al, &k) in a.iter_mut().zip(kw) {
-                        *al += q0 * (k as i16 as i32) + q1 * ((k >> 16) as i16 as i32);
+                let mut s = [0i32; LANES];
+                let qg = &q[(hk * d2 + gg * 16) * 2..(hk * d2 + gg * 16 + 16) * 2];
+                let kg = &kp[gg * 16 * LANES * 2..(gg + 1) * 16 * LANES * 2];
+                for (qw, kw) in qg.chunks_exact(2).zip(kg.chunks_exact(2 * LANES)) {
+                    let (q0, q1) = (qw[0] as i32, qw[1] as i32);
+                    for (sl, k) in s.iter_mut().zip(kw.chunks_exact(2)) {
+                        *sl += q0 * k[0] as i32 + q1 * k[1] as i32;
                     }
                 }
+                *a = s;
             }
         }
     });

@@ -384,8 +384,8 @@ pub fn human_bytes(b: u128) -> String {
 pub fn cuda_backend<T>(f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<T> {
     #[cfg(feature = "cuda")]
     {
-        let _ = &f;
-        bail!("--device cuda: the CUDA backend is not wired into this build of the tool yet")
+        let mut b = dsa_indexer::cuda::CudaBackend::new()?;
+        f(&mut b)
     }
     #[cfg(not(feature = "cuda"))]
     {
