@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# CI: build every CPU fuzz target and run each briefly from its committed corpus.
+# Fails on any crash, leak of a panic, out-of-memory or timeout, and on a target whose
+# inputs no longer reach its comparison. Stable toolchain: no sanitizer (-s none),
+# debug assertions and overflow checks on (-a). Usage: .ci/fuzz.sh [seconds per target]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS="${1:-${FUZZ_SECONDS:-20}}"
+TARGETS=(chunked_vs_reference topk codecs batch_layout dump_parse)
+
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  cargo install cargo-fuzz --locked
+fi
+
+cargo fuzz build -s none -a
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+for t in "${TARGETS[@]}"; do
+  mkdir -p "$work/$t"
+  extra=()
+  if [ -f "fuzz/$t.dict" ]; then extra=("-dict=fuzz/$t.dict"); fi
+  echo "== fuzz $t for ${SECS}s"
+  # New inputs go to a scratch directory; the committed corpus is only read.
+  if ! cargo fuzz run -s none -a "$t" "$work/$t" "fuzz/corpus/$t" -- \
+      -max_total_time="$SECS" -timeout=60 -rss_limit_mb=2048 "${extra[@]}" \
+      >"$work/$t.log" 2>&1; then
+    tail -n 60 "$work/$t.log"
+    echo "fuzz target $t failed: reproduce with"
+    echo "  cargo fuzz run -s none -a $t fuzz/artifacts/$t/<crash file>"
+    exit 1
+  fi
+  stats="$(grep '\[fuzz-stats\] exit' "$work/$t.log" | tail -n 1)"
+  echo "$stats"
+  reached="$(sed -n 's/.* reached=\([0-9]*\).*/\1/p' <<<"$stats")"
+  if [ -z "$reached" ] || [ "$reached" -eq 0 ]; then
+    echo "fuzz target $t: no input reached its comparison"
+    exit 1
+  fi
+done
+echo "fuzz: ${#TARGETS[@]} targets ran ${SECS}s each without a finding"

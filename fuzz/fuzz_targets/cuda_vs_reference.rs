@@ -1,0 +1,45 @@
+//! `chunked_vs_reference`'s cases through the CUDA backend (`--features cuda`, an sm_90
+//! GPU). Exact class (fp4 x fp4): logits, `raw`, `page` and published candidates
+//! bitwise the reference's. Tolerance class: logits within the backend's stated bound
+//! `2^cuda::TOLERANCE_LOG2 * M`, and outputs bitwise the reference's selection from
+//! the device's own logits (SPEC 5: same scores, same selection). Defective inputs
+//! must come back as `Error`. No GPU is a failure at the first input, not a pass.
+#![no_main]
+
+use arbitrary::{Arbitrary, Unstructured};
+use dsa_indexer::cuda::{self, CudaBackend};
+use dsa_indexer::problem::Problem;
+use fuzz_common::case::{self, BackendRun, Spec, Subject};
+use fuzz_common::STATS;
+use libfuzzer_sys::fuzz_target;
+
+struct Cuda(CudaBackend);
+
+impl Subject for Cuda {
+    fn run(&mut self, p: &Problem, budget: usize, _threads: u8) -> BackendRun {
+        dsa_indexer::indexer::run(&mut self.0, p, budget)
+    }
+    fn logits(
+        &mut self,
+        p: &Problem,
+        budget: usize,
+        _threads: u8,
+    ) -> Vec<(String, dsa_indexer::Result<Vec<f32>>)> {
+        vec![("cuda".to_string(), self.0.logits(p, budget))]
+    }
+    fn bound_log2(&self, p: &Problem) -> Option<i32> {
+        (!cuda::is_bitwise(p)).then_some(cuda::TOLERANCE_LOG2)
+    }
+}
+
+thread_local! {
+    static DEVICE: std::cell::RefCell<Cuda> = std::cell::RefCell::new(Cuda(
+        CudaBackend::new().unwrap_or_else(|e| panic!("cuda_vs_reference needs a CUDA GPU: {e}")),
+    ));
+}
+
+fuzz_target!(|data: &[u8]| {
+    STATS.input("cuda_vs_reference");
+    let spec = Spec::arbitrary_take_rest(Unstructured::new(data)).expect("fixed-size fields");
+    DEVICE.with(|d| case::check(&spec, &mut *d.borrow_mut()));
+});
