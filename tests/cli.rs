@@ -363,3 +363,29 @@ fn default_run_checksum() {
     assert_eq!(v["rows"], 5120, "{v}");
     assert_eq!(v["checksum"], DEFAULT_RUN_CHECKSUM, "{v}");
 }
+
+#[test]
+fn unordered_engine_rows_are_equal_up_to_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = gen(dir.path(), "small.safetensors", &["--preset", "small"]);
+    let mut d = Dump::from_bytes(&std::fs::read(&f).unwrap()).unwrap();
+    // An engine's top-k: the same ids, unordered, padded with -1 in front.
+    let i = 20;
+    for a in [
+        d.expected.raw.as_mut().unwrap(),
+        d.expected.page.as_mut().unwrap(),
+    ] {
+        let mut row: Vec<i32> = a.row(i).to_vec();
+        row.reverse();
+        a.row_mut(i).assign(&ndarray::Array1::from(row));
+    }
+    let p = dir.path().join("unordered.safetensors");
+    std::fs::write(&p, d.to_bytes().unwrap()).unwrap();
+    let (code, so, se) = replay(&p);
+    assert_eq!(code, 0, "{so}{se}");
+    assert!(
+        so.contains("verdict: equal up to ties and tolerance"),
+        "{so}"
+    );
+    assert!(so.contains("the same ids"), "{so}");
+}

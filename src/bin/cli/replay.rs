@@ -150,24 +150,25 @@ fn kth_score(scores: &[f32], cands: &[usize], k: usize) -> f32 {
     scores[keys[k - 1].1]
 }
 
-/// Valid prefix of a `-1`-padded row: ascending distinct non-negative ids, then `-1`.
+/// The ids of a row as a sorted set: every entry other than `-1` (an engine's top-k
+/// may be unordered and padded anywhere). Values below `-1` and repeated ids are errors.
 fn parse_row(row: &[i32]) -> std::result::Result<Vec<usize>, String> {
-    let n = row.iter().take_while(|&&x| x >= 0).count();
-    if let Some(c) = row[n..].iter().position(|&x| x != -1) {
+    if let Some(c) = row.iter().position(|&x| x < -1) {
         return Err(format!(
-            "column {} = {} after the -1 padding",
-            n + c,
-            row[n + c]
+            "column {c} = {}, expected an id >= 0 or -1",
+            row[c]
         ));
     }
-    if let Some(c) = (1..n).find(|&c| row[c] <= row[c - 1]) {
-        return Err(format!(
-            "ids not ascending at column {c} ({} after {})",
-            row[c],
-            row[c - 1]
-        ));
+    let mut ids: Vec<usize> = row
+        .iter()
+        .filter(|&&x| x >= 0)
+        .map(|&x| x as usize)
+        .collect();
+    ids.sort_unstable();
+    if let Some(w) = ids.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!("id {} appears twice", w[0]));
     }
-    Ok(row[..n].iter().map(|&x| x as usize).collect())
+    Ok(ids)
 }
 
 /// SPEC 5's rule applied to an expected selection `exp` of `k` from `cands` under the
@@ -203,7 +204,7 @@ fn check_selection(
     for &j in exp {
         if val(scores[j]) < lo {
             why.push(format!(
-                "expected selects {what} {j}: score {:e} < K-th score {:e} - bound {bound:e}",
+                "expected selects {what} {j}: score {:e} < K-th score {:e} - bound {bound:.3e}",
                 scores[j], kth
             ));
         }
@@ -218,7 +219,7 @@ fn check_selection(
         }
         if val(scores[j]) > hi {
             why.push(format!(
-                "expected leaves out {what} {j}: score {:e} > K-th score {:e} + bound {bound:e}",
+                "expected leaves out {what} {j}: score {:e} > K-th score {:e} + bound {bound:.3e}",
                 scores[j], kth
             ));
         }
@@ -270,25 +271,32 @@ impl Ctx<'_, '_> {
     }
 
     /// Compare selections row by row. `ours` and `exp` are request-local id rows.
-    fn selections(&self, ours: &Array2<i32>, exp_ids: &[Option<Vec<usize>>]) -> TensorDiff {
+    /// `same[i]`: the expected row is bitwise the replayed one.
+    fn selections(
+        &self,
+        ours: &Array2<i32>,
+        exp_ids: &[std::result::Result<Vec<usize>, String>],
+        same: &[bool],
+    ) -> TensorDiff {
         let p = self.p;
         let k = p.topk;
         let mut d = TensorDiff {
             compared: exp_ids.len(),
             ..Default::default()
         };
-        let differing: Vec<usize> = (0..exp_ids.len())
-            .filter(|&i| {
-                let o = parse_row(ours.row(i).as_slice().unwrap_or(&[])).unwrap_or_default();
-                exp_ids[i].as_ref() != Some(&o)
-            })
-            .collect();
+        let differing: Vec<usize> = (0..exp_ids.len()).filter(|&i| !same[i]).collect();
         let results: Vec<(usize, std::result::Result<(), Vec<String>>)> = differing
             .par_iter()
             .map(|&i| {
-                let Some(exp) = &exp_ids[i] else {
-                    return (i, Err(vec!["malformed expected row".to_string()]));
+                let exp = match &exp_ids[i] {
+                    Ok(e) => e,
+                    Err(why) => return (i, Err(vec![format!("malformed expected row: {why}")])),
                 };
+                let o = parse_row(ours.row(i).as_slice().unwrap_or(&[])).unwrap_or_default();
+                if *exp == o {
+                    // The same ids, in another order or padding: no selection differs.
+                    return (i, Ok(()));
+                }
                 let scores = row_scores(p, i);
                 let bound = row_bound(p, i);
                 (
@@ -308,6 +316,13 @@ impl Ctx<'_, '_> {
             if d.notes.len() < self.max_show {
                 let o = parse_row(ours.row(i).as_slice().unwrap_or(&[])).unwrap_or_default();
                 let e = exp_ids[i].clone().unwrap_or_default();
+                if e == o && !bad {
+                    d.notes.push(format!(
+                        "{}: the same ids, not in SPEC 5's sorted, -1-padded form",
+                        self.label(i)
+                    ));
+                    continue;
+                }
                 let mut s = format!(
                     "{}: {}\n      expected: {}\n      replayed: {}",
                     self.label(i),
@@ -330,7 +345,7 @@ impl Ctx<'_, '_> {
                     for &j in set.iter().take(8) {
                         let sc = scores.get(j).copied().unwrap_or(f32::NAN);
                         s += &format!(
-                            "\n      {label}: key {j} reference score {sc:e} vs K-th score {kth:e} (diff {:e}, bound {bound:.3e})",
+                            "\n      {label}: key {j} reference score {sc:e} vs K-th score {kth:e} (diff {:.4e}, bound {bound:.3e})",
                             sc as f64 - kth as f64
                         );
                     }
@@ -552,7 +567,7 @@ fn compare_logits(ctx: &Ctx, exp: Option<&[f32]>, engine: Option<&Array2<f32>>) 
                         }
                         if notes.len() < 3 {
                             notes.push(format!(
-                                "{}, key {j}: given {:e}, reference {:e} (diff {:e}, bound {b:.3e}){}",
+                                "{}, key {j}: given {:e}, reference {:e} (diff {:.4e}, bound {b:.3e}){}",
                                 ctx.label(i),
                                 theirs[j],
                                 ours[j],
@@ -653,8 +668,10 @@ fn compare_published(
             continue;
         }
         let n = p.batch.rows()[i].n;
+        let ours_set = parse_row(a.as_slice().unwrap_or(&[])).unwrap_or_default();
         let res = match parse_row(b.as_slice().unwrap_or(&[])) {
             Err(e) => Err(vec![e]),
+            Ok(e) if e == ours_set => Ok(()),
             Ok(e) if n == 0 => Err(vec![format!(
                 "row has no visible keys, expected publishes {}",
                 abbrev(&e, false)
@@ -712,30 +729,89 @@ fn compare_published(
     d
 }
 
+/// `page` against the slots of the expected `raw` ids (the selection itself is judged
+/// on `raw`): identical when it is SPEC 5's form of those slots, equal up to order when
+/// it holds the same slots otherwise placed, else different.
+fn page_vs_raw(
+    ctx: &Ctx,
+    ids: &[std::result::Result<Vec<usize>, String>],
+    page: &Array2<i32>,
+) -> TensorDiff {
+    let p = ctx.p;
+    let mut d = TensorDiff {
+        compared: page.nrows(),
+        ..Default::default()
+    };
+    for (i, id) in ids.iter().enumerate() {
+        let r = p.batch.rows()[i];
+        let row = page.row(i);
+        let ids = id.clone().unwrap_or_default();
+        let slots: Vec<i32> = ids
+            .iter()
+            .map(|&j| if j < r.n { p.slot(r.ks + j) } else { -2 })
+            .collect();
+        let canonical = (0..p.page_cols).map(|c| slots.get(c).copied().unwrap_or(-1));
+        if row.iter().copied().eq(canonical) {
+            continue;
+        }
+        let mut have: Vec<i32> = row.iter().copied().filter(|&x| x != -1).collect();
+        let mut want = slots.clone();
+        have.sort_unstable();
+        want.sort_unstable();
+        let same_set = have == want;
+        if same_set {
+            d.tolerant += 1;
+        } else {
+            d.different += 1;
+            d.first_row.get_or_insert(ctx.orig[i]);
+        }
+        if d.notes.len() < ctx.max_show {
+            d.notes.push(if same_set {
+                format!(
+                    "{}: page holds the slots of expected_raw in another order",
+                    ctx.label(i)
+                )
+            } else {
+                format!(
+                    "{}: page slots {:?} are not the slots {:?} of expected_raw's keys",
+                    ctx.label(i),
+                    have,
+                    want
+                )
+            });
+        }
+    }
+    d
+}
+
 /// Expected request-local ids per row from `page` through the inverse slot map.
-fn ids_from_page(p: &Problem, page: &Array2<i32>) -> Vec<Option<Vec<usize>>> {
+fn ids_from_page(p: &Problem, page: &Array2<i32>) -> Vec<std::result::Result<Vec<usize>, String>> {
     (0..p.batch.num_rows())
         .map(|i| {
             let r = p.batch.rows()[i];
             let inv: HashMap<i32, usize> = (0..r.n).map(|j| (p.slot(r.ks + j), j)).collect();
             let row = page.row(i);
-            let ids = parse_row_unsorted(row.as_slice().unwrap_or(&[]))?;
-            let mut js: Vec<usize> = ids
-                .iter()
-                .map(|s| inv.get(s).copied())
-                .collect::<Option<Vec<_>>>()?;
+            let slots = row.as_slice().unwrap_or(&[]);
+            if let Some(c) = slots.iter().position(|&x| x < -1) {
+                return Err(format!(
+                    "column {c} = {}, expected a slot >= 0 or -1",
+                    slots[c]
+                ));
+            }
+            let mut js = Vec::new();
+            for &s in slots.iter().filter(|&&x| x >= 0) {
+                match inv.get(&s) {
+                    Some(&j) => js.push(j),
+                    None => return Err(format!("slot {s} is not a visible key's slot")),
+                }
+            }
             js.sort_unstable();
-            Some(js)
+            if let Some(w) = js.windows(2).find(|w| w[0] == w[1]) {
+                return Err(format!("key {} appears twice", w[0]));
+            }
+            Ok(js)
         })
         .collect()
-}
-
-fn parse_row_unsorted(row: &[i32]) -> Option<Vec<i32>> {
-    let n = row.iter().take_while(|&&x| x >= 0).count();
-    if row[n..].iter().any(|&x| x != -1) {
-        return None;
-    }
-    Some(row[..n].to_vec())
 }
 
 /// `replay FILE`. Returns the exit code: 0 identical or equal up to ties and
@@ -843,41 +919,36 @@ pub fn replay(o: &Opts) -> Result<i32> {
     if let Some(v) = &e.ke {
         diffs.push(("ke", exact_rows("ke", &ctx, &ke, v, 1)));
     }
-    let raw_ids: Option<Vec<Option<Vec<usize>>>> = e.raw.as_ref().map(|raw| {
+    let raw_ids: Option<Vec<std::result::Result<Vec<usize>, String>>> = e.raw.as_ref().map(|raw| {
         raw.rows()
             .into_iter()
-            .map(|r| parse_row(r.as_slice().unwrap_or(&[])).ok())
+            .map(|r| parse_row(r.as_slice().unwrap_or(&[])))
             .collect()
     });
-    if let Some(ids) = &raw_ids {
-        diffs.push(("raw", ctx.selections(&out.raw, ids)));
+    let same_rows = |a: &Array2<i32>, b: &Array2<i32>| -> Vec<bool> {
+        a.rows()
+            .into_iter()
+            .zip(b.rows())
+            .map(|(x, y)| x == y)
+            .collect()
+    };
+    if let (Some(ids), Some(raw)) = (&raw_ids, &e.raw) {
+        diffs.push((
+            "raw",
+            ctx.selections(&out.raw, ids, &same_rows(raw, &out.raw)),
+        ));
     }
     if let Some(page) = &e.page {
         match &raw_ids {
             // The page of a valid selection is its slots: compare it with the slots of
             // the expected raw row; the selection itself was judged on `raw`.
-            Some(ids) => {
-                let implied: Vec<i32> = (0..t)
-                    .flat_map(|i| {
-                        let r = batch.rows()[i];
-                        let ids = ids[i].clone().unwrap_or_default();
-                        (0..p.page_cols).map(move |c| ids.get(c).map_or(-1, |&j| p.slot(r.ks + j)))
-                    })
-                    .collect();
-                diffs.push((
-                    "page",
-                    exact_rows(
-                        "page (vs slots of expected_raw)",
-                        &ctx,
-                        &implied,
-                        page.as_slice().unwrap_or(&[]),
-                        p.page_cols,
-                    ),
-                ));
-            }
+            Some(ids) => diffs.push(("page", page_vs_raw(&ctx, ids, page))),
             None => {
                 let ids = ids_from_page(&p, page);
-                diffs.push(("page", ctx.selections(&out.raw, &ids)));
+                diffs.push((
+                    "page",
+                    ctx.selections(&out.raw, &ids, &same_rows(page, &out.page)),
+                ));
             }
         }
     }
