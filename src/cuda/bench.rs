@@ -244,7 +244,10 @@ pub fn run_workload(b: &mut CudaBackend, w: &Workload, reps: usize) -> Result<Be
     b.begin(&p, &plan)?;
     let stream = b.dev.stream.clone();
     let ctx = b.dev.ctx.clone();
-    let ev = || ctx.new_event(None).map_err(drv("create event"));
+    let ev = || {
+        ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(drv("create event"))
+    };
     let (e0, e1) = (ev()?, ev()?);
     let mut total = Vec::new();
     let mut logits = Vec::new();
