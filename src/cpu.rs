@@ -3,16 +3,18 @@
 //! [`Engine`], whose size [`Engine::bytes`] the planner accounts for.
 //!
 //! **Exact class (fp4 x fp4).** Rows are scored in groups of [`ROW_GROUP`] against
-//! blocks of [`LANES`] keys. A key block is transposed once into `[D/2, LANES]` words,
-//! each word two doubled E2M1 values as `i16` (element `2e` in the low half), so one
-//! `pmaddwd`/`vpdpwssd` lane accumulates `2q * 2k` products of one key: after the 16
-//! words of a group a lane holds `4 * s_g` exactly (an integer, `|4 s_g| <= 4608`).
-//! The epilogue then runs lane-wise in SPEC 4's f32 order:
-//! `t_g = (f32(4 s_g) * 0.25 * qs_g) * ks_g` (the `* 0.25` is exact), the pairwise
-//! sum over groups, `relu`, `* w_h`, the pairwise sum over heads. Every step is one
-//! IEEE f32 operation per lane (no FMA: Rust never contracts), so each lane is
-//! bitwise the reference's scalar result. The dot products pick the widest of
-//! AVX-512 VNNI, AVX2 and a portable loop at run time ([`Isa::detect`]).
+//! blocks of [`LANES`] keys. A key block is transposed once into `[D/4, LANES]` quad
+//! words, each four doubled E2M1 values plus 12 as unsigned bytes (`0..=24`); a query
+//! row's quad words hold its doubled values as signed bytes. One `vpdpbusd` lane (or
+//! `vpmaddubsw` + `vpmaddwd`, or the portable loop) accumulates `(2k + 12) * 2q` over a
+//! group's 32 dimensions; subtracting the query's `12 * sum 2q` leaves `4 * s_g`
+//! exactly (an integer, `|4 s_g| <= 4608`). The epilogue then runs lane-wise in SPEC
+//! 4's f32 order: `t_g = (f32(4 s_g) * 0.25 * qs_g) * ks_g` (the `* 0.25` is exact),
+//! the pairwise sum over groups, `relu`, `* w_h`, the pairwise sum over heads, four
+//! heads per key load. Every step is one IEEE f32 operation per lane (no FMA: Rust
+//! never contracts), so each lane is bitwise the reference's scalar result. The dot
+//! products pick the widest of AVX-512 VNNI, AVX2 and a portable loop at run time
+//! ([`Isa::detect`]).
 //!
 //! **Tolerance class (any E4M3 side).** Exact f64 group sums (every partial sum of
 //! products of E4M3/E2M1 values is exact in f64, so any order gives `s_g`), then the
@@ -86,19 +88,43 @@ impl Isa {
     }
 }
 
-/// Each packed E2M1 byte as one i32 word of two doubled values (`i16` each): element
-/// `2e` (low nibble) in the low half, `2e + 1` in the high half.
-static PAIR: [i32; 256] = {
-    let mut t = [0i32; 256];
+/// Each packed E2M1 byte as two signed bytes of doubled values (the query side):
+/// element `2e` (low nibble) first.
+static Q_BYTES: [u16; 256] = {
+    let mut t = [0u16; 256];
     let mut b = 0;
     while b < 256 {
-        let lo = e2m1::DOUBLED[b & 0xF] as i16 as u16 as u32;
-        let hi = e2m1::DOUBLED[b >> 4] as i16 as u16 as u32;
-        t[b] = (lo | (hi << 16)) as i32;
+        let lo = e2m1::DOUBLED[b & 0xF] as u8 as u16;
+        let hi = e2m1::DOUBLED[b >> 4] as u8 as u16;
+        t[b] = lo | (hi << 8);
         b += 1;
     }
     t
 };
+
+/// Each packed E2M1 byte as two unsigned bytes of doubled values plus [`K_BIAS`] (the
+/// key side, in `0..=24`), element `2e` first.
+static K_BYTES: [u16; 256] = {
+    let mut t = [0u16; 256];
+    let mut b = 0;
+    while b < 256 {
+        let lo = (e2m1::DOUBLED[b & 0xF] + K_BIAS as i8) as u8 as u16;
+        let hi = (e2m1::DOUBLED[b >> 4] + K_BIAS as i8) as u8 as u16;
+        t[b] = lo | (hi << 8);
+        b += 1;
+    }
+    t
+};
+
+/// Bias that makes a doubled key value unsigned: `2k + 12` is in `0..=24`.
+const K_BIAS: i32 = 12;
+
+/// The quad word of dims `4w .. 4w + 3` from packed bytes `2w`, `2w + 1` (byte `t` of
+/// the little-endian word is dim `4w + t`).
+#[inline]
+fn quad(lut: &[u16; 256], b0: u8, b1: u8) -> i32 {
+    (lut[b0 as usize] as u32 | (lut[b1 as usize] as u32) << 16) as i32
+}
 
 /// Per-worker operand buffers.
 #[derive(Debug)]
@@ -107,16 +133,20 @@ pub struct Engine {
     dim: usize,
     class: Class,
     isa: Isa,
-    /// Exact class: pair words of the group's queries `[R, H, D/2]`.
-    q_pairs: Vec<i32>,
+    /// Exact class: quad words of the group's doubled query values (4 x i8)
+    /// `[R, H, D/4]`.
+    q_quads: Vec<i32>,
+    /// Exact class: `K_BIAS * sum_{d in g} 2 q_d` per `[R, H, G]`, the bias's share of
+    /// each biased group dot.
+    q_corr: Vec<i32>,
     /// Tolerance class: query values `[R, H, D]`.
     q_f64: Vec<f64>,
     /// Query group scales `[R, H, G]` (fp4 queries).
     q_scale: Vec<f32>,
     /// Weights `[R, H]`.
     w: Vec<f32>,
-    /// Exact class: the key block's pair words, transposed `[D/2, LANES]`.
-    k_pairs: Vec<i32>,
+    /// Exact class: the key block's biased quad words (4 x u8), transposed `[D/4, LANES]`.
+    k_quads: Vec<i32>,
     /// Exact class: the key block's group scales `[G, LANES]`.
     k_block_scale: Vec<f32>,
     /// Tolerance class: one key's values `[D]`.
@@ -141,11 +171,12 @@ impl Engine {
             dim: d,
             class,
             isa: isa.min(Isa::best()),
-            q_pairs: vec![0; if exact { ROW_GROUP * h * d / 2 } else { 0 }],
+            q_quads: vec![0; if exact { ROW_GROUP * h * d / 4 } else { 0 }],
+            q_corr: vec![0; if exact { ROW_GROUP * h * g } else { 0 }],
             q_f64: vec![0.0; if exact { 0 } else { ROW_GROUP * h * d }],
             q_scale: vec![0.0; ROW_GROUP * h * g],
             w: vec![0.0; ROW_GROUP * h],
-            k_pairs: vec![0; if exact { d / 2 * LANES } else { 0 }],
+            k_quads: vec![0; if exact { d / 4 * LANES } else { 0 }],
             k_block_scale: vec![0.0; if exact { g * LANES } else { 0 }],
             k_f64: vec![0.0; if exact { 0 } else { d }],
             k_scale: vec![0.0; g],
@@ -161,7 +192,7 @@ impl Engine {
     pub fn bytes(heads: usize, dim: usize, class: Class) -> usize {
         let (rh, g) = (ROW_GROUP * heads, dim / 32);
         let operands = match class {
-            Class::Exact => rh * dim / 2 * 4 + dim / 2 * LANES * 4 + g * LANES * 4,
+            Class::Exact => rh * dim + rh * g * 4 + dim * LANES + g * LANES * 4,
             Class::Tolerance => rh * dim * 8 + dim * 8,
         };
         operands + rh * g * 4 + rh * 4 + g * 4
@@ -181,9 +212,20 @@ impl Engine {
                     }
                     Queries::E2m1 { packed, scale } => {
                         if self.class == Class::Exact {
-                            let base = (r * h + hh) * d / 2;
-                            for e in 0..d / 2 {
-                                self.q_pairs[base + e] = PAIR[packed[[i, hh, e]] as usize];
+                            let base = (r * h + hh) * d / 4;
+                            for w in 0..d / 4 {
+                                let (b0, b1) = (packed[[i, hh, 2 * w]], packed[[i, hh, 2 * w + 1]]);
+                                self.q_quads[base + w] = quad(&Q_BYTES, b0, b1);
+                            }
+                            for gg in 0..g {
+                                let sum: i32 = (gg * 16..gg * 16 + 16)
+                                    .map(|e| {
+                                        let b = packed[[i, hh, e]];
+                                        e2m1::DOUBLED[(b & 0xF) as usize] as i32
+                                            + e2m1::DOUBLED[(b >> 4) as usize] as i32
+                                    })
+                                    .sum();
+                                self.q_corr[(r * h + hh) * g + gg] = K_BIAS * sum;
                             }
                         } else {
                             let base = (r * h + hh) * d;
@@ -205,21 +247,26 @@ impl Engine {
     /// Exact class: transpose keys `x0 .. x0 + count` (`count <= LANES`) into the block
     /// buffers; lanes past `count` are zero.
     fn load_key_block(&mut self, p: &Problem, x0: usize, count: usize) {
-        let (d2, g) = (self.dim / 2, self.dim / 32);
+        let (d4, g) = (self.dim / 4, self.dim / 32);
         if let Keys::E2m1 { packed, scale } = p.inputs.k {
             for lane in 0..LANES {
                 if lane < count {
                     let row = packed.row(x0 + lane);
-                    for (e, &b) in row.iter().enumerate().take(d2) {
-                        self.k_pairs[e * LANES + lane] = PAIR[b as usize];
+                    let row = row.as_slice();
+                    for w in 0..d4 {
+                        let (b0, b1) = match row {
+                            Some(r) => (r[2 * w], r[2 * w + 1]),
+                            None => (packed[[x0 + lane, 2 * w]], packed[[x0 + lane, 2 * w + 1]]),
+                        };
+                        self.k_quads[w * LANES + lane] = quad(&K_BYTES, b0, b1);
                     }
                     for gg in 0..g {
                         self.k_block_scale[gg * LANES + lane] =
                             ue8m0::decode(scale[[x0 + lane, gg]]);
                     }
                 } else {
-                    for e in 0..d2 {
-                        self.k_pairs[e * LANES + lane] = 0;
+                    for w in 0..d4 {
+                        self.k_quads[w * LANES + lane] = 0;
                     }
                     for gg in 0..g {
                         self.k_block_scale[gg * LANES + lane] = 1.0;
@@ -427,22 +474,26 @@ const HEAD_BLOCK: usize = 4;
 type Acc = [[[i32; LANES]; 4]; HEAD_BLOCK];
 
 /// The epilogue of one row against the loaded block, given a dot-product routine that
-/// fills `acc` for the [`HEAD_BLOCK`] heads whose pair words `q` (`[HEAD_BLOCK, D/2]`)
-/// it is given.
+/// fills `acc` with `4 * s_g` for the [`HEAD_BLOCK`] heads whose quad words `q`
+/// (`[HEAD_BLOCK, D/4]`) and bias corrections `corr` (`[HEAD_BLOCK, G]`) it is given.
 #[inline(always)]
 fn block_with<const G: usize>(
     e: &Engine,
     r: usize,
     out: &mut [f32; LANES],
-    mut dots: impl FnMut(&[i32], &mut Acc),
+    mut dots: impl FnMut(&[i32], &[i32], &mut Acc),
 ) {
-    let (h, d2) = (e.heads, e.dim / 2);
+    let (h, d4) = (e.heads, e.dim / 4);
     let mut terms = [[0f32; LANES]; 64];
     let mut acc: Acc = [[[0; LANES]; 4]; HEAD_BLOCK];
     // H is a power of two >= 8, so head blocks tile it.
     for hb in (0..h).step_by(HEAD_BLOCK) {
         let base = r * h + hb;
-        dots(&e.q_pairs[base * d2..(base + HEAD_BLOCK) * d2], &mut acc);
+        dots(
+            &e.q_quads[base * d4..(base + HEAD_BLOCK) * d4],
+            &e.q_corr[base * G..(base + HEAD_BLOCK) * G],
+            &mut acc,
+        );
         for (k, a) in acc.iter().enumerate() {
             head_term::<G>(
                 a,
@@ -456,32 +507,35 @@ fn block_with<const G: usize>(
     heads_pairwise(&mut terms, h, out);
 }
 
-/// Portable dot products: `acc[g][l] = sum_w q.lo * k.lo + q.hi * k.hi` over the
-/// group's 16 words, on `i16` views of the pair words (the shape LLVM turns into
-/// `pmaddwd`-style code on any SIMD target).
+/// Portable dot products on byte views of the quad words: per lane,
+/// `sum_d (2k_d + 12) * 2q_d - corr = 4 s_g`.
 fn block_portable<const G: usize>(e: &Engine, r: usize, out: &mut [f32; LANES]) {
-    let d2 = e.dim / 2;
-    // SAFETY: i16 has a smaller alignment than i32 and every i32 is two i16s; q and k
-    // are viewed the same way, so halves pair up on either endianness.
-    let kp: &[i16] = unsafe {
-        std::slice::from_raw_parts(e.k_pairs.as_ptr() as *const i16, e.k_pairs.len() * 2)
-    };
-    block_with::<G>(e, r, out, |q, acc| {
+    let d4 = e.dim / 4;
+    // SAFETY: u8 has alignment 1 and every i32 is four bytes; q and k are viewed the
+    // same way, so byte t of a key word meets byte t of the query word.
+    let kb: &[u8] =
+        unsafe { std::slice::from_raw_parts(e.k_quads.as_ptr() as *const u8, e.k_quads.len() * 4) };
+    block_with::<G>(e, r, out, |q, corr, acc| {
         // SAFETY: as above.
-        let q: &[i16] =
-            unsafe { std::slice::from_raw_parts(q.as_ptr() as *const i16, q.len() * 2) };
+        let qb: &[i8] = unsafe { std::slice::from_raw_parts(q.as_ptr() as *const i8, q.len() * 4) };
         for (hk, ah) in acc.iter_mut().enumerate() {
             for (gg, a) in ah.iter_mut().enumerate().take(G) {
                 let mut s = [0i32; LANES];
-                let qg = &q[(hk * d2 + gg * 16) * 2..(hk * d2 + gg * 16 + 16) * 2];
-                let kg = &kp[gg * 16 * LANES * 2..(gg + 1) * 16 * LANES * 2];
-                for (qw, kw) in qg.chunks_exact(2).zip(kg.chunks_exact(2 * LANES)) {
-                    let (q0, q1) = (qw[0] as i32, qw[1] as i32);
-                    for (sl, k) in s.iter_mut().zip(kw.chunks_exact(2)) {
-                        *sl += q0 * k[0] as i32 + q1 * k[1] as i32;
+                let qg = &qb[(hk * d4 + gg * 8) * 4..(hk * d4 + gg * 8 + 8) * 4];
+                let kg = &kb[gg * 8 * LANES * 4..(gg + 1) * 8 * LANES * 4];
+                for (qw, kw) in qg.chunks_exact(4).zip(kg.chunks_exact(4 * LANES)) {
+                    let qv = [qw[0] as i32, qw[1] as i32, qw[2] as i32, qw[3] as i32];
+                    for (sl, k) in s.iter_mut().zip(kw.chunks_exact(4)) {
+                        *sl += k[0] as i32 * qv[0]
+                            + k[1] as i32 * qv[1]
+                            + k[2] as i32 * qv[2]
+                            + k[3] as i32 * qv[3];
                     }
                 }
-                *a = s;
+                let c = corr[hk * G + gg];
+                for (al, sl) in a.iter_mut().zip(s) {
+                    *al = sl - c;
+                }
             }
         }
     });
@@ -492,65 +546,75 @@ mod x86 {
     use super::{block_with, Engine, HEAD_BLOCK, LANES};
     use std::arch::x86_64::*;
 
-    /// AVX-512 VNNI: one `vpdpwssd` per (head, group word, 16 keys); the
-    /// `HEAD_BLOCK * G` accumulator chains are independent, so they interleave.
+    /// AVX-512 VNNI: one `vpdpbusd` (biased u8 keys x i8 queries, four products a lane)
+    /// per (head, group word, 16 keys); the `HEAD_BLOCK * G` accumulator chains are
+    /// independent, so they interleave.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
     pub(super) unsafe fn block_avx512<const G: usize>(
         e: &Engine,
         r: usize,
         out: &mut [f32; LANES],
     ) {
-        let kp = e.k_pairs.as_ptr();
-        let d2 = e.dim / 2;
-        block_with::<G>(e, r, out, |q, acc| {
-            // SAFETY: `k_pairs` holds `D/2 * LANES` words and `q` holds
-            // `HEAD_BLOCK * D/2` words; every index below is within those.
+        let kp = e.k_quads.as_ptr();
+        let d4 = e.dim / 4;
+        block_with::<G>(e, r, out, |q, corr, acc| {
+            // SAFETY: `k_quads` holds `D/4 * LANES` words, `q` holds `HEAD_BLOCK * D/4`
+            // and `corr` `HEAD_BLOCK * G`; every index below is within those.
             unsafe {
                 let mut a = [[_mm512_setzero_si512(); G]; HEAD_BLOCK];
-                for w in 0..16 {
+                for w in 0..8 {
                     let mut kv = [_mm512_setzero_si512(); G];
                     for (gg, k) in kv.iter_mut().enumerate() {
-                        *k = _mm512_loadu_si512(kp.add((gg * 16 + w) * LANES) as *const _);
+                        *k = _mm512_loadu_si512(kp.add((gg * 8 + w) * LANES) as *const _);
                     }
                     for (hk, ah) in a.iter_mut().enumerate() {
                         for (gg, ag) in ah.iter_mut().enumerate() {
-                            let qv = _mm512_set1_epi32(*q.get_unchecked(hk * d2 + gg * 16 + w));
-                            *ag = _mm512_dpwssd_epi32(*ag, kv[gg], qv);
+                            let qv = _mm512_set1_epi32(*q.get_unchecked(hk * d4 + gg * 8 + w));
+                            *ag = _mm512_dpbusd_epi32(*ag, kv[gg], qv);
                         }
                     }
                 }
                 for hk in 0..HEAD_BLOCK {
                     for gg in 0..G {
-                        _mm512_storeu_si512(acc[hk][gg].as_mut_ptr() as *mut _, a[hk][gg]);
+                        let c = _mm512_set1_epi32(*corr.get_unchecked(hk * G + gg));
+                        let v = _mm512_sub_epi32(a[hk][gg], c);
+                        _mm512_storeu_si512(acc[hk][gg].as_mut_ptr() as *mut _, v);
                     }
                 }
             }
         });
     }
 
-    /// AVX2: `vpmaddwd` + `vpaddd` on two halves of 8 keys, one head at a time.
+    /// AVX2: `vpmaddubsw` (pairs of u8 x i8 into i16, at most 576: no saturation),
+    /// `vpmaddwd` by ones, `vpaddd`, on two halves of 8 keys, one head at a time.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn block_avx2<const G: usize>(e: &Engine, r: usize, out: &mut [f32; LANES]) {
-        let kp = e.k_pairs.as_ptr();
-        let d2 = e.dim / 2;
-        block_with::<G>(e, r, out, |q, acc| {
+        let kp = e.k_quads.as_ptr();
+        let d4 = e.dim / 4;
+        block_with::<G>(e, r, out, |q, corr, acc| {
             // SAFETY: as in `block_avx512`.
             unsafe {
+                let ones = _mm256_set1_epi16(1);
                 for (hk, acc_h) in acc.iter_mut().enumerate() {
                     let mut a = [[_mm256_setzero_si256(); 2]; G];
-                    for w in 0..16 {
+                    for w in 0..8 {
                         for (gg, ag) in a.iter_mut().enumerate() {
-                            let i = gg * 16 + w;
-                            let qv = _mm256_set1_epi32(*q.get_unchecked(hk * d2 + i));
+                            let i = gg * 8 + w;
+                            let qv = _mm256_set1_epi32(*q.get_unchecked(hk * d4 + i));
                             let k0 = _mm256_loadu_si256(kp.add(i * LANES) as *const _);
                             let k1 = _mm256_loadu_si256(kp.add(i * LANES + 8) as *const _);
-                            ag[0] = _mm256_add_epi32(ag[0], _mm256_madd_epi16(k0, qv));
-                            ag[1] = _mm256_add_epi32(ag[1], _mm256_madd_epi16(k1, qv));
+                            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(k0, qv), ones);
+                            let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(k1, qv), ones);
+                            ag[0] = _mm256_add_epi32(ag[0], p0);
+                            ag[1] = _mm256_add_epi32(ag[1], p1);
                         }
                     }
                     for gg in 0..G {
-                        _mm256_storeu_si256(acc_h[gg].as_mut_ptr() as *mut _, a[gg][0]);
-                        _mm256_storeu_si256(acc_h[gg].as_mut_ptr().add(8) as *mut _, a[gg][1]);
+                        let c = _mm256_set1_epi32(*corr.get_unchecked(hk * G + gg));
+                        let v0 = _mm256_sub_epi32(a[gg][0], c);
+                        let v1 = _mm256_sub_epi32(a[gg][1], c);
+                        _mm256_storeu_si256(acc_h[gg].as_mut_ptr() as *mut _, v0);
+                        _mm256_storeu_si256(acc_h[gg].as_mut_ptr().add(8) as *mut _, v1);
                     }
                 }
             }
