@@ -17,15 +17,16 @@ typedef long long i64;
 
 // ---- codecs (SPEC 2) --------------------------------------------------------------
 
-// Twice the E2M1 magnitude of index 0..7, a nibble each: {0,1,2,3,4,6,8,12}.
-#define E2M1_DOUBLED_MAG 0xC8643210u
 // E4M3 byte of the E2M1 magnitude of index 0..7: {0, .5, 1, 1.5, 2, 3, 4, 6}.
 #define E2M1_AS_E4M3 0x4C4844403C383000ull
 
-// E2M1 code (low nibble) -> twice its value as an int8 bit pattern (in the low byte).
-__device__ __forceinline__ u32 e2m1_doubled_s8(u32 c) {
-  u32 mag = (E2M1_DOUBLED_MAG >> ((c & 7u) * 4u)) & 0xFu;
-  return (c & 8u) ? ((0u - mag) & 0xFFu) : mag;
+// E4M3 byte of twice the E2M1 magnitude of index 0..7: {0, 1, 2, 3, 4, 6, 8, 12}, exact.
+#define E2M1_DOUBLED_AS_E4M3 0x54504C4844403800ull
+
+// E2M1 code -> the E4M3 byte of twice its value (exact; -0 -> 0x80).
+__device__ __forceinline__ u32 e2m1_doubled_e4m3(u32 c) {
+  u32 b = (u32)((E2M1_DOUBLED_AS_E4M3 >> ((c & 7u) * 8u)) & 0xFFu);
+  return b | ((c & 8u) << 4);
 }
 
 // E2M1 code -> the E4M3 byte of the same value (exact; -0 -> 0x80).
@@ -34,10 +35,11 @@ __device__ __forceinline__ u32 e2m1_e4m3(u32 c) {
   return b | ((c & 8u) << 4);
 }
 
-// Two packed E2M1 codes (one byte) -> two int8 / e4m3 bytes (low element first).
+// Two packed E2M1 codes (one byte) -> two E4M3 bytes (low element first): the value,
+// or (DOUBLED) twice the value.
 template <bool DOUBLED>
 __device__ __forceinline__ u32 e2m1_pair(u32 byte) {
-  if (DOUBLED) return e2m1_doubled_s8(byte & 0xFu) | (e2m1_doubled_s8(byte >> 4) << 8);
+  if (DOUBLED) return e2m1_doubled_e4m3(byte & 0xFu) | (e2m1_doubled_e4m3(byte >> 4) << 8);
   return e2m1_e4m3(byte & 0xFu) | (e2m1_e4m3(byte >> 4) << 8);
 }
 
@@ -80,21 +82,7 @@ __device__ __forceinline__ u32 rank_key(float x) {
 // relu(x) = x > 0 ? x : +0.0 (NaN -> +0.0).
 __device__ __forceinline__ float relu_f32(float x) { return x > 0.0f ? x : 0.0f; }
 
-// int32 -> f32 for |v| < 2^22 with two full-rate ops (exact): 1.5 * 2^23 + v.
-__device__ __forceinline__ float small_i2f(int v) {
-  return __fsub_rn(__int_as_float(v + 0x4B400000), 12582912.0f);
-}
-
 // ---- tensor cores ---------------------------------------------------------------------
-
-// D = A(16x32 s8, row) * B(32x8 s8, col) + C, s32 accumulate: exact for our ranges.
-__device__ __forceinline__ void mma_s8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // D = A(16x32 e4m3, row) * B(32x8 e4m3, col) + C, f32 accumulate.
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -112,6 +100,25 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void *smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// 16-byte global -> shared copy, bypassing registers; bytes past src_bytes (0 or 16)
+// are zero-filled.
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, u32 src_bytes) {
+  u32 addr = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem),
+               "r"(src_bytes));
+}
+// 4-byte variant.
+__device__ __forceinline__ void cp_async4(void *smem, const void *gmem, u32 src_bytes) {
+  u32 addr = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // ---- block-wide helpers -----------------------------------------------------------

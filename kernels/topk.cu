@@ -37,14 +37,202 @@ __device__ __forceinline__ u32 load_key(const void *scores, u32 j, const u32 *bi
   }
 }
 
+
+// ---- fast path: two passes over the row, the rest in shared memory ----------------
+#define TK_BINS 2048       // pass-1 histogram on the key's top 11 bits
+#define TK_SEL_CAP 4096    // selected ids held for the final sort (K <= this)
+#define TK_CAND_CAP 2048   // keys of the threshold bin held for the exact resolution
+static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
+
+struct TopkSmem {
+  u32 hist[TK_BINS];
+  u32 sel[TK_SEL_CAP];
+  u32 ckey[TK_CAND_CAP];
+  u32 cid[TK_CAND_CAP];
+  u32 h256[256];
+  u32 scan[33];
+  u32 misc[8];  // 0: bin, 1: remaining, 2: total, 3: nsel, 4: ncand, 5..6: select results
+};
+
+// Radix select over `count` shared-memory keys (largest first): the K-th key T and how
+// many keys equal to T are taken (`K` <= count). Keys are `key(i)`.
+template <class F>
+__device__ void smem_select(TopkSmem &sm, u32 count, u32 K, F key, u32 &T, u32 &take) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  u32 prefix = 0, mask = 0, remaining = K;
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    for (int i = tid; i < 256; i += TK_THREADS) sm.h256[i] = 0;
+    __syncthreads();
+    for (u32 i = tid; i < count; i += TK_THREADS) {
+      const u32 k = key(i);
+      if ((k & mask) == prefix) atomicAdd(&sm.h256[(k >> shift) & 255u], 1u);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      u32 c[8], local = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        c[i] = sm.h256[255 - (lane * 8 + i)];
+        local += c[i];
+      }
+      u32 incl = local;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const u32 before = incl - local;
+      if (before < remaining && incl >= remaining) {
+        u32 cum = before;
+        for (int i = 0; i < 8; ++i) {
+          if (cum + c[i] >= remaining) {
+            sm.misc[5] = prefix | ((u32)(255 - (lane * 8 + i)) << shift);
+            sm.misc[6] = remaining - cum;
+            break;
+          }
+          cum += c[i];
+        }
+      }
+    }
+    __syncthreads();
+    prefix = sm.misc[5];
+    remaining = sm.misc[6];
+    mask |= 255u << shift;
+    __syncthreads();
+  }
+  T = prefix;
+  take = remaining;
+}
+
+// Returns false (having written nothing) when the row needs the general path: K above
+// TK_SEL_CAP, or more than TK_CAND_CAP keys in the threshold bin.
+template <int MODE>
+__device__ bool topk_row_fast(TopkSmem &sm, const void *scores, const u32 n, const u32 K,
+                              const u32 pinned, const u32 *bitmap, const u32 block_size,
+                              i32 *out_ids, const u32 out_cols, i32 *out_page,
+                              const u32 page_cols, const i32 *k_slots, const u32 ks) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (K > TK_SEL_CAP) return false;
+  // Pass 1: histogram of the top 11 bits.
+  for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
+  if (tid < 8) sm.misc[tid] = 0;
+  __syncthreads();
+  for (u32 j = tid; j < n; j += TK_THREADS) {
+    const u32 key = load_key<MODE>(scores, j, bitmap, block_size, pinned);
+    if (key != 0u) atomicAdd(&sm.hist[key >> 21], 1u);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Lane l owns bins 2047-64l .. 1984-64l (descending).
+    u32 local = 0;
+    for (int i = 0; i < 64; ++i) local += sm.hist[TK_BINS - 1 - (lane * 64 + i)];
+    u32 incl = local;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const u32 total = __shfl_sync(FULL_MASK, incl, 31);
+    const u32 before = incl - local;
+    if (lane == 0) sm.misc[2] = total;
+    if (total > K && before < K && incl >= K) {
+      u32 cum = before;
+      for (int i = 0; i < 64; ++i) {
+        const u32 b = TK_BINS - 1 - (lane * 64 + i);
+        if (cum + sm.hist[b] >= K) {
+          sm.misc[0] = b;
+          sm.misc[1] = K - cum;  // keys taken from bin b
+          break;
+        }
+        cum += sm.hist[b];
+      }
+    }
+  }
+  __syncthreads();
+  const u32 total = sm.misc[2];
+  if (total <= K) return false;  // m <= K: the general path selects all in one pass
+  const u32 bin = sm.misc[0], need = sm.misc[1];
+  if (sm.hist[bin] > TK_CAND_CAP) return false;
+  // Pass 2: keys above the bin are selected; the bin's keys are candidates.
+  for (u32 j = tid; j < n; j += TK_THREADS) {
+    const u32 key = load_key<MODE>(scores, j, bitmap, block_size, pinned);
+    if (key == 0u) continue;
+    const u32 b = key >> 21;
+    if (b > bin) {
+      sm.sel[atomicAdd(&sm.misc[3], 1u)] = j;
+    } else if (b == bin) {
+      const u32 c = atomicAdd(&sm.misc[4], 1u);
+      sm.ckey[c] = key;
+      sm.cid[c] = j;
+    }
+  }
+  __syncthreads();
+  const u32 ncand = sm.misc[4];
+  // Exact threshold among the bin's keys, then the lowest ids among its ties.
+  u32 T, take;
+  smem_select(sm, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T, take);
+  u32 ties = 0;
+  for (u32 i = tid; i < ncand; i += TK_THREADS) ties += sm.ckey[i] == T;
+  // Count ties block-wide.
+  {
+    u32 tot;
+    block_exclusive_scan(ties, sm.scan, &tot);
+    ties = tot;
+  }
+  u32 Tj = 0;  // ties with ~id >= Tj are taken (the `take` lowest ids)
+  if (take < ties)
+    smem_select(sm, ncand, take,
+                [&](u32 i) { return sm.ckey[i] == T ? ~sm.cid[i] : 0u; }, Tj, take);
+  for (u32 i = tid; i < ncand; i += TK_THREADS) {
+    const u32 key = sm.ckey[i];
+    if (key > T || (key == T && ~sm.cid[i] >= Tj)) sm.sel[atomicAdd(&sm.misc[3], 1u)] = sm.cid[i];
+  }
+  __syncthreads();
+  // Sort the K selected ids ascending (bitonic, padded to a power of two).
+  u32 size = 1;
+  while (size < K) size <<= 1;
+  for (u32 i = K + tid; i < size; i += TK_THREADS) sm.sel[i] = 0xFFFFFFFFu;
+  __syncthreads();
+  for (u32 k2 = 2; k2 <= size; k2 <<= 1) {
+    for (u32 j2 = k2 >> 1; j2 > 0; j2 >>= 1) {
+      for (u32 i = tid; i < size; i += TK_THREADS) {
+        const u32 l = i ^ j2;
+        if (l > i) {
+          const u32 a = sm.sel[i], b = sm.sel[l];
+          const bool up = (i & k2) == 0;
+          if ((a > b) == up) {
+            sm.sel[i] = b;
+            sm.sel[l] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (u32 c = tid; c < out_cols; c += TK_THREADS) {
+    const i32 j = c < K ? (i32)sm.sel[c] : -1;
+    out_ids[c] = j;
+  }
+  if (out_page)
+    for (u32 c = tid; c < page_cols; c += TK_THREADS)
+      out_page[c] = c < K ? (k_slots ? k_slots[ks + sm.sel[c]] : (i32)(ks + sm.sel[c])) : -1;
+  return true;
+}
+
 template <int MODE>
 __device__ void topk_row(const void *scores, const u32 n, const u32 K, const u32 pinned,
                          const u32 *bitmap, const u32 block_size, i32 *out_ids,
                          const u32 out_cols, i32 *out_page, const u32 page_cols,
                          const i32 *k_slots, const u32 ks) {
-  __shared__ u32 hist[256];
-  __shared__ u32 scan[33];
-  __shared__ u32 sel[3];  // prefix, remaining, total candidates
+  __shared__ TopkSmem fast;
+  if (topk_row_fast<MODE>(fast, scores, n, K, pinned, bitmap, block_size, out_ids, out_cols,
+                          out_page, page_cols, k_slots, ks))
+    return;
+  __syncthreads();
+  u32 *hist = fast.h256;
+  u32 *scan = fast.scan;
+  u32 *sel = fast.misc;  // prefix, remaining, total candidates
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   u32 prefix = 0, mask = 0, remaining = K;
@@ -203,7 +391,8 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) kept_blocks_u32(
 }
 
 // Device codec check: decode every code of each format (SPEC 2).
-// out: [256] e4m3 as f32 bits, [16] e2m1 (doubled s8 and e4m3 byte), [256] ue8m0.
+// out: [256] e4m3 as f32 bits, [16] e2m1 (e4m3 bytes of twice the value, and of the
+// value), [256] ue8m0.
 extern "C" __global__ void decode_codes(u32 *out_e4m3, u32 *out_e2m1_doubled,
                                         u32 *out_e2m1_e4m3, u32 *out_ue8m0) {
   const u32 i = threadIdx.x;
@@ -212,7 +401,7 @@ extern "C" __global__ void decode_codes(u32 *out_e4m3, u32 *out_e2m1_doubled,
     out_ue8m0[i] = __float_as_uint(ue8m0_pow2(i, 0));
   }
   if (i < 16) {
-    out_e2m1_doubled[i] = e2m1_doubled_s8(i);
+    out_e2m1_doubled[i] = e2m1_doubled_e4m3(i);
     out_e2m1_e4m3[i] = e2m1_e4m3(i);
   }
 }

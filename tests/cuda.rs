@@ -115,7 +115,14 @@ fn codecs_decode_on_the_device_as_the_host_tables() {
         }
     }
     for c in 0..16usize {
-        assert_eq!(f4d[c] as u8 as i8, e2m1::DOUBLED[c], "e2m1 doubled 0x{c:x}");
+        let twice = e4m3::TABLE[f4d[c] as usize];
+        assert_eq!(
+            twice.to_bits(),
+            (2.0 * e2m1::TABLE[c]).to_bits(),
+            "e2m1 0x{c:x} doubled as e4m3 0x{:02x}",
+            f4d[c]
+        );
+        assert_eq!(twice, e2m1::DOUBLED[c] as f32, "e2m1 0x{c:x} doubled");
         let v = e4m3::TABLE[f4e[c] as usize];
         assert_eq!(
             v.to_bits(),
@@ -451,6 +458,33 @@ fn boundary_sizes_from_the_kernel_constants() {
             let p = c.problem(Params::new(k), Role::Plain);
             check_exact(&mut b, &format!("n={n} K={k}"), &p);
         }
+    }
+    // K around the fast path's selection capacity; a threshold bin above its candidate
+    // capacity (few distinct keys: the general path).
+    let cap = kernels::TOPK_SEL_CAP;
+    let batch = Batch::explicit(&[cap + 900], &[0, 0], &[cap + 899, cap / 2], 1).unwrap();
+    let c = Case::random(batch.clone(), 8, 32, 77);
+    for k in [cap - 1, cap, cap + 1] {
+        check_exact(
+            &mut b,
+            &format!("K={k} around TOPK_SEL_CAP"),
+            &c.problem(Params::new(k), Role::Plain),
+        );
+    }
+    let mut c = Case::random(batch, 8, 32, 78);
+    for x in 0..c.k.nrows() {
+        let src = c.k.row(x % 3).to_owned();
+        c.k.row_mut(x).assign(&src);
+        let s = c.ks.row(x % 3).to_owned();
+        c.ks.row_mut(x).assign(&s);
+    }
+    assert!(cap + 900 > 3 * kernels::TOPK_CAND_CAP / 2);
+    for k in [1, 100, 2048] {
+        check_exact(
+            &mut b,
+            &format!("3 distinct keys, K={k}"),
+            &c.problem(Params::new(k), Role::Plain),
+        );
     }
     // Source rows around B * NB.
     let (bs, nb) = (4usize, 5usize);

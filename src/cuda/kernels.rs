@@ -26,6 +26,10 @@ pub const LOGITS_KEYS: usize = 64;
 pub const TOPK_THREADS: usize = 512;
 /// Ids per top-k chunk of the ordered pass (`TK_THREADS * TK_ITEMS`).
 pub const TOPK_CHUNK: usize = 512 * 8;
+/// Largest `K` of the top-k fast path (`TK_SEL_CAP`); above it, the general path.
+pub const TOPK_SEL_CAP: usize = 4096;
+/// Keys of the threshold bin the fast path resolves in shared memory (`TK_CAND_CAP`).
+pub const TOPK_CAND_CAP: usize = 2048;
 /// Threads of a block-keys block.
 pub const BLOCK_KEYS_THREADS: usize = 256;
 
@@ -88,8 +92,20 @@ impl Variant {
         }
     }
 
-    /// The full NVRTC source of this variant.
+    /// The full NVRTC source of this variant. `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
+    /// separated by spaces) is prepended as `#define`s: a tuning knob for experiments
+    /// (e.g. `LG_MIN_BLOCKS=2`), read once per process.
     pub fn source(&self) -> String {
+        let extra: String = std::env::var("DSA_CUDA_DEFINES")
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| format!("#define {k} {v}\n"))
+            .collect();
+        extra + &self.source_plain()
+    }
+
+    fn source_plain(&self) -> String {
         match *self {
             Variant::Logits {
                 heads,

@@ -208,7 +208,8 @@ impl Device {
     }
 
     /// Decode every code of the three formats on the device (the codec test):
-    /// E4M3 as f32 bits `[256]`, E2M1 doubled s8 bytes and E4M3 bytes `[16]` each,
+    /// E4M3 as f32 bits `[256]`, E2M1 as the E4M3 bytes of twice its value (the exact
+    /// class's MMA operand) and of its value `[16]` each,
     /// UE8M0 as f32 bits `[256]`.
     pub fn decode_codes(&self) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>)> {
         let f = self.function(Variant::Topk, "decode_codes")?;
@@ -532,6 +533,11 @@ impl Run {
                 },
                 "mqa_logits",
             )?;
+            // Key tiles per block: enough blocks to fill the GPU several times over, and
+            // up to 16 tiles per block so the query fragments are loaded once per 16.
+            let ngroups = g.groups.len().max(1);
+            let per_block = (g.chunks as usize * ngroups / (8 * 132)).clamp(1, 16);
+            let gx = (g.chunks as usize).div_ceil(per_block) as u32;
             let mut start = g.groups.start;
             while start < g.groups.end {
                 let count = (g.groups.end - start).min(65535);
@@ -554,7 +560,7 @@ impl Run {
                 // footprint in the logits tile, which the plan sized.
                 unsafe {
                     l.launch(LaunchConfig {
-                        grid_dim: (g.chunks, count as u32, 1),
+                        grid_dim: (gx, count as u32, 1),
                         block_dim: ((kernels::LOGITS_ROWS * 32) as u32, 1, 1),
                         shared_mem_bytes: 0,
                     })
@@ -649,7 +655,9 @@ impl Run {
         let bs = sh.block_size as u32;
         let bw = self.bitmap_words;
         let smem = if sh.consumer { bw * 4 } else { 0 };
-        if smem > 48 * 1024 {
+        if smem > 0 {
+            // The top-k kernel's static shared memory plus the bitmap exceed the default
+            // 48 KiB per block: raise the dynamic limit (up to 160 KiB + 42 KiB static).
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
