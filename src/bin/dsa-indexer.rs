@@ -492,7 +492,7 @@ fn cmd_gen(a: &GenArgs) -> Result<i32> {
     let published = dump.published_input(&batch);
     let (out, logits) = {
         let p = dump.problem(&batch, published.as_ref())?;
-        let (out, _) = dsa_indexer::indexer::run_cpu(&p, DEFAULT_BUDGET)?;
+        let (out, _) = dsa_indexer::indexer::run_cpu(&p, 256 << 20)?;
         let want = match a.logits {
             LogitsArg::Yes => true,
             LogitsArg::No => false,
