@@ -389,3 +389,24 @@ fn unordered_engine_rows_are_equal_up_to_order() {
     );
     assert!(so.contains("the same ids"), "{so}");
 }
+
+#[test]
+fn bench_json_and_cuda_without_the_feature() {
+    let (code, so, se) = run(&["bench", "--preset", "small", "--reps", "2", "--json"]);
+    assert_eq!(code, 0, "{se}");
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    // Positions 5..29 of 30 keys (n = 6..=30) and 10..24 of 25 (n = 11..=25): 450 + 270.
+    assert_eq!(v["valid_pairs"], 720, "{v}");
+    assert!(v["median_seconds"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["tflops"].as_f64().unwrap() > 0.0, "{v}");
+    if !cfg!(feature = "cuda") {
+        for cmd in [
+            &["run", "--device", "cuda"][..],
+            &["bench", "--device", "cuda"],
+        ] {
+            let (code, _, se) = run(cmd);
+            assert_eq!(code, 2, "{se}");
+            assert!(se.contains("built without the cuda feature"), "{se}");
+        }
+    }
+}
