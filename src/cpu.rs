@@ -22,7 +22,6 @@
 
 use crate::formats::{e2m1, e4m3, ue8m0};
 use crate::problem::{Class, Keys, Problem, Queries};
-use crate::reference::logits::{pairwise_f32, pairwise_f64, relu};
 
 /// Rows scored together against each decoded key block.
 pub const ROW_GROUP: usize = 8;
@@ -147,12 +146,12 @@ pub struct Engine {
     w: Vec<f32>,
     /// Exact class: the key block's biased quad words (4 x u8), transposed `[D/4, LANES]`.
     k_quads: Vec<i32>,
-    /// Exact class: the key block's group scales `[G, LANES]`.
+    /// fp4 keys: the key block's group scales `[G, LANES]`.
     k_block_scale: Vec<f32>,
-    /// Tolerance class: one key's values `[D]`.
-    k_f64: Vec<f64>,
-    /// Tolerance class: one key's group scales `[G]`.
-    k_scale: Vec<f32>,
+    /// Tolerance class: the key block's values, transposed `[D, LANES]`.
+    k_block_f64: Vec<f64>,
+    /// Tolerance class, E4M3 keys: the key block's per-key scales `[LANES]`.
+    k_block_kscale: Vec<f32>,
 }
 
 impl Engine {
@@ -177,9 +176,9 @@ impl Engine {
             q_scale: vec![0.0; ROW_GROUP * h * g],
             w: vec![0.0; ROW_GROUP * h],
             k_quads: vec![0; if exact { d / 4 * LANES } else { 0 }],
-            k_block_scale: vec![0.0; if exact { g * LANES } else { 0 }],
-            k_f64: vec![0.0; if exact { 0 } else { d }],
-            k_scale: vec![0.0; g],
+            k_block_scale: vec![0.0; g * LANES],
+            k_block_f64: vec![0.0; if exact { 0 } else { d * LANES }],
+            k_block_kscale: vec![0.0; if exact { 0 } else { LANES }],
         }
     }
 
@@ -192,10 +191,10 @@ impl Engine {
     pub fn bytes(heads: usize, dim: usize, class: Class) -> usize {
         let (rh, g) = (ROW_GROUP * heads, dim / 32);
         let operands = match class {
-            Class::Exact => rh * dim + rh * g * 4 + dim * LANES + g * LANES * 4,
-            Class::Tolerance => rh * dim * 8 + dim * 8,
+            Class::Exact => rh * dim + rh * g * 4 + dim * LANES,
+            Class::Tolerance => rh * dim * 8 + dim * LANES * 8 + LANES * 4,
         };
-        operands + rh * g * 4 + rh * 4 + g * 4
+        operands + g * LANES * 4 + rh * g * 4 + rh * 4
     }
 
     fn load_rows(&mut self, p: &Problem, rows: &[usize]) {
@@ -244,9 +243,50 @@ impl Engine {
         }
     }
 
-    /// Exact class: transpose keys `x0 .. x0 + count` (`count <= LANES`) into the block
-    /// buffers; lanes past `count` are zero.
+    /// Transpose keys `x0 .. x0 + count` (`count <= LANES`) into the block buffers;
+    /// lanes past `count` hold zero keys with unit scales.
     fn load_key_block(&mut self, p: &Problem, x0: usize, count: usize) {
+        if self.class == Class::Exact {
+            self.load_key_block_exact(p, x0, count);
+            return;
+        }
+        let (d, g) = (self.dim, self.dim / 32);
+        for lane in 0..LANES {
+            let x = x0 + lane;
+            match p.inputs.k {
+                Keys::E4m3 { codes, scale } => {
+                    for e in 0..d {
+                        self.k_block_f64[e * LANES + lane] = if lane < count {
+                            e4m3::decode(codes[[x, e]]) as f64
+                        } else {
+                            0.0
+                        };
+                    }
+                    self.k_block_kscale[lane] = if lane < count { scale[x] } else { 1.0 };
+                }
+                Keys::E2m1 { packed, scale } => {
+                    for e in 0..d {
+                        self.k_block_f64[e * LANES + lane] = if lane < count {
+                            let b = packed[[x, e / 2]];
+                            e2m1::decode(if e % 2 == 0 { b & 0xF } else { b >> 4 }) as f64
+                        } else {
+                            0.0
+                        };
+                    }
+                    for gg in 0..g {
+                        self.k_block_scale[gg * LANES + lane] = if lane < count {
+                            ue8m0::decode(scale[[x, gg]])
+                        } else {
+                            1.0
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Exact class: the quad words and group scales of a key block.
+    fn load_key_block_exact(&mut self, p: &Problem, x0: usize, count: usize) {
         let (d4, g) = (self.dim / 4, self.dim / 32);
         if let Keys::E2m1 { packed, scale } = p.inputs.k {
             for lane in 0..LANES {
@@ -305,65 +345,26 @@ impl Engine {
         }
     }
 
-    /// Tolerance class: load flat key `x`; returns its per-key scale (E4M3 keys).
-    fn load_key(&mut self, p: &Problem, x: usize) -> Option<f32> {
-        let (d, g) = (self.dim, self.dim / 32);
-        match p.inputs.k {
-            Keys::E4m3 { codes, scale } => {
-                for e in 0..d {
-                    self.k_f64[e] = e4m3::decode(codes[[x, e]]) as f64;
-                }
-                Some(scale[x])
-            }
-            Keys::E2m1 { packed, scale } => {
-                for e in 0..d {
-                    let b = packed[[x, e / 2]];
-                    let c = if e % 2 == 0 { b & 0xF } else { b >> 4 };
-                    self.k_f64[e] = e2m1::decode(c) as f64;
-                }
-                for gg in 0..g {
-                    self.k_scale[gg] = ue8m0::decode(scale[[x, gg]]);
-                }
-                None
-            }
-        }
-    }
-
-    /// Tolerance class: logit of loaded row `r` against the loaded key (SPEC 4).
-    #[inline]
-    fn tolerance_logit(&self, r: usize, kscale: Option<f32>, q_fp4: bool) -> f32 {
-        let (h, d, g) = (self.heads, self.dim, self.dim / 32);
-        let mut terms = [0f32; 64];
-        for (hh, term) in terms.iter_mut().enumerate().take(h) {
-            let base = (r * h + hh) * d;
-            let mut t = [0f64; 4];
-            for (gg, tg) in t.iter_mut().enumerate().take(g) {
-                let qs = &self.q_f64[base + gg * 32..base + gg * 32 + 32];
-                let ks = &self.k_f64[gg * 32..gg * 32 + 32];
-                // Every partial sum is exact in f64, so any order gives s_g.
-                let mut acc = [0f64; 4];
-                for c in 0..8 {
-                    for l in 0..4 {
-                        acc[l] += qs[c * 4 + l] * ks[c * 4 + l];
-                    }
-                }
-                let s = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-                let c = if q_fp4 {
-                    self.q_scale[(r * h + hh) * g + gg] as f64
-                } else if kscale.is_none() {
-                    self.k_scale[gg] as f64
-                } else {
-                    1.0
-                };
-                *tg = s * c;
-            }
-            let a = pairwise_f64(&t[..g]) as f32;
-            *term = self.w[r * h + hh] * relu(a);
-        }
-        let l = pairwise_f32(&terms[..h]);
-        match kscale {
-            Some(s) => l * s,
-            None => l,
+    /// Tolerance class: logits of loaded row `r` against the loaded key block, per lane.
+    fn tolerance_block(&self, r: usize, q_fp4: bool, k_fp4: bool, out: &mut [f32; LANES]) {
+        match (self.isa, self.dim) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is capped by `Isa::best()`, which detected these features.
+            (Isa::Avx512Vnni, 32) => unsafe { x86::tol_avx512::<1>(self, r, q_fp4, k_fp4, out) },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512Vnni, 64) => unsafe { x86::tol_avx512::<2>(self, r, q_fp4, k_fp4, out) },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512Vnni, _) => unsafe { x86::tol_avx512::<4>(self, r, q_fp4, k_fp4, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, AVX2 was detected.
+            (Isa::Avx2, 32) => unsafe { x86::tol_avx2::<1>(self, r, q_fp4, k_fp4, out) },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, 64) => unsafe { x86::tol_avx2::<2>(self, r, q_fp4, k_fp4, out) },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx2, _) => unsafe { x86::tol_avx2::<4>(self, r, q_fp4, k_fp4, out) },
+            (_, 32) => tolerance_block_with::<1>(self, r, q_fp4, k_fp4, out),
+            (_, 64) => tolerance_block_with::<2>(self, r, q_fp4, k_fp4, out),
+            _ => tolerance_block_with::<4>(self, r, q_fp4, k_fp4, out),
         }
     }
 
@@ -389,30 +390,24 @@ impl Engine {
                 .map(|r| ns[r])
                 .max()
                 .unwrap_or(0);
-            if self.class == Class::Exact {
-                let mut lanes = [0f32; LANES];
-                let mut j0 = 0;
-                while j0 < nmax {
-                    let count = (nmax - j0).min(LANES);
-                    self.load_key_block(p, ks[r0] + j0, count);
-                    for r in 0..rows.len() {
-                        if same[r] && j0 < ns[r] {
+            let k_fp4 = matches!(p.inputs.k, Keys::E2m1 { .. });
+            let mut lanes = [0f32; LANES];
+            let mut j0 = 0;
+            while j0 < nmax {
+                let count = (nmax - j0).min(LANES);
+                self.load_key_block(p, ks[r0] + j0, count);
+                for r in 0..rows.len() {
+                    if same[r] && j0 < ns[r] {
+                        if self.class == Class::Exact {
                             self.exact_block(r, &mut lanes);
-                            let m = (ns[r] - j0).min(LANES);
-                            out[r][j0..j0 + m].copy_from_slice(&lanes[..m]);
+                        } else {
+                            self.tolerance_block(r, q_fp4, k_fp4, &mut lanes);
                         }
-                    }
-                    j0 += LANES;
-                }
-            } else {
-                for j in 0..nmax {
-                    let kscale = self.load_key(p, ks[r0] + j);
-                    for r in 0..rows.len() {
-                        if same[r] && j < ns[r] {
-                            out[r][j] = self.tolerance_logit(r, kscale, q_fp4);
-                        }
+                        let m = (ns[r] - j0).min(LANES);
+                        out[r][j0..j0 + m].copy_from_slice(&lanes[..m]);
                     }
                 }
+                j0 += LANES;
             }
             for r in 0..ROW_GROUP {
                 done[r] |= same[r];
@@ -465,6 +460,66 @@ fn heads_pairwise(terms: &mut [[f32; LANES]; 64], n: usize, out: &mut [f32; LANE
         n /= 2;
     }
     *out = terms[0];
+}
+
+/// Tolerance class, lane-wise (SPEC 4): `s_g` exact in f64 (every product of two
+/// decoded E4M3/E2M1 values and every partial sum of 32 of them is exact in f64, so the
+/// order is free), `t_g = s_g * c_g` with the fp4 side's group scale, the f64 pairwise
+/// sum over groups rounded once to f32, `w * relu(a)`, the f32 pairwise sum over heads,
+/// then `* kscale` for E4M3 keys.
+#[inline(always)]
+fn tolerance_block_with<const G: usize>(
+    e: &Engine,
+    r: usize,
+    q_fp4: bool,
+    k_fp4: bool,
+    out: &mut [f32; LANES],
+) {
+    let (h, d) = (e.heads, e.dim);
+    let kb = &e.k_block_f64;
+    let mut terms = [[0f32; LANES]; 64];
+    for (hh, term) in terms.iter_mut().enumerate().take(h) {
+        let base = (r * h + hh) * d;
+        let q = &e.q_f64[base..base + d];
+        let mut s = [[0f64; LANES]; 4];
+        for (g, sg) in s.iter_mut().enumerate().take(G) {
+            for dd in 0..32 {
+                let qd = q[g * 32 + dd];
+                let kd = &kb[(g * 32 + dd) * LANES..(g * 32 + dd + 1) * LANES];
+                for l in 0..LANES {
+                    sg[l] += qd * kd[l];
+                }
+            }
+        }
+        let mut t = [[0f64; LANES]; 4];
+        for g in 0..G {
+            for l in 0..LANES {
+                let c = if q_fp4 {
+                    e.q_scale[(r * h + hh) * G + g] as f64
+                } else if k_fp4 {
+                    e.k_block_scale[g * LANES + l] as f64
+                } else {
+                    1.0
+                };
+                t[g][l] = s[g][l] * c;
+            }
+        }
+        let w = e.w[r * h + hh];
+        for l in 0..LANES {
+            let a = match G {
+                1 => t[0][l],
+                2 => t[0][l] + t[1][l],
+                _ => (t[0][l] + t[1][l]) + (t[2][l] + t[3][l]),
+            } as f32;
+            term[l] = w * if a > 0.0 { a } else { 0.0 };
+        }
+    }
+    heads_pairwise(&mut terms, h, out);
+    if !k_fp4 {
+        for l in 0..LANES {
+            out[l] *= e.k_block_kscale[l];
+        }
+    }
 }
 
 /// Heads whose dot products are computed together (independent accumulator chains).
@@ -545,6 +600,30 @@ fn block_portable<const G: usize>(e: &Engine, r: usize, out: &mut [f32; LANES]) 
 mod x86 {
     use super::{block_with, Engine, HEAD_BLOCK, LANES};
     use std::arch::x86_64::*;
+
+    /// Tolerance class on AVX-512 (the lane loops vectorize over 8 f64 lanes).
+    #[target_feature(enable = "avx512f,avx2")]
+    pub(super) unsafe fn tol_avx512<const G: usize>(
+        e: &Engine,
+        r: usize,
+        q_fp4: bool,
+        k_fp4: bool,
+        out: &mut [f32; LANES],
+    ) {
+        super::tolerance_block_with::<G>(e, r, q_fp4, k_fp4, out)
+    }
+
+    /// Tolerance class on AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn tol_avx2<const G: usize>(
+        e: &Engine,
+        r: usize,
+        q_fp4: bool,
+        k_fp4: bool,
+        out: &mut [f32; LANES],
+    ) {
+        super::tolerance_block_with::<G>(e, r, q_fp4, k_fp4, out)
+    }
 
     /// AVX-512 VNNI: one `vpdpbusd` (biased u8 keys x i8 queries, four products a lane)
     /// per (head, group word, 16 keys); the `HEAD_BLOCK * G` accumulator chains are

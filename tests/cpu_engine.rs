@@ -163,3 +163,49 @@ fn every_shape_once() {
 fn detected_isa_is_available() {
     assert!(Isa::available().contains(&Isa::detect()));
 }
+
+/// SPEC 4's f64 pairwise sum over groups, where the order decides the result:
+/// `t = [2^60, 1, -2^60, 1]` sums to `(2^60 + 1) + (-2^60 + 1) = 0` in f64 pairwise
+/// order, but to 1 left to right. Random problems almost never hit such a case.
+#[test]
+fn tolerance_group_sum_order_is_pairwise() {
+    let batch = Batch::contiguous(&[1], &[0], 1).unwrap();
+    let (h, d) = (8, 128);
+    // E4M3 queries: 1.0 (0x38) at the first dim of each group, else 0.
+    let q = Array3::from_shape_fn((1, h, d), |(_, _, e)| if e % 32 == 0 { 0x38u8 } else { 0 });
+    // fp4 key: +1 (code 0x2) at dims 0, 32, 96 and -1 (code 0xA) at dim 64.
+    let mut codes = vec![0u8; d];
+    for e in [0, 32, 96] {
+        codes[e] = 0x2;
+    }
+    codes[64] = 0xA;
+    let k = Array2::from_shape_vec((1, d / 2), dsa_indexer::formats::e2m1::pack(&codes)).unwrap();
+    // Group scales 2^60, 1, 2^60, 1.
+    let ks = Array2::from_shape_vec((1, 4), vec![127 + 60, 127, 127 + 60, 127]).unwrap();
+    let w = Array2::from_elem((1, h), 1.0f32);
+    let inputs = Inputs {
+        q: Queries::E4m3(q.view()),
+        k: Keys::E2m1 {
+            packed: k.view(),
+            scale: ks.view(),
+        },
+        weights: w.view(),
+        k_slots: None,
+    };
+    let p = Problem::new(&batch, inputs, Params::new(1), Role::Plain).unwrap();
+    let want = reference::logits(&p);
+    assert_eq!(
+        want,
+        vec![0.0],
+        "the pairwise f64 sum cancels the large terms first"
+    );
+    for isa in Isa::available() {
+        let got = engine_logits(&p, isa);
+        assert_eq!(
+            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "{}",
+            isa.name()
+        );
+    }
+}
