@@ -35,7 +35,9 @@
 #define D (G * 32)
 #define NT (H / 8)
 #define EXACT (QF == 1 && KF == 1)
-#define LG_ROWS 8
+#ifndef LG_ROWS
+#define LG_ROWS 8  // the host reads overrides of this from $DSA_CUDA_DEFINES too
+#endif
 #define LG_KEYS 64
 #define LG_THREADS (LG_ROWS * 32)
 // Blocks per SM the register allocation must allow (a tuning knob: 2 caps registers
@@ -49,6 +51,15 @@ static_assert(H == 8 || H == 16 || H == 32 || H == 64, "H must be a power of two
 static_assert(G == 1 || G == 2 || G == 4, "D must be 32, 64 or 128");
 static_assert(LG_KEYS % 32 == 0, "keys per block: whole pairs of 16-key m-tiles");
 static_assert((KSTRIDE / 4) % 8 == 4, "key row stride must rotate banks by 4 words");
+
+// relu as SPEC 4 writes it (a compare and a select), or (RELU_FMAX=1, an experiment)
+// as one max.f32, which returns +0 for NaN; its sign of max(-0, +0) is what the bitwise
+// tests check.
+#if defined(RELU_FMAX) && RELU_FMAX
+#define RELU(x) fmaxf((x), 0.0f)
+#else
+#define RELU(x) relu_f32(x)
+#endif
 
 // Pairwise sum P of N values in place (N a power of two): SPEC 4's order.
 template <int N>
@@ -148,8 +159,8 @@ __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *_
         for (int e = 0; e < 4; ++e) ah[e] = __double2float_rn(pairwise_f64<G>(t[e]));
 #endif
         // term_h = w_h * relu(a_h); first head pair in the thread.
-        const float u0 = __fadd_rn(__fmul_rn(wv.x, relu_f32(ah[0])), __fmul_rn(wv.y, relu_f32(ah[1])));
-        const float u1 = __fadd_rn(__fmul_rn(wv.x, relu_f32(ah[2])), __fmul_rn(wv.y, relu_f32(ah[3])));
+        const float u0 = __fadd_rn(__fmul_rn(wv.x, RELU(ah[0])), __fmul_rn(wv.y, RELU(ah[1])));
+        const float u1 = __fadd_rn(__fmul_rn(wv.x, RELU(ah[2])), __fmul_rn(wv.y, RELU(ah[3])));
         // Head bit 1 (lane offset 1): even lanes keep key gid, odd lanes key gid+8.
         const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
         v[mt] = __fadd_rn(odd ? u1 : u0, r1);

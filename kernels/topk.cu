@@ -21,22 +21,44 @@ struct TopkRow {
   u32 pinned;   // block mode: the pinned block's index (ranks first); else ~0u
 };
 
-// MODE 0: f32 logits (ranking key computed here), optional consumer bitmap.
+// Where a row's keys come from. Index j is local to the row (or segment): 0 .. n-1.
+// MODE 0: f32 logits at scores[lo + j] (ranking key computed here), optional consumer
+//         bitmap over blocks of (lo + j).
 // MODE 1: u32 block keys, the pinned block forced first.
+// MODE 2: candidates idmap[j] (a row id, or -1 for none) of f32 logits: the merge of
+//         per-segment selections.
+struct RowSrc {
+  const void *scores;
+  u32 lo;
+  const u32 *bitmap;
+  u32 block_size;
+  u32 pinned;
+  const i32 *idmap;
+};
+
 template <int MODE>
-__device__ __forceinline__ u32 load_key(const void *scores, u32 j, const u32 *bitmap,
-                                        u32 block_size, u32 pinned) {
+__device__ __forceinline__ u32 load_key(const RowSrc &s, u32 j) {
   if (MODE == 0) {
-    if (bitmap) {
-      const u32 c = j / block_size;
-      if (!((bitmap[c >> 5] >> (c & 31)) & 1u)) return 0u;
+    const u32 x = s.lo + j;
+    if (s.bitmap) {
+      const u32 c = x / s.block_size;
+      if (!((s.bitmap[c >> 5] >> (c & 31)) & 1u)) return 0u;
     }
-    return rank_key(reinterpret_cast<const float *>(scores)[j]);
+    return rank_key(reinterpret_cast<const float *>(s.scores)[x]);
+  } else if (MODE == 1) {
+    return j == s.pinned ? 0xFFFFFFFFu : reinterpret_cast<const u32 *>(s.scores)[j];
   } else {
-    return j == pinned ? 0xFFFFFFFFu : reinterpret_cast<const u32 *>(scores)[j];
+    const i32 id = s.idmap[j];
+    return id < 0 ? 0u : rank_key(reinterpret_cast<const float *>(s.scores)[id]);
   }
 }
 
+// The id written for local index j.
+template <int MODE>
+__device__ __forceinline__ i32 out_id(const RowSrc &s, u32 j) {
+  if (MODE == 2) return s.idmap[j];
+  return (i32)(s.lo + j);
+}
 
 // ---- fast path: two passes over the row, the rest in shared memory ----------------
 #define TK_BINS 2048       // pass-1 histogram on the key's top 11 bits
@@ -107,19 +129,25 @@ __device__ void smem_select(TopkSmem &sm, u32 count, u32 K, F key, u32 &T, u32 &
 
 // Returns false (having written nothing) when the row needs the general path: K above
 // TK_SEL_CAP, or more than TK_CAND_CAP keys in the threshold bin.
+// Returns TK_FALLBACK (nothing written: the general path), TK_DONE (outputs written),
+// or TK_THRESHOLD (exact K-th key in *T_out, ties to take in *take_out: the ordered
+// pass finishes, cheaper than the sort for rows short next to K).
+#define TK_FALLBACK 0
+#define TK_DONE 1
+#define TK_THRESHOLD 2
 template <int MODE>
-__device__ bool topk_row_fast(TopkSmem &sm, const void *scores, const u32 n, const u32 K,
-                              const u32 pinned, const u32 *bitmap, const u32 block_size,
-                              i32 *out_ids, const u32 out_cols, i32 *out_page,
-                              const u32 page_cols, const i32 *k_slots, const u32 ks) {
+__device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const u32 K,
+                             i32 *out_ids, const u32 out_cols, i32 *out_page,
+                             const u32 page_cols, const i32 *k_slots, const u32 ks,
+                             u32 *T_out, u32 *take_out) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (K > TK_SEL_CAP) return false;
+  if (K > TK_SEL_CAP) return TK_FALLBACK;
   // Pass 1: histogram of the top 11 bits.
   for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
   for (u32 j = tid; j < n; j += TK_THREADS) {
-    const u32 key = load_key<MODE>(scores, j, bitmap, block_size, pinned);
+    const u32 key = load_key<MODE>(src, j);
     if (key != 0u) atomicAdd(&sm.hist[key >> 21], 1u);
   }
   __syncthreads();
@@ -151,12 +179,12 @@ __device__ bool topk_row_fast(TopkSmem &sm, const void *scores, const u32 n, con
   }
   __syncthreads();
   const u32 total = sm.misc[2];
-  if (total <= K) return false;  // m <= K: the general path selects all in one pass
+  if (total <= K) return TK_FALLBACK;  // m <= K: the general path selects all in one pass
   const u32 bin = sm.misc[0], need = sm.misc[1];
-  if (sm.hist[bin] > TK_CAND_CAP) return false;
+  if (sm.hist[bin] > TK_CAND_CAP) return TK_FALLBACK;
   // Pass 2: keys above the bin are selected; the bin's keys are candidates.
   for (u32 j = tid; j < n; j += TK_THREADS) {
-    const u32 key = load_key<MODE>(scores, j, bitmap, block_size, pinned);
+    const u32 key = load_key<MODE>(src, j);
     if (key == 0u) continue;
     const u32 b = key >> 21;
     if (b > bin) {
@@ -172,6 +200,11 @@ __device__ bool topk_row_fast(TopkSmem &sm, const void *scores, const u32 n, con
   // Exact threshold among the bin's keys, then the lowest ids among its ties.
   u32 T, take;
   smem_select(sm, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T, take);
+  if (n <= 16u * K) {
+    *T_out = T;
+    *take_out = take;
+    return TK_THRESHOLD;
+  }
   u32 ties = 0;
   for (u32 i = tid; i < ncand; i += TK_THREADS) ties += sm.ckey[i] == T;
   // Count ties block-wide.
@@ -211,24 +244,31 @@ __device__ bool topk_row_fast(TopkSmem &sm, const void *scores, const u32 n, con
     }
   }
   for (u32 c = tid; c < out_cols; c += TK_THREADS) {
-    const i32 j = c < K ? (i32)sm.sel[c] : -1;
+    const i32 j = c < K ? out_id<MODE>(src, sm.sel[c]) : -1;
     out_ids[c] = j;
+    if (out_page && c < page_cols)
+      out_page[c] = c < K ? (k_slots ? k_slots[ks + j] : (i32)(ks + j)) : -1;
   }
   if (out_page)
-    for (u32 c = tid; c < page_cols; c += TK_THREADS)
-      out_page[c] = c < K ? (k_slots ? k_slots[ks + sm.sel[c]] : (i32)(ks + sm.sel[c])) : -1;
-  return true;
+    for (u32 c = out_cols + tid; c < page_cols; c += TK_THREADS) out_page[c] = -1;
+  return TK_DONE;
 }
 
 template <int MODE>
-__device__ void topk_row(const void *scores, const u32 n, const u32 K, const u32 pinned,
-                         const u32 *bitmap, const u32 block_size, i32 *out_ids,
+__device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_ids,
                          const u32 out_cols, i32 *out_page, const u32 page_cols,
                          const i32 *k_slots, const u32 ks) {
   __shared__ TopkSmem fast;
-  if (topk_row_fast<MODE>(fast, scores, n, K, pinned, bitmap, block_size, out_ids, out_cols,
-                          out_page, page_cols, k_slots, ks))
-    return;
+  u32 fT = 0, ftake = 0;
+  int status = TK_FALLBACK;
+  if (MODE != 1 && src.bitmap == nullptr && n <= K) {
+    // m = n <= K: every key is selected and no score is read (SPEC 5).
+    status = TK_THRESHOLD;  // T = 0 selects every candidate
+  } else {
+    status = topk_row_fast<MODE>(fast, src, n, K, out_ids, out_cols, out_page, page_cols,
+                                 k_slots, ks, &fT, &ftake);
+  }
+  if (status == TK_DONE) return;
   __syncthreads();
   u32 *hist = fast.h256;
   u32 *scan = fast.scan;
@@ -237,12 +277,17 @@ __device__ void topk_row(const void *scores, const u32 n, const u32 K, const u32
 
   u32 prefix = 0, mask = 0, remaining = K;
   bool all = false;
-  for (int pass = 0; pass < 4; ++pass) {
+  if (status == TK_THRESHOLD) {
+    prefix = fT;
+    remaining = ftake;
+    all = fT == 0u;
+  }
+  for (int pass = 0; pass < 4 && status == TK_FALLBACK; ++pass) {
     const int shift = 24 - 8 * pass;
     for (int i = tid; i < 256; i += TK_THREADS) hist[i] = 0;
     __syncthreads();
     for (u32 j = tid; j < n; j += TK_THREADS) {
-      const u32 key = load_key<MODE>(scores, j, bitmap, block_size, pinned);
+      const u32 key = load_key<MODE>(src, j);
       if (key != 0u && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
     }
     __syncthreads();
@@ -299,7 +344,7 @@ __device__ void topk_row(const void *scores, const u32 n, const u32 K, const u32
 #pragma unroll
     for (int i = 0; i < TK_ITEMS; ++i) {
       const u32 j = base + tid * TK_ITEMS + i;
-      keys[i] = j < n ? load_key<MODE>(scores, j, bitmap, block_size, pinned) : 0u;
+      keys[i] = j < n ? (all && MODE == 0 && src.bitmap == nullptr ? 1u : load_key<MODE>(src, j)) : 0u;
       ngt += keys[i] > T;
       neq += (keys[i] == T && keys[i] != 0u);
     }
@@ -313,8 +358,9 @@ __device__ void topk_row(const void *scores, const u32 n, const u32 K, const u32
       const bool is_eq = keys[i] == T && keys[i] != 0u;
       if (is_gt || (is_eq && e < take_eq)) {
         const u32 pos = g + min(e, take_eq);
-        out_ids[pos] = (i32)j;
-        if (out_page) out_page[pos] = k_slots ? k_slots[ks + j] : (i32)(ks + j);
+        const i32 id = out_id<MODE>(src, j);
+        out_ids[pos] = id;
+        if (out_page) out_page[pos] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
       }
       g += is_gt;
       e += is_eq;
@@ -349,9 +395,52 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_ragged_f32(
     }
     __syncthreads();
   }
-  topk_row<0>(logits + row_off[row], n, K, ~0u, cblocks ? bitmap : nullptr, block_size,
-              raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols, k_slots,
+  const RowSrc src{logits + row_off[row], 0u, cblocks ? bitmap : nullptr, block_size, ~0u,
+                   nullptr};
+  topk_row<0>(src, n, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols, k_slots,
               row_ks[row]);
+}
+
+// Rows split across blocks (tiles with too few rows to fill the GPU): each of S blocks
+// selects the K best of one segment of its row (ids sorted, -1 padded) into scratch
+// [rows, S, K]; a merge block per row then selects the K best of those S*K ids. The
+// row's K best (SPEC 5's total order) are each among their segment's K best, so the
+// merge returns exactly the row's selection. grid: (S, tile rows).
+extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_segments_f32(
+    const float *__restrict__ logits, const u64 *__restrict__ row_off,
+    const u32 *__restrict__ row_n, u32 row0, u32 K, i32 *__restrict__ scratch,
+    const i32 *__restrict__ cblocks, u32 num_blocks, u32 block_size, u32 bitmap_words) {
+  extern __shared__ u32 bitmap[];
+  const u32 row = row0 + blockIdx.y;
+  const u32 n = row_n[row];
+  if (cblocks) {
+    for (u32 i = threadIdx.x; i < bitmap_words; i += TK_THREADS) bitmap[i] = 0;
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < num_blocks; i += TK_THREADS) {
+      const i32 c = cblocks[(u64)row * num_blocks + i];
+      if (c >= 0 && (u32)c < bitmap_words * 32u) atomicOr(&bitmap[c >> 5], 1u << (c & 31));
+    }
+    __syncthreads();
+  }
+  const u32 S = gridDim.x, seg = (n + S - 1) / S;
+  const u32 lo = min(n, blockIdx.x * seg), hi = min(n, lo + seg);
+  const RowSrc src{logits + row_off[row], lo, cblocks ? bitmap : nullptr, block_size, ~0u,
+                   nullptr};
+  topk_row<0>(src, hi - lo, K, scratch + ((u64)blockIdx.y * S + blockIdx.x) * K, K, nullptr, 0,
+              nullptr, 0);
+}
+
+// The merge of topk_segments_f32: grid (tile rows), S segments of K ids each.
+extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_merge_f32(
+    const float *__restrict__ logits, const u64 *__restrict__ row_off,
+    const u32 *__restrict__ row_ks, u32 row0, u32 K, u32 S, const i32 *__restrict__ scratch,
+    i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
+    const i32 *__restrict__ k_slots) {
+  const u32 row = row0 + blockIdx.x;
+  const RowSrc src{logits + row_off[row], 0u, nullptr, 1u, ~0u,
+                   scratch + (u64)blockIdx.x * S * K};
+  topk_row<2>(src, S * K, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols,
+              k_slots, row_ks[row]);
 }
 
 // Block keys of the tile's publishing rows: max ranking key over each block of B keys.
@@ -386,8 +475,9 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) kept_blocks_u32(
   const u32 n = row_n[row];
   const u32 nb = (n + block_size - 1) / block_size;
   const u32 k = min(num_blocks, nb);
-  topk_row<1>(bkeys + row_boff[row], nb, k > 0 ? k : 1u, nb > 0 ? nb - 1 : ~0u, nullptr,
-              1, published + (u64)p * num_blocks, num_blocks, nullptr, 0, nullptr, 0);
+  const RowSrc src{bkeys + row_boff[row], 0u, nullptr, 1u, nb > 0 ? nb - 1 : ~0u, nullptr};
+  topk_row<1>(src, nb, k > 0 ? k : 1u, published + (u64)p * num_blocks, num_blocks, nullptr, 0,
+              nullptr, 0);
 }
 
 // Device codec check: decode every code of each format (SPEC 2).

@@ -486,6 +486,30 @@ fn boundary_sizes_from_the_kernel_constants() {
             &c.problem(Params::new(k), Role::Plain),
         );
     }
+    // Few long rows: the top-k splits each row across blocks (segments + merge).
+    let batch = Batch::explicit(&[20000], &[0, 0, 0], &[19999, 10000, 5], 1).unwrap();
+    let c = Case::random(batch, 8, 32, 79);
+    for k in [1, 64, 700] {
+        check_exact(
+            &mut b,
+            &format!("split rows, K={k}"),
+            &c.problem(Params::new(k), Role::Plain),
+        );
+    }
+    let params = Params {
+        topk: 50,
+        page_cols: None,
+        block_size: 16,
+        num_blocks: 40,
+    };
+    let p = c.problem(params, Role::Source { tail: None });
+    check_exact(&mut b, "split rows, source", &p);
+    let published = reference::run(&p).published.unwrap();
+    check_exact(
+        &mut b,
+        "split rows, consumer",
+        &c.problem(params, Role::Consumer(&published)),
+    );
     // Source rows around B * NB.
     let (bs, nb) = (4usize, 5usize);
     for n in [bs * nb - 1, bs * nb, bs * nb + 1, 3 * bs * nb] {

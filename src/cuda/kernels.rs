@@ -20,6 +20,18 @@ pub const ARCH: &str = "sm_90a";
 
 /// Rows per logits block (one warp each); must match `LG_ROWS` in `logits.cu`.
 pub const LOGITS_ROWS: usize = 8;
+
+/// Rows per logits block in this process: [`LOGITS_ROWS`], or an `LG_ROWS=` override
+/// in `$DSA_CUDA_DEFINES` (1..=16; the kernel gets the same define).
+pub fn logits_rows() -> usize {
+    std::env::var("DSA_CUDA_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|kv| kv.strip_prefix("LG_ROWS="))
+        .filter_map(|v| v.parse::<usize>().ok())
+        .find(|v| (1..=16).contains(v))
+        .unwrap_or(LOGITS_ROWS)
+}
 /// Keys per logits block; must match `LG_KEYS` in `logits.cu`.
 pub const LOGITS_KEYS: usize = 64;
 /// Threads of a top-k block; must match `TK_THREADS` in `topk.cu`.

@@ -283,6 +283,7 @@ struct TileGeom {
     chunks: u32,
     max_blocks: usize,
     rows: std::ops::Range<usize>,
+    segments: usize,
 }
 
 /// One run's device state.
@@ -298,6 +299,7 @@ struct Run {
     groups: CudaSlice<u32>,
     logits: Option<CudaSlice<f32>>,
     bkeys: Option<CudaSlice<u32>>,
+    split: Option<CudaSlice<i32>>,
     geom: Vec<TileGeom>,
     // Outputs.
     raw: CudaSlice<i32>,
@@ -316,13 +318,34 @@ enum OwnedBuf {
     I32(CudaSlice<i32>),
 }
 
-/// The footprint of the device for a problem with `rows` rows.
-fn footprint(rows: usize) -> RowFootprint {
+/// Rows x segments of a tile whose top-k is split across blocks (tiles of fewer than
+/// [`SPLIT_ROWS`] rows): at most this many segment selections of `K` ids each.
+const SPLIT_SEGMENTS: usize = 2 * 132;
+/// Tiles with fewer rows than this split each row's top-k across several blocks.
+const SPLIT_ROWS: usize = 132;
+
+/// The footprint of the device for a problem with `rows` rows and `K = topk`: the
+/// per-row metadata and the split top-k's segment scratch (`SPLIT_SEGMENTS * K` ids).
+fn footprint(rows: usize, topk: usize) -> RowFootprint {
     RowFootprint {
         align: ROW_ALIGN,
         workers: 1,
-        worker_bytes: rows.saturating_mul(META_BYTES_PER_ROW),
+        worker_bytes: rows
+            .saturating_mul(META_BYTES_PER_ROW)
+            .saturating_add(SPLIT_SEGMENTS.saturating_mul(topk).saturating_mul(4)),
     }
+}
+
+/// Segments per row for a tile of `rows` rows whose longest row has `max_n` keys
+/// (1: no split). Each segment keeps at least 8 K keys.
+fn split_segments(rows: usize, max_n: usize, topk: usize) -> usize {
+    if rows == 0 || rows >= SPLIT_ROWS {
+        return 1;
+    }
+    (SPLIT_SEGMENTS / rows)
+        .min(16)
+        .min(max_n / (8 * topk.max(1)))
+        .max(1)
 }
 
 /// Check what the kernels support, before any allocation.
@@ -376,7 +399,7 @@ impl Run {
         let s = &dev.stream;
         let rows = batch.rows();
         let t = rows.len();
-        let fp = footprint(t);
+        let fp = footprint(t, shape.topk);
         let mut row_n = Vec::with_capacity(t);
         let mut row_ks = Vec::with_capacity(t);
         let mut row_off = vec![0u64; t];
@@ -385,6 +408,7 @@ impl Run {
         let mut groups: Vec<u32> = Vec::new();
         let mut geom = Vec::with_capacity(plan.tiles.len());
         let mut npub = 0i32;
+        let lg_rows = kernels::logits_rows();
         for r in rows {
             row_n.push(r.n as u32);
             row_ks.push(r.ks as u32);
@@ -398,7 +422,7 @@ impl Run {
                 // A row group: up to LOGITS_ROWS consecutive rows of one request.
                 let mut e = i + 1;
                 while e < tile.rows.end
-                    && e - i < kernels::LOGITS_ROWS
+                    && e - i < lg_rows
                     && rows[e].ks == rows[i].ks
                     && rows[e].request == rows[i].request
                 {
@@ -426,6 +450,7 @@ impl Run {
                 chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
                 max_blocks,
                 rows: tile.rows.clone(),
+                segments: split_segments(tile.rows.len(), max_n, shape.topk),
             });
         }
         let up = |what: &str, e| drv(what)(e);
@@ -461,6 +486,26 @@ impl Run {
         } else {
             None
         };
+        let split_ids = geom
+            .iter()
+            .map(|g| {
+                if g.segments > 1 {
+                    g.rows.len() * g.segments * shape.topk
+                } else {
+                    0
+                }
+            })
+            .max()
+            .unwrap_or(0);
+        let split = if split_ids > 0 {
+            transient += split_ids * 4;
+            Some(
+                s.alloc_zeros::<i32>(split_ids)
+                    .map_err(drv("alloc split top-k scratch"))?,
+            )
+        } else {
+            None
+        };
         let raw = s
             .alloc_zeros::<i32>(t * shape.topk)
             .map_err(drv("alloc raw"))?;
@@ -492,6 +537,7 @@ impl Run {
             groups: groups_d,
             logits,
             bkeys,
+            split,
             geom,
             raw,
             page,
@@ -561,7 +607,7 @@ impl Run {
                 unsafe {
                     l.launch(LaunchConfig {
                         grid_dim: (gx, count as u32, 1),
-                        block_dim: ((kernels::LOGITS_ROWS * 32) as u32, 1, 1),
+                        block_dim: ((kernels::logits_rows() * 32) as u32, 1, 1),
                         shared_mem_bytes: 0,
                     })
                 }
@@ -664,6 +710,63 @@ impl Run {
             )
             .map_err(drv("set shared memory size"))?;
         }
+        if let (true, Some(scratch)) = (g.segments > 1, self.split.as_ref()) {
+            let scratch = ptr(scratch, s);
+            let segs = g.segments as u32;
+            let fs = dev.function(Variant::Topk, "topk_segments_f32")?;
+            if smem > 0 {
+                fs.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(drv("set shared memory size"))?;
+            }
+            let mut l = s.launch_builder(&fs);
+            l.arg(&logits_ptr)
+                .arg(&row_off)
+                .arg(&row_n)
+                .arg(&row0)
+                .arg(&k)
+                .arg(&scratch)
+                .arg(&p.cblocks)
+                .arg(&nbk)
+                .arg(&bs)
+                .arg(&bw);
+            // SAFETY: block (s, r) reads segment s of row r's logits and writes its K ids
+            // to scratch [r, s, :], sized rows * segments * K in begin.
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (segs, rows, 1),
+                    block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+                    shared_mem_bytes: smem,
+                })
+            }
+            .map_err(drv("launch topk_segments_f32"))?;
+            let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
+            let mut l = s.launch_builder(&fm);
+            l.arg(&logits_ptr)
+                .arg(&row_off)
+                .arg(&row_ks)
+                .arg(&row0)
+                .arg(&k)
+                .arg(&segs)
+                .arg(&scratch)
+                .arg(&raw)
+                .arg(&page)
+                .arg(&pc)
+                .arg(&p.k_slots);
+            // SAFETY: row r reads its S*K scratch ids (each -1 or a visible key of the
+            // row) and their logits, and writes its rows of raw and page.
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (rows, 1, 1),
+                    block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(drv("launch topk_merge_f32"))?;
+            return Ok(());
+        }
         let mut l = s.launch_builder(&f);
         l.arg(&logits_ptr)
             .arg(&row_off)
@@ -746,7 +849,7 @@ impl CudaBackend {
         let plan = crate::indexer::plan_for(self, p, budget)?;
         self.begin(p, &plan)?;
         let mut out = Vec::with_capacity(p.batch.valid_pairs());
-        let fp = footprint(p.batch.num_rows());
+        let fp = footprint(p.batch.num_rows(), p.topk);
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
             run.tile(&self.dev, t)?;
@@ -784,7 +887,7 @@ impl CudaBackend {
         let plan = crate::indexer::plan_for(self, p, budget)?;
         let mut out = Output::alloc(p);
         self.begin(p, &plan)?;
-        let fp = footprint(p.batch.num_rows());
+        let fp = footprint(p.batch.num_rows(), p.topk);
         let mut src = 0usize;
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
@@ -868,7 +971,7 @@ impl Backend for CudaBackend {
         MAX_TOPK
     }
     fn footprint(&self, p: &Problem) -> RowFootprint {
-        footprint(p.batch.num_rows())
+        footprint(p.batch.num_rows(), p.topk)
     }
     fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
         let shape = shape_of(p);
@@ -1165,7 +1268,7 @@ impl Engine {
             },
             budget,
         };
-        let plan = crate::plan::plan(batch, &pp, &footprint(t))?;
+        let plan = crate::plan::plan(batch, &pp, &footprint(t, params.topk))?;
         let publishes = |i: usize| {
             source_tail.is_some_and(|tail| {
                 crate::batch::publishes(&batch.rows()[i], batch.requests(), tail)
