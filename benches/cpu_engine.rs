@@ -5,6 +5,8 @@
 //!   throughput in (row, key) pairs; effective FLOP = 2 * pairs * H * D.
 //! - `driver_topk512_h32_d128`: the chunked driver (logits + top-k + index assembly)
 //!   on the default rayon pool.
+//! - `logits_e4m3_e4m3_h64_d128/{isa}`: the tolerance class, V3.2-shaped (fp8 x fp8,
+//!   H=64): 16 rows at the end of the same request, one thread.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use dsa_indexer::batch::Batch;
@@ -90,6 +92,56 @@ fn bench(c: &mut Criterion) {
     g.bench_function("cpu", |b| {
         b.iter(|| dsa_indexer::indexer::run_cpu(&p, dsa_indexer::plan::DEFAULT_BUDGET).unwrap())
     });
+    g.finish();
+
+    // Tolerance class: fp8 x fp8, H = 64 (V3.2).
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+    let rows8 = 16;
+    let batch8 = Batch::contiguous(&[KEYS], &[KEYS - rows8], 1).unwrap();
+    let e4m3 = |rng: &mut rand_chacha::ChaCha8Rng| loop {
+        let b: u8 = rng.gen();
+        if b & 0x7F != 0x7F {
+            return b;
+        }
+    };
+    let q8 = Array3::from_shape_fn((rows8, 64, D), |_| e4m3(&mut rng));
+    let k8 = Array2::from_shape_fn((KEYS, D), |_| e4m3(&mut rng));
+    let k8s = ndarray::Array1::from_shape_fn(KEYS, |_| rng.gen_range(0.01f32..1.0));
+    let w8 = Array2::from_shape_fn((rows8, 64), |_| rng.gen_range(-1.0f32..1.0));
+    let inputs = Inputs {
+        q: Queries::E4m3(q8.view()),
+        k: Keys::E4m3 {
+            codes: k8.view(),
+            scale: k8s.view(),
+        },
+        weights: w8.view(),
+        k_slots: None,
+    };
+    let p8 = Problem::new(&batch8, inputs, Params::new(2048), Role::Plain).unwrap();
+    let pairs8 = batch8.valid_pairs();
+    let rows8v = batch8.rows();
+    let mut buf8 = vec![0f32; pairs8];
+    let mut g = c.benchmark_group("logits_e4m3_e4m3_h64_d128");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(pairs8 as u64));
+    for isa in Isa::available() {
+        let mut e = Engine::with_isa(&p8, isa);
+        g.bench_with_input(BenchmarkId::from_parameter(isa.name()), &isa, |b, _| {
+            b.iter(|| {
+                let mut rest: &mut [f32] = &mut buf8;
+                for start in (0..rows8).step_by(ROW_GROUP) {
+                    let idx: Vec<usize> = (start..(start + ROW_GROUP).min(rows8)).collect();
+                    let mut outs: Vec<&mut [f32]> = Vec::with_capacity(idx.len());
+                    for &i in &idx {
+                        let (a, r) = std::mem::take(&mut rest).split_at_mut(rows8v[i].n);
+                        outs.push(a);
+                        rest = r;
+                    }
+                    e.rows(&p8, &idx, &mut outs);
+                }
+            })
+        });
+    }
     g.finish();
 }
 
