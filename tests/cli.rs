@@ -410,3 +410,57 @@ fn bench_json_and_cuda_without_the_feature() {
         }
     }
 }
+
+#[test]
+fn engine_logits_are_compared_inside_ks_ke_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = gen(dir.path(), "small.safetensors", &["--preset", "small"]);
+    let mut d = Dump::from_bytes(&std::fs::read(&f).unwrap()).unwrap();
+    let batch = d.batch().unwrap();
+    let logits = d.expected.logits.clone().unwrap();
+    // Garbage outside each row's [ks, ke), the reference's scores inside.
+    let mut m = ndarray::Array2::from_elem((batch.num_rows(), batch.num_keys()), f32::NAN);
+    let mut off = 0;
+    for (i, r) in batch.rows().iter().enumerate() {
+        for j in 0..r.n {
+            m[[i, r.ks + j]] = logits[off + j];
+        }
+        if r.ks > 0 {
+            m[[i, 0]] = 1e30;
+        }
+        off += r.n;
+    }
+    d.expected = Default::default();
+    d.engine_logits = Some(m.clone());
+    let write = |name: &str, d: &Dump| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, d.to_bytes().unwrap()).unwrap();
+        p
+    };
+    let (code, so, se) = replay(&write("inside.safetensors", &d));
+    assert_eq!(code, 0, "{so}{se}");
+    assert!(so.contains("verdict: identical"), "{so}");
+
+    // One ulp off inside the range: within SPEC 4's bound.
+    let (i, j) = (30, 3);
+    let ks = batch.rows()[i].ks;
+    let v = m[[i, ks + j]];
+    let mut near = m.clone();
+    near[[i, ks + j]] = f32::from_bits(v.to_bits() + 1);
+    d.engine_logits = Some(near);
+    let (code, so, _) = replay(&write("near.safetensors", &d));
+    assert_eq!(code, 0, "{so}");
+    assert!(
+        so.contains("verdict: equal up to ties and tolerance"),
+        "{so}"
+    );
+
+    // Far off: different, naming the row.
+    let mut far = m;
+    far[[i, ks + j]] = v + 1000.0;
+    d.engine_logits = Some(far);
+    let (code, so, _) = replay(&write("far.safetensors", &d));
+    assert_eq!(code, 1, "{so}");
+    assert!(so.contains(&format!("row {i} (request 1")), "{so}");
+    assert!(so.contains("beyond the bound"), "{so}");
+}
