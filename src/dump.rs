@@ -359,6 +359,27 @@ impl Meta {
     }
 }
 
+/// The same file with its JSON header's keys sorted (metadata included), so that equal
+/// dumps are equal bytes: `safetensors` writes the metadata map in hash order. The
+/// header stays padded with spaces to a multiple of 8 bytes; data offsets are relative
+/// to the data section and do not move.
+fn canonical_header(bytes: Vec<u8>) -> Result<Vec<u8>> {
+    let bad = |what: &str| derr("header", format!("re-serializing: {what}"));
+    let n = u64::from_le_bytes(bytes[..8].try_into().map_err(|_| bad("short file"))?) as usize;
+    let header = bytes.get(8..8 + n).ok_or_else(|| bad("short header"))?;
+    // serde_json's map is ordered by key.
+    let v: serde_json::Value = serde_json::from_slice(header).map_err(|e| bad(&e.to_string()))?;
+    let mut h = serde_json::to_vec(&v).map_err(|e| bad(&e.to_string()))?;
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + h.len() + bytes.len() - 8 - n);
+    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&bytes[8 + n..]);
+    Ok(out)
+}
+
 /// When a file's header parses but its data section is shorter than the header says,
 /// the error naming the first tensor whose bytes are missing.
 fn truncated(buf: &[u8]) -> Option<Error> {
@@ -866,7 +887,8 @@ impl Dump {
                     .map_err(|e| derr(n, e.to_string()))
             })
             .collect::<Result<_>>()?;
-        safetensors::serialize(views, Some(self.meta.to_map()))
-            .map_err(|e| derr("header", e.to_string()))
+        let bytes = safetensors::serialize(views, Some(self.meta.to_map()))
+            .map_err(|e| derr("header", e.to_string()))?;
+        canonical_header(bytes)
     }
 }

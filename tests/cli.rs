@@ -83,8 +83,18 @@ fn gen_then_replay_matches() {
         assert!(so.contains("verdict: identical"), "{name}:\n{so}");
         assert!(so.contains("logits"), "{name}: gen wrote no logits\n{so}");
     }
-    // Partial replays.
+    // The same seed writes the same bytes.
+    let again = gen(
+        dir.path(),
+        "again.safetensors",
+        &["--preset", "small", "--seed", "3"],
+    );
     let f = dir.path().join("small.safetensors");
+    assert!(
+        std::fs::read(&again).unwrap() == std::fs::read(&f).unwrap(),
+        "gen is not reproducible"
+    );
+    // Partial replays.
     let (code, so, _) = run(&["replay", f.to_str().unwrap(), "--rows", "3..9"]);
     assert_eq!(code, 0, "{so}");
     assert!(so.contains("6 rows (selected)"), "{so}");
