@@ -35,19 +35,17 @@ __device__ __forceinline__ u32 e2m1_e4m3(u32 c) {
   return b | ((c & 8u) << 4);
 }
 
-// Two packed E2M1 codes (one byte) -> two E4M3 bytes (low element first): the value,
-// or (DOUBLED) twice the value.
-template <bool DOUBLED>
-__device__ __forceinline__ u32 e2m1_pair(u32 byte) {
-  if (DOUBLED) return e2m1_doubled_e4m3(byte & 0xFu) | (e2m1_doubled_e4m3(byte >> 4) << 8);
-  return e2m1_e4m3(byte & 0xFu) | (e2m1_e4m3(byte >> 4) << 8);
-}
-
-// Four packed bytes (8 codes) -> 8 output bytes as two u32 (low element first).
+// Four packed bytes (8 codes) -> 8 E4M3 bytes as two u32 (low element first). Nibble k
+// of w is element k, so one byte permute looks up four magnitudes at once (PRMT uses
+// the low 3 bits of each selector nibble: the magnitude index) and a second one turns
+// each sign bit into 0x00 / 0x80: five ops per four codes.
 template <bool DOUBLED>
 __device__ __forceinline__ void e2m1_word(u32 w, u32 &lo, u32 &hi) {
-  lo = e2m1_pair<DOUBLED>(w & 0xFFu) | (e2m1_pair<DOUBLED>((w >> 8) & 0xFFu) << 16);
-  hi = e2m1_pair<DOUBLED>((w >> 16) & 0xFFu) | (e2m1_pair<DOUBLED>(w >> 24) << 16);
+  // Table bytes 0..7: E4M3 of the magnitudes (or of twice them), as in E2M1_AS_E4M3.
+  const u32 t0 = DOUBLED ? 0x44403800u : 0x3C383000u;
+  const u32 t1 = DOUBLED ? 0x54504C48u : 0x4C484440u;
+  lo = __byte_perm(t0, t1, w) | __byte_perm(0x00008000u, 0u, (w >> 3) & 0x1111u);
+  hi = __byte_perm(t0, t1, w >> 16) | __byte_perm(0x00008000u, 0u, (w >> 19) & 0x1111u);
 }
 
 // UE8M0 byte e -> 2^(e - 127 - extra) as an f32, exact for results >= 2^-149
@@ -91,6 +89,15 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], const u32 (&a)[4], u32 b
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D = A * B with a zero accumulator (one zero register for all of C).
+__device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
 // Four 8x8 b16 matrices from shared memory; lane l gives the address of row (l & 7) of

@@ -35,15 +35,18 @@
 #define D (G * 32)
 #define NT (H / 8)
 #define EXACT (QF == 1 && KF == 1)
+// Rows per block: 4 for H = 64 (register-bound: smaller blocks fit 3 per SM), else 8.
+// The host computes the same (kernels::logits_rows) and reads overrides of it from
+// $DSA_CUDA_DEFINES too.
 #ifndef LG_ROWS
-#define LG_ROWS 8  // the host reads overrides of this from $DSA_CUDA_DEFINES too
+#define LG_ROWS (H == 64 ? 4 : 8)
 #endif
 #define LG_KEYS 64
 #define LG_THREADS (LG_ROWS * 32)
 // Blocks per SM the register allocation must allow (a tuning knob: 2 caps registers
 // at 128 and spills; see benches/RESULTS.md).
 #ifndef LG_MIN_BLOCKS
-#define LG_MIN_BLOCKS 1
+#define LG_MIN_BLOCKS (H == 64 ? (QF == 0 && KF == 0 ? 3 : 2) : 1)
 #endif
 #define KSTRIDE (D + 16)  // bytes per staged key row: ldmatrix rows land in distinct banks
 
@@ -123,8 +126,8 @@ __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *_
         float t[4][G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          float acc[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_e4m3(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
+          float acc[4];
+          mma_e4m3_zero(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
           const float2 qs = *reinterpret_cast<const float2 *>(&sqs[g * H + nt * 8 + 2 * tig]);
           t[0][g] = __fmul_rn(__fmul_rn(acc[0], qs.x), kc[mt][g][0]);
           t[1][g] = __fmul_rn(__fmul_rn(acc[1], qs.y), kc[mt][g][0]);
@@ -134,17 +137,18 @@ __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *_
 #pragma unroll
         for (int e = 0; e < 4; ++e) ah[e] = pairwise_f32<G>(t[e]);
 #elif QF == 0 && KF == 0
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[4];
+        mma_e4m3_zero(acc, a[mt][0], bq[nt][0][0], bq[nt][0][1]);
 #pragma unroll
-        for (int g = 0; g < G; ++g) mma_e4m3(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
+        for (int g = 1; g < G; ++g) mma_e4m3(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) ah[e] = acc[e];
 #else
         double t[4][G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-          float acc[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_e4m3(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
+          float acc[4];
+          mma_e4m3_zero(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
 #if QF == 1
@@ -234,7 +238,8 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
         u32 v;
         if (QF == 1) {
           const u16 two = *reinterpret_cast<const u16 *>(q + ((u64)row * H + h) * (D / 2) + d / 2);
-          v = e2m1_pair<EXACT>(two & 0xFFu) | (e2m1_pair<EXACT>(two >> 8) << 16);
+          u32 unused;
+          e2m1_word<EXACT>(two, v, unused);
         } else {
           v = *reinterpret_cast<const u32 *>(q + ((u64)row * H + h) * D + d);
         }

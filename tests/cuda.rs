@@ -486,6 +486,17 @@ fn boundary_sizes_from_the_kernel_constants() {
             &c.problem(Params::new(k), Role::Plain),
         );
     }
+    // Row groups of the H = 64 kernel (4 rows a block), +-1.
+    let r64 = kernels::LOGITS_ROWS_H64;
+    for rows in [r64 - 1, r64, r64 + 1, 2 * r64 + 1] {
+        let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
+        let c = Case::random(batch, 64, 128, 600 + rows as u64);
+        check_exact(
+            &mut b,
+            &format!("H=64 rows={rows}"),
+            &c.problem(Params::new(7), Role::Plain),
+        );
+    }
     // Few long rows: the top-k splits each row across blocks (segments + merge).
     let batch = Batch::explicit(&[20000], &[0, 0, 0], &[19999, 10000, 5], 1).unwrap();
     let c = Case::random(batch, 8, 32, 79);

@@ -18,19 +18,27 @@ pub const TOPK: &str = include_str!("../../kernels/topk.cu");
 /// Target architecture: Hopper with its arch-specific instructions.
 pub const ARCH: &str = "sm_90a";
 
-/// Rows per logits block (one warp each); must match `LG_ROWS` in `logits.cu`.
+/// Rows per logits block (one warp each) for `H < 64`; must match `LG_ROWS` in `logits.cu`.
 pub const LOGITS_ROWS: usize = 8;
+/// Rows per logits block for `H = 64` (register-bound: 3 blocks of 4 warps per SM).
+pub const LOGITS_ROWS_H64: usize = 4;
 
-/// Rows per logits block in this process: [`LOGITS_ROWS`], or an `LG_ROWS=` override
-/// in `$DSA_CUDA_DEFINES` (1..=16; the kernel gets the same define).
-pub fn logits_rows() -> usize {
+/// Rows per logits block for `heads` in this process: [`LOGITS_ROWS`] or
+/// [`LOGITS_ROWS_H64`], or an `LG_ROWS=` override in `$DSA_CUDA_DEFINES` (1..=16; the
+/// kernel gets the same define).
+pub fn logits_rows(heads: usize) -> usize {
+    let default = if heads == 64 {
+        LOGITS_ROWS_H64
+    } else {
+        LOGITS_ROWS
+    };
     std::env::var("DSA_CUDA_DEFINES")
         .unwrap_or_default()
         .split_whitespace()
         .filter_map(|kv| kv.strip_prefix("LG_ROWS="))
         .filter_map(|v| v.parse::<usize>().ok())
         .find(|v| (1..=16).contains(v))
-        .unwrap_or(LOGITS_ROWS)
+        .unwrap_or(default)
 }
 /// Keys per logits block; must match `LG_KEYS` in `logits.cu`.
 pub const LOGITS_KEYS: usize = 64;

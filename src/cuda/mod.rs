@@ -408,7 +408,7 @@ impl Run {
         let mut groups: Vec<u32> = Vec::new();
         let mut geom = Vec::with_capacity(plan.tiles.len());
         let mut npub = 0i32;
-        let lg_rows = kernels::logits_rows();
+        let lg_rows = kernels::logits_rows(shape.heads);
         for r in rows {
             row_n.push(r.n as u32);
             row_ks.push(r.ks as u32);
@@ -607,7 +607,7 @@ impl Run {
                 unsafe {
                     l.launch(LaunchConfig {
                         grid_dim: (gx, count as u32, 1),
-                        block_dim: ((kernels::logits_rows() * 32) as u32, 1, 1),
+                        block_dim: ((kernels::logits_rows(sh.heads) * 32) as u32, 1, 1),
                         shared_mem_bytes: 0,
                     })
                 }
