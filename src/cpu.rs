@@ -453,8 +453,9 @@ fn heads_pairwise(terms: &mut [[f32; LANES]; 64], n: usize, out: &mut [f32; LANE
     let mut n = n;
     while n > 1 {
         for i in 0..n / 2 {
-            for l in 0..LANES {
-                terms[i][l] = terms[2 * i][l] + terms[2 * i + 1][l];
+            let (a, b) = (terms[2 * i], terms[2 * i + 1]);
+            for (t, (x, y)) in terms[i].iter_mut().zip(a.iter().zip(&b)) {
+                *t = x + y;
             }
         }
         n /= 2;
@@ -516,8 +517,8 @@ fn tolerance_block_with<const G: usize>(
     }
     heads_pairwise(&mut terms, h, out);
     if !k_fp4 {
-        for l in 0..LANES {
-            out[l] *= e.k_block_kscale[l];
+        for (o, s) in out.iter_mut().zip(&e.k_block_kscale) {
+            *o *= s;
         }
     }
 }
