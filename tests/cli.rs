@@ -136,8 +136,14 @@ fn set_row(d: &mut Dump, i: usize, mut ids: Vec<i32>) {
 
 #[test]
 fn index_moved_far_below_kth_is_different_naming_the_row() {
+    moved_index_case(&["--preset", "small"]);
+    // The tolerance class (fp8 queries), whose bound is not zero.
+    moved_index_case(&["--preset", "small", "--q-format", "e4m3"]);
+}
+
+fn moved_index_case(gen_args: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
-    let f = gen(dir.path(), "small.safetensors", &["--preset", "small"]);
+    let f = gen(dir.path(), "small.safetensors", gen_args);
     let mut d = Dump::from_bytes(&std::fs::read(&f).unwrap()).unwrap();
     // Row 20: request 0, position 25, 26 visible keys > K = 16.
     let i = 20;
