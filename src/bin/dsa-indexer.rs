@@ -259,9 +259,10 @@ struct ReplayArgs {
     show_row: Option<usize>,
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
-    /// Byte budget of the logits tile.
-    #[arg(long, value_parser = parse_bytes, default_value = "256MiB")]
-    budget: usize,
+    /// Byte budget of the logits tile (default: a 32nd of the dump's logits, between
+    /// 16 MiB and 256 MiB, so that progress shows; outputs do not depend on it).
+    #[arg(long, value_parser = parse_bytes)]
+    budget: Option<usize>,
     /// Differing rows shown per tensor.
     #[arg(long, default_value_t = 5)]
     show: usize,

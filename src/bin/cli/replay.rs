@@ -26,7 +26,7 @@ pub struct Opts {
     pub request: Option<usize>,
     pub show_row: Option<usize>,
     pub device: Device,
-    pub budget: usize,
+    pub budget: Option<usize>,
     pub json: bool,
     pub max_show: usize,
     pub verbose: bool,
@@ -900,7 +900,15 @@ pub fn replay(o: &Opts) -> Result<i32> {
     let t_parse = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
-    let out = run_driver(&p, o.device, o.budget, true)?;
+    let budget = o.budget.unwrap_or_else(|| {
+        let logits: usize = batch
+            .rows()
+            .iter()
+            .map(|r| r.n.div_ceil(4) * 16)
+            .fold(0, usize::saturating_add);
+        (logits / 32).clamp(16 << 20, 256 << 20)
+    });
+    let out = run_driver(&p, o.device, budget, true)?;
     let t_run = t1.elapsed().as_secs_f64();
 
     let t2 = Instant::now();
@@ -1029,7 +1037,7 @@ pub fn replay(o: &Opts) -> Result<i32> {
         println!(
             "  parse {t_parse:.2} s, run {t_run:.2} s on {} (budget {}), diff {t_diff:.2} s",
             o.device.describe(),
-            human_bytes(o.budget as u128)
+            human_bytes(budget as u128)
         );
         for (n, d) in &diffs {
             let what = if *n == "logits" || *n == "engine_logits" {
