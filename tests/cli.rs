@@ -378,6 +378,11 @@ fn default_run_checksum() {
     let v: serde_json::Value = serde_json::from_str(&so).unwrap();
     assert_eq!(v["rows"], 5120, "{v}");
     assert_eq!(v["checksum"], DEFAULT_RUN_CHECKSUM, "{v}");
+    // Any thread count gives the same outputs.
+    let (code, so, se) = run(&["run", "--json", "--threads", "3"]);
+    assert_eq!(code, 0, "{se}");
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["checksum"], DEFAULT_RUN_CHECKSUM, "{v}");
 }
 
 #[test]

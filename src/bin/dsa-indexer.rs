@@ -34,6 +34,9 @@ use workload::Shape;
     about = "The indexer of DeepSeek sparse attention under a memory budget: run, gen, replay, plan, bench"
 )]
 struct Cli {
+    /// Worker threads of the CPU engine (default: one per core, or RAYON_NUM_THREADS).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
     #[command(subcommand)]
     cmd: Option<Cmd>,
 }
@@ -748,6 +751,19 @@ impl Threads for CpuBackend {
 
 fn main() {
     let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        if n == 0 {
+            eprintln!("error: --threads 0: expected at least one thread");
+            std::process::exit(2);
+        }
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+        {
+            eprintln!("error: --threads {n}: {e}");
+            std::process::exit(2);
+        }
+    }
     let res = match &cli.cmd {
         None => cmd_run(&RunArgs {
             shape: ShapeArgs::parse_default(),
