@@ -630,6 +630,20 @@ pub fn check(spec: &Spec, backend: &mut dyn Subject) {
         Some(t) => batch.tail(t).expect("tail >= 1"),
         None => batch.clone(),
     };
+    // SPEC 6: the consumer's rows are the source's rows at `p >= S_b - tail`, in order.
+    let want_rows: Vec<(usize, usize)> = batch
+        .rows()
+        .iter()
+        .filter(|r| tail.is_none_or(|t| r.position + t >= lay.seq_lens[r.request]))
+        .map(|r| (r.request, r.position))
+        .collect();
+    let got_rows: Vec<(usize, usize)> = cbatch
+        .rows()
+        .iter()
+        .map(|r| (r.request, r.position))
+        .collect();
+    assert_eq!(got_rows, want_rows, "tail batch rows");
+    assert_eq!(published.rows, want_rows, "published rows");
     let mut cq = spec.queries(&mut rng, cbatch.num_rows(), h, d);
     if let Some(d) = defect {
         bad_problem |= corrupt_inputs(d, &mut rng, &mut cq, &mut keys);
@@ -961,7 +975,14 @@ pub fn check_output(p: &Problem, out: &Output) {
     if let Some(pb) = &out.published {
         let mut k = 0;
         for (i, row) in rows.iter().enumerate() {
-            if !p.publishes(i) {
+            // SPEC 6, independently of the crate: the rows at `p >= S_b - tail`.
+            let s = p.batch.requests()[row.request].seq_len as u128;
+            let publishes = match p.role {
+                Role::Source { tail: Some(t) } => row.position as u128 + t as u128 >= s,
+                _ => true,
+            };
+            assert_eq!(p.publishes(i), publishes, "row {i} publishes");
+            if !publishes {
                 continue;
             }
             assert_eq!(pb.rows[k], (row.request, row.position), "published row");
