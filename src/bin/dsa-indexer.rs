@@ -238,6 +238,18 @@ struct GenArgs {
     /// Write `expected_logits` (sum n floats): auto = when at most 16M values.
     #[arg(long, value_enum, default_value_t = LogitsArg::Auto)]
     logits: LogitsArg,
+    /// Who computes the expected tensors: the literal reference (`reference::run`,
+    /// slow), the fast engine through the chunked driver (bitwise the same, held so by
+    /// the tests), or auto = the reference up to 1M (row, key) pairs.
+    #[arg(long, value_enum, default_value_t = ExpectedArg::Auto)]
+    expected: ExpectedArg,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum ExpectedArg {
+    Auto,
+    Reference,
+    Engine,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -494,23 +506,32 @@ fn cmd_gen(a: &GenArgs) -> Result<i32> {
     let mut dump = workload::synth(&shape, a.shape.seed)?;
     let batch = dump.batch()?;
     let published = dump.published_input(&batch);
+    let by_reference = match a.expected {
+        ExpectedArg::Reference => true,
+        ExpectedArg::Engine => false,
+        ExpectedArg::Auto => batch.valid_pairs() <= 1 << 20,
+    };
     let (out, logits) = {
         let p = dump.problem(&batch, published.as_ref())?;
-        let (out, _) = dsa_indexer::indexer::run_cpu(&p, 256 << 20)?;
         let want = match a.logits {
             LogitsArg::Yes => true,
             LogitsArg::No => false,
             LogitsArg::Auto => batch.valid_pairs() <= 16 << 20,
         };
-        let logits = want.then(|| parallel_logits(&p));
-        (out, logits)
+        if by_reference {
+            let out = dsa_indexer::reference::run(&p);
+            (out, want.then(|| dsa_indexer::reference::logits(&p)))
+        } else {
+            let (out, _) = dsa_indexer::indexer::run_cpu(&p, 256 << 20)?;
+            (out, want.then(|| parallel_logits(&p)))
+        }
     };
     workload::set_expected(&mut dump, &batch, &out, logits);
     let bytes = dump.to_bytes()?;
     std::fs::write(&a.out, &bytes)
         .map_err(|e| errors::CliError::input(format!("{}: {e}", a.out.display())))?;
     println!(
-        "wrote {}: preset {} (seed {}), {} rows, {} keys, H={} D={} K={}, {} x {}, {}, {} in {:.2} s",
+        "wrote {}: preset {} (seed {}), {} rows, {} keys, H={} D={} K={}, {} x {}, {}, {}, expected tensors from the {} in {:.2} s",
         a.out.display(),
         a.shape.preset,
         a.shape.seed,
@@ -526,6 +547,11 @@ fn cmd_gen(a: &GenArgs) -> Result<i32> {
             "with expected_logits"
         } else {
             "without expected_logits"
+        },
+        if by_reference {
+            "reference"
+        } else {
+            "engine"
         },
         t0.elapsed().as_secs_f64()
     );
