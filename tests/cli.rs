@@ -485,3 +485,24 @@ fn engine_logits_are_compared_inside_ks_ke_only() {
     assert!(so.contains(&format!("row {i} (request 1")), "{so}");
     assert!(so.contains("beyond the bound"), "{so}");
 }
+
+/// Issue 4's speed requirement: on the 2-core CI-class machine, a replay of
+/// `gen --preset v41-replay --seed 0` (parse + run + diff) within 60 s, release build:
+/// `cargo test --release --test cli -- --ignored`.
+#[test]
+#[ignore]
+fn v41_replay_within_60_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = gen(
+        dir.path(),
+        "v41.safetensors",
+        &["--preset", "v41-replay", "--seed", "0"],
+    );
+    let t0 = std::time::Instant::now();
+    let (code, so, se) = replay(&f);
+    let secs = t0.elapsed().as_secs_f64();
+    assert_eq!(code, 0, "{so}{se}");
+    assert!(so.contains("verdict: identical"), "{so}");
+    assert!(secs <= 60.0, "replay took {secs:.1} s\n{so}");
+    eprintln!("v41-replay: replay in {secs:.1} s");
+}
