@@ -102,7 +102,8 @@ fn dump_problem(d: &Dump) -> (Batch, Option<Published>) {
 #[test]
 fn codecs_decode_on_the_device_as_the_host_tables() {
     let Some(b) = gpu() else { return };
-    let (f8, f4d, f4e, s8) = b.device().decode_codes().unwrap();
+    let codes = b.device().decode_codes().unwrap();
+    let (f8, f4d, f4e, s8) = (codes.e4m3, codes.e2m1_doubled, codes.e2m1, codes.ue8m0);
     for c in 0..256usize {
         let want = e4m3::TABLE[c];
         let got = f32::from_bits(f8[c]);
@@ -145,7 +146,7 @@ fn magnitude(p: &Problem, i: usize, j: usize) -> f64 {
             Keys::E4m3 { codes, .. } => e4m3::decode(codes[[x, e]]) as f64,
             Keys::E2m1 { packed, .. } => {
                 let b = packed[[x, e / 2]];
-                e2m1::decode(if e % 2 == 0 { b & 0xF } else { b >> 4 }) as f64
+                e2m1::decode(if e.is_multiple_of(2) { b & 0xF } else { b >> 4 }) as f64
             }
         }
     };
@@ -170,7 +171,7 @@ fn magnitude(p: &Problem, i: usize, j: usize) -> f64 {
                     Queries::E2m1 { packed, scale } => {
                         qc = ue8m0::decode(scale[[i, hh, gg]]) as f64;
                         let b = packed[[i, hh, e / 2]];
-                        e2m1::decode(if e % 2 == 0 { b & 0xF } else { b >> 4 }) as f64
+                        e2m1::decode(if e.is_multiple_of(2) { b & 0xF } else { b >> 4 }) as f64
                     }
                 };
                 dot += (qv * kval(e)).abs();

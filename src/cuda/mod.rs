@@ -82,6 +82,19 @@ pub fn libraries_present() -> bool {
     cuda && kernels::nvrtc_present()
 }
 
+/// Every code of each format as the device decodes it ([`Device::decode_codes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodedCodes {
+    /// E4M3 byte `b` -> f32 bits, `[256]`.
+    pub e4m3: Vec<u32>,
+    /// E2M1 code -> the E4M3 byte of twice its value (the exact class's MMA operand), `[16]`.
+    pub e2m1_doubled: Vec<u32>,
+    /// E2M1 code -> the E4M3 byte of its value (tolerance-class operand), `[16]`.
+    pub e2m1: Vec<u32>,
+    /// UE8M0 byte -> f32 bits, `[256]`.
+    pub ue8m0: Vec<u32>,
+}
+
 /// A CUDA device: its context, a stream, and the compiled modules of this process.
 #[derive(Debug)]
 pub struct Device {
@@ -207,11 +220,8 @@ impl Device {
             .map_err(drv("cuModuleGetFunction"))
     }
 
-    /// Decode every code of the three formats on the device (the codec test):
-    /// E4M3 as f32 bits `[256]`, E2M1 as the E4M3 bytes of twice its value (the exact
-    /// class's MMA operand) and of its value `[16]` each,
-    /// UE8M0 as f32 bits `[256]`.
-    pub fn decode_codes(&self) -> Result<(Vec<u32>, Vec<u32>, Vec<u32>, Vec<u32>)> {
+    /// Decode every code of the three formats on the device (the codec test).
+    pub fn decode_codes(&self) -> Result<DecodedCodes> {
         let f = self.function(Variant::Topk, "decode_codes")?;
         let s = &self.stream;
         let mut a = s.alloc_zeros::<u32>(256).map_err(drv("alloc"))?;
@@ -230,7 +240,12 @@ impl Device {
         }
         .map_err(drv("launch decode_codes"))?;
         let get = |x: &CudaSlice<u32>| s.clone_dtoh(x).map_err(drv("copy back"));
-        Ok((get(&a)?, get(&b)?, get(&c)?, get(&d)?))
+        Ok(DecodedCodes {
+            e4m3: get(&a)?,
+            e2m1_doubled: get(&b)?,
+            e2m1: get(&c)?,
+            ue8m0: get(&d)?,
+        })
     }
 }
 
