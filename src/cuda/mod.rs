@@ -1308,3 +1308,57 @@ impl Engine {
 pub fn is_bitwise(p: &Problem) -> bool {
     p.class() == Class::Exact
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The split top-k's scratch is planned as `SPLIT_SEGMENTS * K` ids: every tile's
+    /// rows x segments must stay within it, and long rows of small tiles must split.
+    #[test]
+    fn split_segments_stay_within_the_planned_scratch() {
+        for rows in 0..400 {
+            for max_n in [0usize, 1, 100, 4095, 4096, 65536, 1 << 20] {
+                for topk in [1usize, 7, 512, 2048, 65536] {
+                    let s = split_segments(rows, max_n, topk);
+                    assert!(s >= 1);
+                    if s > 1 {
+                        assert!(rows * s <= SPLIT_SEGMENTS, "rows {rows} x {s}");
+                        assert!(max_n / s >= 8 * topk, "segments of >= 8 K keys");
+                    }
+                }
+            }
+        }
+        assert!(split_segments(64, 1 << 20, 512) > 1);
+        assert_eq!(split_segments(SPLIT_ROWS, 1 << 20, 512), 1);
+    }
+
+    #[test]
+    fn footprint_counts_metadata_and_split_scratch() {
+        let fp = footprint(1000, 512);
+        assert_eq!(fp.align, ROW_ALIGN);
+        assert_eq!(
+            fp.worker_bytes,
+            1000 * META_BYTES_PER_ROW + SPLIT_SEGMENTS * 512 * 4
+        );
+        assert_eq!(fp.row_bytes(17), 32 * 4);
+    }
+
+    #[test]
+    fn every_variant_has_its_defines() {
+        let all = Variant::all();
+        assert_eq!(all.len(), 1 + 4 * 3 * 4);
+        for v in all {
+            let src = v.source();
+            if let Variant::Logits { heads, groups, .. } = v {
+                assert!(src.contains(&format!("#define DSA_H {heads}\n")));
+                assert!(src.contains(&format!("#define DSA_G {groups}\n")));
+            }
+            assert!(
+                src.contains("rank_key"),
+                "{}: common.cuh prepended",
+                v.name()
+            );
+        }
+    }
+}
