@@ -8,9 +8,16 @@
 //! the outputs, once, in [`Backend::end`].
 //!
 //! Device memory: inputs and outputs are uploaded / allocated once per run; the
-//! transient (logits tile, block keys, per-row metadata) is allocated once per run,
-//! sized by the plan with this backend's row footprint ([`ROW_ALIGN`]), reused by every
-//! tile, and counted: [`CudaBackend::measured_peak`] never exceeds the plan's peak.
+//! transient (logits tile, block keys, per-row metadata, and for tiles of few rows the
+//! split top-k's segment ids) is allocated once per run, sized by the plan with this
+//! backend's footprint (rows padded to [`ROW_ALIGN`] floats; metadata and split scratch
+//! as the per-worker operand term), reused by every tile, and counted:
+//! [`CudaBackend::measured_peak`] never exceeds the plan's peak (a GPU test).
+//!
+//! Classes: the exact class (E2M1 x E2M1) is bitwise the reference; the tolerance class
+//! meets `|x - ref| <= 2^TOLERANCE_LOG2 * M` ([`TOLERANCE_LOG2`] = -16). Given the same
+//! scores, selections are bitwise the reference's. NaN logits are written as the
+//! reference's NaN (`0xFFC00000`).
 //!
 //! Engines that already hold their inputs on the device call [`Engine::run_device`]
 //! with cudarc views and their own stream.
@@ -852,13 +859,14 @@ impl CudaBackend {
         &self.dev
     }
 
-    /// Transient device bytes of the last run (logits tile, block keys, metadata).
+    /// Transient device bytes of the last run (logits tile, block keys, metadata, split
+    /// top-k scratch).
     pub fn measured_peak(&self) -> usize {
         self.peak
     }
 
     /// Every row's logits over its visible keys, rows concatenated (the layout of
-    /// [`crate::reference::logits`]), computed tile by tile under `budget` exactly as a
+    /// [`crate::reference::logits()`]), computed tile by tile under `budget` exactly as a
     /// run computes them. For tests and tools: it copies each tile's logits back.
     pub fn logits(&mut self, p: &Problem, budget: usize) -> Result<Vec<f32>> {
         let plan = crate::indexer::plan_for(self, p, budget)?;
@@ -888,7 +896,7 @@ impl CudaBackend {
     }
 
     /// Candidate blocks, top-k and index assembly on the device from given scores
-    /// (each row's `n` scores, rows concatenated, as [`crate::reference::logits`]
+    /// (each row's `n` scores, rows concatenated, as [`crate::reference::logits()`]
     /// returns them): the selection half of a run, for tests that feed it the CPU's
     /// logits.
     pub fn select_scores(&mut self, p: &Problem, scores: &[f32], budget: usize) -> Result<Output> {
