@@ -735,6 +735,17 @@ fn engine_api_takes_device_inputs_on_the_callers_stream() {
 }
 
 #[test]
+fn a_batch_without_rows_gives_empty_outputs() {
+    let Some(mut b) = gpu() else { return };
+    let batch = Batch::contiguous(&[5, 3], &[5, 3], 1).unwrap();
+    let c = Case::random(batch, 8, 32, 1);
+    let p = c.problem(Params::new(4), Role::Source { tail: Some(2) });
+    let (out, _) = run_backend(&mut b, &p, 1024).unwrap();
+    check_outputs("no rows", &out, &reference::run(&p));
+    assert_eq!(b.device_peak(), Some(0));
+}
+
+#[test]
 fn plan_and_measured_peak() {
     let Some(mut b) = gpu() else { return };
     let batch = Batch::contiguous(&[2000], &[1000], 1).unwrap();

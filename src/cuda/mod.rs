@@ -1000,6 +1000,12 @@ impl Backend for CudaBackend {
         let shape = shape_of(p);
         check_shape(&shape, p.batch)?;
         self.run = None;
+        self.peak = 0;
+        if p.batch.num_rows() == 0 {
+            // No rows: no tiles, empty outputs, nothing on the device (a zero-byte
+            // allocation is an error there).
+            return Ok(());
+        }
         let s = self.dev.stream.clone();
         let mut owned = Vec::new();
         let mut ptrs = Ptrs::default();
@@ -1292,6 +1298,19 @@ impl Engine {
             budget,
         };
         let plan = crate::plan::plan(batch, &pp, &footprint(t, params.topk))?;
+        if t == 0 {
+            let none = |what: &str| s.null::<i32>().map_err(drv(what));
+            return Ok(DeviceOutput {
+                raw: none("empty raw")?,
+                page: none("empty page")?,
+                published: match source_tail {
+                    Some(_) => Some(none("empty published")?),
+                    None => None,
+                },
+                plan,
+                measured_peak: 0,
+            });
+        }
         let publishes = |i: usize| {
             source_tail.is_some_and(|tail| {
                 crate::batch::publishes(&batch.rows()[i], batch.requests(), tail)
