@@ -339,6 +339,45 @@ struct BenchArgs {
     device: Device,
     #[arg(long)]
     json: bool,
+    /// A named GPU workload of the performance issue (v32-16k, v32-64k, v41-chunk,
+    /// v41-chunk-source, v41-1m, v41-1m-256m), timed with CUDA events; needs `--device cuda`.
+    #[arg(long)]
+    workload: Option<String>,
+}
+
+/// `dsa-indexer bench --workload NAME --device cuda`: the CUDA backend's own timing
+/// (CUDA events around all tiles; logits and selection split; measured device peak).
+#[cfg(feature = "cuda")]
+fn bench_workload(name: &str, a: &BenchArgs) -> Result<i32> {
+    use dsa_indexer::cuda::{bench, CudaBackend};
+    if a.device != Device::Cuda {
+        bail!("--workload {name}: named workloads run on the GPU; add --device cuda");
+    }
+    let w = bench::workload(name)?;
+    let mut b = CudaBackend::new()?;
+    let r = bench::run_workload(&mut b, &w, a.reps.max(1))?;
+    if a.json {
+        println!("{}", r.to_json());
+    } else {
+        println!(
+            "bench {} on {}: {} rows, {} pairs, {} tiles, budget {} B",
+            r.name, r.device, r.rows, r.valid_pairs, r.tiles, r.budget
+        );
+        println!(
+            "  median {:.3} ms over {} runs (min {:.3} ms): {:.1} effective TFLOP/s; logits {:.3} ms ({:.1} TFLOP/s), \
+             selection {:.3} ms ({:.0} GB/s of logits); device peak {} B (planned {} B)",
+            r.median_ms, r.reps, r.min_ms, r.tflops, r.logits_ms, r.logits_tflops, r.select_ms, r.topk_gbs,
+            r.measured_peak, r.planned_peak
+        );
+    }
+    Ok(0)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_workload(name: &str, _a: &BenchArgs) -> Result<i32> {
+    bail!(
+        "--workload {name}: built without the cuda feature (cargo build --release --features cuda)"
+    );
 }
 
 /// `2GiB`, `512MiB`, `64KiB`, `1.5G`, or a plain byte count.
@@ -710,6 +749,9 @@ fn cmd_plan(a: &PlanArgs) -> Result<i32> {
 }
 
 fn cmd_bench(a: &BenchArgs) -> Result<i32> {
+    if let Some(name) = &a.workload {
+        return bench_workload(name, a);
+    }
     let shape = a.shape.shape()?;
     let dump: Dump = workload::synth(&shape, a.shape.seed)?;
     let batch = dump.batch()?;
