@@ -100,6 +100,60 @@ pub fn run<B: Backend + ?Sized>(b: &mut B, p: &Problem, budget: usize) -> Result
     Ok((out, plan))
 }
 
+/// The rows of `out` that tile `tile` writes: `raw`, `page` and published blocks, as
+/// row-major slices. Errors if `out` does not have `p`'s shapes in standard layout.
+pub fn tile_outputs<'o>(
+    p: &Problem,
+    tile: &crate::plan::Tile,
+    out: &'o mut Output,
+) -> Result<(&'o mut [i32], &'o mut [i32], &'o mut [i32])> {
+    let (t, k, pc, nb) = (p.batch.num_rows(), p.topk, p.page_cols, p.num_blocks);
+    let bad = |field: &str, shape: &[usize], want: &[usize]| {
+        Error::shape(format!("{field} (standard layout)"), shape, want)
+    };
+    let pub_rows = (0..t).filter(|&i| p.publishes(i)).count();
+    if tile.rows.end > t || tile.published.end > pub_rows {
+        return Err(Error::range(
+            "tile.rows",
+            format!("{:?}", tile.rows),
+            "rows of this problem",
+        ));
+    }
+    let raw_shape = out.raw.shape().to_vec();
+    let raw = out
+        .raw
+        .as_slice_mut()
+        .filter(|_| raw_shape == [t, k])
+        .ok_or_else(|| bad("raw", &raw_shape, &[t, k]))?;
+    let page_shape = out.page.shape().to_vec();
+    let page = out
+        .page
+        .as_slice_mut()
+        .filter(|_| page_shape == [t, pc])
+        .ok_or_else(|| bad("page", &page_shape, &[t, pc]))?;
+    let published: &mut [i32] = match (
+        out.published.as_mut(),
+        pub_rows > 0 || matches!(p.role, crate::problem::Role::Source { .. }),
+    ) {
+        (Some(pb), true) => {
+            let shape = pb.blocks.shape().to_vec();
+            let s = pb
+                .blocks
+                .as_slice_mut()
+                .filter(|_| shape == [pub_rows, nb])
+                .ok_or_else(|| bad("published", &shape, &[pub_rows, nb]))?;
+            &mut s[tile.published.start * nb..tile.published.end * nb]
+        }
+        (None, true) => return Err(Error::shape("published", &[], &[pub_rows, nb])),
+        (_, false) => &mut [],
+    };
+    Ok((
+        &mut raw[tile.rows.start * k..tile.rows.end * k],
+        &mut page[tile.rows.start * pc..tile.rows.end * pc],
+        published,
+    ))
+}
+
 /// One CPU worker's buffers: the logits engine and the row epilogue.
 #[derive(Debug)]
 struct Worker {
@@ -161,18 +215,21 @@ impl Backend for CpuBackend {
         Ok(())
     }
     fn tile(&mut self, p: &Problem, plan: &Plan, t: usize, out: &mut Output) -> Result<()> {
-        let tile = &plan.tiles[t];
+        let tile = plan
+            .tiles
+            .get(t)
+            .ok_or_else(|| Error::range("tile", t, "an index into the plan's tiles"))?;
         let fp = self.footprint(p);
-        let (k, pc, nb) = (p.topk, p.page_cols, p.num_blocks);
-        let raw = &mut out.raw.as_slice_mut().expect("standard layout")
-            [tile.rows.start * k..tile.rows.end * k];
-        let page = &mut out.page.as_slice_mut().expect("standard layout")
-            [tile.rows.start * pc..tile.rows.end * pc];
-        let published: &mut [i32] = match out.published.as_mut() {
-            Some(pb) => &mut pb.blocks.as_slice_mut().expect("standard layout")
-                [tile.published.start * nb..tile.published.end * nb],
-            None => &mut [],
-        };
+        if self.logits.len() * 4 < tile.logits_bytes
+            || self.block_keys.len() * 4 < tile.block_score_bytes
+        {
+            return Err(Error::range(
+                "tile",
+                t,
+                "a tile of the plan passed to begin()",
+            ));
+        }
+        let (raw, page, published) = tile_outputs(p, tile, out)?;
         let ctx = Ctx { p, fp };
         ctx.split(
             tile.rows.clone(),

@@ -448,6 +448,13 @@ fn validate_consumer(batch: &Batch, p: &Published, params: Params) -> Result<()>
             batch.ratio().to_string(),
         ));
     }
+    if !p.blocks.is_standard_layout() {
+        return Err(mismatch(
+            "layout".into(),
+            "not row-major".into(),
+            "row-major [rows, NB] block ids".into(),
+        ));
+    }
     if p.rows.len() != batch.num_rows() || p.blocks.nrows() != batch.num_rows() {
         return Err(mismatch(
             "rows".into(),

@@ -529,3 +529,74 @@ fn sizes_that_overflow() {
     .unwrap_err();
     assert!(e.to_string().contains("keys L"), "{e}");
 }
+
+#[test]
+fn driver_entry_points_check_what_they_are_given() {
+    use dsa_indexer::indexer::{Backend, CpuBackend};
+    use dsa_indexer::reference::Output;
+    let o = owned();
+    let p = Problem::new(&o.batch, o.inputs(), Params::new(4), Role::Plain).unwrap();
+    let mut b = CpuBackend::new();
+    let plan = dsa_indexer::indexer::plan_for(&b, &p, 256).unwrap();
+    let mut out = Output::alloc(&p);
+    // A tile before begin(), a tile index past the plan, outputs of the wrong shape.
+    assert!(b
+        .tile(&p, &plan, 0, &mut out)
+        .unwrap_err()
+        .to_string()
+        .contains("begin"));
+    b.begin(&p, &plan).unwrap();
+    names(
+        b.tile(&p, &plan, plan.tiles.len(), &mut out),
+        "tile",
+        &plan.tiles.len().to_string(),
+    );
+    let mut wrong = Output {
+        raw: Array2::zeros((7, 5)),
+        ..Output::alloc(&p)
+    };
+    names(b.tile(&p, &plan, 0, &mut wrong), "raw", "[7, 5]");
+    let mut column_major = Output {
+        page: Array2::zeros((64, 7)).reversed_axes(),
+        ..Output::alloc(&p)
+    };
+    names(
+        b.tile(&p, &plan, 0, &mut column_major),
+        "page (standard layout)",
+        "[7, 64]",
+    );
+    b.tile(&p, &plan, 0, &mut out).unwrap();
+    // Consumer block ids in column-major layout are refused rather than misread.
+    let src = Problem::new(
+        &o.batch,
+        o.inputs(),
+        Params {
+            block_size: 2,
+            num_blocks: 2,
+            ..Params::new(4)
+        },
+        Role::Source { tail: None },
+    )
+    .unwrap();
+    let mut published = run_cpu(&src, 1 << 20).unwrap().0.published.unwrap();
+    published.blocks = published
+        .blocks
+        .t()
+        .as_standard_layout()
+        .reversed_axes()
+        .to_owned();
+    assert!(!published.blocks.is_standard_layout());
+    names(
+        o.problem(
+            o.inputs(),
+            Params {
+                block_size: 2,
+                num_blocks: 2,
+                ..Params::new(4)
+            },
+            Role::Consumer(&published),
+        ),
+        "layout",
+        "row-major",
+    );
+}
