@@ -119,33 +119,30 @@ pub fn tile_outputs<'o>(
             "rows of this problem",
         ));
     }
-    let raw_shape = out.raw.shape().to_vec();
-    let raw = out
-        .raw
-        .as_slice_mut()
-        .filter(|_| raw_shape == [t, k])
-        .ok_or_else(|| bad("raw", &raw_shape, &[t, k]))?;
-    let page_shape = out.page.shape().to_vec();
-    let page = out
-        .page
-        .as_slice_mut()
-        .filter(|_| page_shape == [t, pc])
-        .ok_or_else(|| bad("page", &page_shape, &[t, pc]))?;
-    let published: &mut [i32] = match (
-        out.published.as_mut(),
-        pub_rows > 0 || matches!(p.role, crate::problem::Role::Source { .. }),
-    ) {
-        (Some(pb), true) => {
-            let shape = pb.blocks.shape().to_vec();
-            let s = pb
-                .blocks
-                .as_slice_mut()
-                .filter(|_| shape == [pub_rows, nb])
-                .ok_or_else(|| bad("published", &shape, &[pub_rows, nb]))?;
-            &mut s[tile.published.start * nb..tile.published.end * nb]
+    // Checked without allocating: this runs once per tile inside the measured peak.
+    let ok =
+        |a: &ndarray::Array2<i32>, want: [usize; 2]| a.shape() == want && a.is_standard_layout();
+    if !ok(&out.raw, [t, k]) {
+        return Err(bad("raw", out.raw.shape(), &[t, k]));
+    }
+    if !ok(&out.page, [t, pc]) {
+        return Err(bad("page", out.page.shape(), &[t, pc]));
+    }
+    let source = matches!(p.role, crate::problem::Role::Source { .. });
+    if source {
+        match &out.published {
+            Some(pb) if ok(&pb.blocks, [pub_rows, nb]) => {}
+            Some(pb) => return Err(bad("published", pb.blocks.shape(), &[pub_rows, nb])),
+            None => return Err(Error::shape("published", &[], &[pub_rows, nb])),
         }
-        (None, true) => return Err(Error::shape("published", &[], &[pub_rows, nb])),
-        (_, false) => &mut [],
+    }
+    let layout = || Error::shape("output (standard layout)", &[], &[]);
+    let raw = out.raw.as_slice_mut().ok_or_else(layout)?;
+    let page = out.page.as_slice_mut().ok_or_else(layout)?;
+    let published: &mut [i32] = match out.published.as_mut() {
+        Some(pb) if source => &mut pb.blocks.as_slice_mut().ok_or_else(layout)?
+            [tile.published.start * nb..tile.published.end * nb],
+        _ => &mut [],
     };
     Ok((
         &mut raw[tile.rows.start * k..tile.rows.end * k],
