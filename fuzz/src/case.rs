@@ -2,7 +2,8 @@
 //! validation: a small ragged batch (contiguous or explicit rows, prefix hits, empty
 //! requests), every format pair, small value palettes (ties), arbitrary f32 weights and
 //! key scales (overflow to infinity, NaN logits), the three roles with tails, small
-//! `B` and `NB`, two budgets and a thread count. One input in four carries one
+//! `B` and `NB`, two budgets and a thread count. When its first byte says so (a
+//! quarter of random bytes; about 13 % of what libFuzzer feeds it), an input carries one
 //! deliberate defect (a NaN code, scale byte 255, a zero parameter, a bad consumer
 //! row...), and then the crate must answer with its error type.
 
