@@ -6,15 +6,15 @@ use dsa_indexer::problem::{Inputs, Keys, Params, Problem, Queries, Role};
 use dsa_indexer::reference;
 use ndarray::{Array1, Array2, Array3};
 
-/// One row at position 1 (sees keys 0 and 1), H = 8, D = 64 (two groups).
-fn fp4_case(q_scale: [u8; 2], k_scales: [[u8; 2]; 2], w: f32) -> Vec<f32> {
-    let batch = Batch::contiguous(&[2], &[1], 1).unwrap();
-    // q: every element 1.0 (code 2); k: every element 1.0 -> s_g = 32 per group.
-    let q = Array3::from_elem((1, 8, 32), 0x22u8);
-    let qs = Array3::from_shape_fn((1, 8, 2), |(_, _, g)| q_scale[g]);
-    let k = Array2::from_elem((2, 32), 0x22u8);
-    let ks = Array2::from_shape_fn((2, 2), |(j, g)| k_scales[j][g]);
-    let wt = Array2::from_elem((1, 8), w);
+/// The reference logits of an fp4 x fp4 plain layer with K = 1 over `batch`.
+fn fp4_logits(
+    batch: &Batch,
+    q: &Array3<u8>,
+    qs: &Array3<u8>,
+    k: &Array2<u8>,
+    ks: &Array2<u8>,
+    w: &Array2<f32>,
+) -> Vec<f32> {
     let inputs = Inputs {
         q: Queries::E2m1 {
             packed: q.view(),
@@ -24,11 +24,22 @@ fn fp4_case(q_scale: [u8; 2], k_scales: [[u8; 2]; 2], w: f32) -> Vec<f32> {
             packed: k.view(),
             scale: ks.view(),
         },
-        weights: wt.view(),
+        weights: w.view(),
         k_slots: None,
     };
-    let p = Problem::new(&batch, inputs, Params::new(2), Role::Plain).unwrap();
-    reference::logits(&p)
+    reference::logits(&Problem::new(batch, inputs, Params::new(1), Role::Plain).unwrap())
+}
+
+/// One row at position 1 (sees keys 0 and 1), H = 8, D = 64 (two groups).
+fn fp4_case(q_scale: [u8; 2], k_scales: [[u8; 2]; 2], w: f32) -> Vec<f32> {
+    let batch = Batch::contiguous(&[2], &[1], 1).unwrap();
+    // q: every element 1.0 (code 2); k: every element 1.0 -> s_g = 32 per group.
+    let q = Array3::from_elem((1, 8, 32), 0x22u8);
+    let qs = Array3::from_shape_fn((1, 8, 2), |(_, _, g)| q_scale[g]);
+    let k = Array2::from_elem((2, 32), 0x22u8);
+    let ks = Array2::from_shape_fn((2, 2), |(j, g)| k_scales[j][g]);
+    let wt = Array2::from_elem((1, 8), w);
+    fp4_logits(&batch, &q, &qs, &k, &ks, &wt)
 }
 
 #[test]
@@ -69,21 +80,12 @@ fn nan_head_scores_become_positive_zero() {
     let ks = Array2::from_elem((1, 2), 254u8);
     for (w, bits) in [(1.0f32, 0u32), (-1.0, 0x8000_0000)] {
         let wt = Array2::from_elem((1, 8), w);
-        let inputs = Inputs {
-            q: Queries::E2m1 {
-                packed: q.view(),
-                scale: qs.view(),
-            },
-            k: Keys::E2m1 {
-                packed: k.view(),
-                scale: ks.view(),
-            },
-            weights: wt.view(),
-            k_slots: None,
-        };
-        let p = Problem::new(&batch, inputs, Params::new(1), Role::Plain).unwrap();
         // w = -1: each term is -1 * +0 = -0, and -0 + -0 = -0.
-        assert_eq!(reference::logits(&p)[0].to_bits(), bits, "w = {w}");
+        assert_eq!(
+            fp4_logits(&batch, &q, &qs, &k, &ks, &wt)[0].to_bits(),
+            bits,
+            "w = {w}"
+        );
     }
 }
 

@@ -57,10 +57,6 @@ static A: Counting = Counting;
 fn case(q: Format, k: Format, threads: usize, budget: usize) {
     // A source layer with a tail, n > B * NB, several requests, many tiles.
     let s = Shape {
-        seq_lens: vec![900, 700, 40],
-        query_starts: vec![700, 0, 10],
-        explicit: false,
-        ratio: 1,
         heads: 16,
         dim: 64,
         q_format: q,
@@ -70,8 +66,8 @@ fn case(q: Format, k: Format, threads: usize, budget: usize) {
         num_blocks: 8,
         role: RoleKind::Source,
         tail: Some(150),
-        narrow: false,
         seed: 3,
+        ..Shape::fp4(vec![900, 700, 40], vec![700, 0, 10])
     };
     let d = build(&s);
     let batch = d.batch().unwrap();

@@ -164,21 +164,12 @@ fn small_blocks_really_restrict() {
     let mut changed = 0usize;
     for seed in 0..20u64 {
         let s = Shape {
-            seq_lens: vec![40, 33],
-            query_starts: vec![30, 0],
-            explicit: false,
-            ratio: 1,
-            heads: 8,
-            dim: 32,
-            q_format: dsa_indexer::problem::Format::E2m1,
-            k_format: dsa_indexer::problem::Format::E2m1,
-            topk: 4,
             block_size: 2,
             num_blocks: 3,
             role: RoleKind::Source,
             tail: Some(5),
-            narrow: false,
             seed,
+            ..Shape::fp4(vec![40, 33], vec![30, 0])
         };
         let d = build(&s);
         let batch = d.batch().unwrap();
@@ -216,21 +207,10 @@ fn small_blocks_really_restrict() {
 #[test]
 fn full_size_source_and_consumer() {
     let s = Shape {
-        seq_lens: vec![16_400],
-        query_starts: vec![16_397],
-        explicit: false,
-        ratio: 1,
-        heads: 8,
-        dim: 32,
-        q_format: dsa_indexer::problem::Format::E2m1,
-        k_format: dsa_indexer::problem::Format::E2m1,
         topk: 2048,
-        block_size: 8,
-        num_blocks: 2048,
         role: RoleKind::Source,
-        tail: None,
-        narrow: false,
         seed: 7,
+        ..Shape::fp4(vec![16_400], vec![16_397])
     };
     let d = build(&s);
     let batch = d.batch().unwrap();
@@ -271,21 +251,10 @@ fn full_size_source_and_consumer() {
 fn model_topk_values_with_ties_and_wide_pages() {
     for (k, seed) in [(512usize, 1u64), (1024, 2), (2048, 3)] {
         let s = Shape {
-            seq_lens: vec![4100, 700],
-            query_starts: vec![4097, 698],
-            explicit: false,
-            ratio: 1,
-            heads: 8,
-            dim: 32,
-            q_format: dsa_indexer::problem::Format::E2m1,
-            k_format: dsa_indexer::problem::Format::E2m1,
             topk: k,
-            block_size: 8,
-            num_blocks: 2048,
-            role: RoleKind::Plain,
-            tail: None,
             narrow: true,
             seed,
+            ..Shape::fp4(vec![4100, 700], vec![4097, 698])
         };
         let d = build(&s);
         let batch = d.batch().unwrap();

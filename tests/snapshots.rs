@@ -94,21 +94,12 @@ fn v32_shaped() {
     snap(
         "v32_shaped",
         &Shape {
-            seq_lens: vec![14],
-            query_starts: vec![9],
-            explicit: false,
-            ratio: 1,
             heads: 64,
             dim: 128,
             q_format: Format::E4m3,
             k_format: Format::E4m3,
-            topk: 4,
-            block_size: 8,
-            num_blocks: 2048,
-            role: RoleKind::Plain,
-            tail: None,
-            narrow: false,
             seed: 32,
+            ..Shape::fp4(vec![14], vec![9])
         },
     );
 }
@@ -118,21 +109,16 @@ fn v41_shaped_source() {
     snap(
         "v41_shaped_source",
         &Shape {
-            seq_lens: vec![24, 9],
-            query_starts: vec![20, 6],
-            explicit: false,
             ratio: 2,
             heads: 32,
             dim: 128,
-            q_format: Format::E2m1,
-            k_format: Format::E2m1,
             topk: 3,
             block_size: 2,
             num_blocks: 3,
             role: RoleKind::Source,
             tail: Some(3),
-            narrow: false,
             seed: 41,
+            ..Shape::fp4(vec![24, 9], vec![20, 6])
         },
     );
 }

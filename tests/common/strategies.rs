@@ -251,3 +251,28 @@ pub fn sub_rows(d: &Dump, rows: &[usize]) -> Dump {
     out.weights = d.weights.select(Axis(0), rows);
     out
 }
+
+impl Shape {
+    /// A fixed fp4 x fp4 plain layer over the given requests (ratio 1, H = 8, D = 32,
+    /// K = 4, B = 8, NB = 2048, contiguous rows, seed 0): the base that fixed test
+    /// cases change with struct-update syntax.
+    pub fn fp4(seq_lens: Vec<usize>, query_starts: Vec<usize>) -> Shape {
+        Shape {
+            seq_lens,
+            query_starts,
+            explicit: false,
+            ratio: 1,
+            heads: 8,
+            dim: 32,
+            q_format: Format::E2m1,
+            k_format: Format::E2m1,
+            topk: 4,
+            block_size: 8,
+            num_blocks: 2048,
+            role: RoleKind::Plain,
+            tail: None,
+            narrow: false,
+            seed: 0,
+        }
+    }
+}
