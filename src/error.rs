@@ -116,6 +116,47 @@ impl Error {
             field: field.into(),
         }
     }
+
+    // SPEC 8's value errors, built in one place for [`crate::problem::Problem::new`]'s
+    // host checks and the CUDA backend's device-input checks, which must agree.
+
+    /// `field[index]` holds an E4M3 NaN code.
+    pub(crate) fn nan_e4m3(field: &str, index: usize, byte: u8) -> Self {
+        Error::NanE4m3 {
+            field: field.into(),
+            index,
+            byte,
+        }
+    }
+    /// `field[index]` is the reserved UE8M0 byte 255.
+    pub(crate) fn reserved_scale(field: &str, index: usize) -> Self {
+        Error::ReservedScale {
+            field: field.into(),
+            index,
+        }
+    }
+    /// Per-key scale `k_scale[index]` is not finite and positive.
+    pub(crate) fn bad_key_scale(index: usize, value: f32) -> Self {
+        Error::BadFloat {
+            field: "k_scale".into(),
+            index,
+            value,
+            expected: "finite and > 0",
+        }
+    }
+    /// Weight `weights[index]` (flat) is not finite.
+    pub(crate) fn bad_weight(index: usize, value: f32) -> Self {
+        Error::BadFloat {
+            field: "weights".into(),
+            index,
+            value,
+            expected: "finite",
+        }
+    }
+    /// Pool slot `k_slots[index]` is negative.
+    pub(crate) fn negative_slot(index: usize, value: i32) -> Self {
+        Error::range(format!("k_slots[{index}]"), value, "a slot >= 0")
+    }
 }
 
 /// `a * b`, or an overflow error naming `field`.

@@ -216,11 +216,7 @@ fn check_shape(field: &str, got: &[usize], expected: &[usize]) -> Result<()> {
 fn check_e4m3(field: &str, v: impl Iterator<Item = u8>) -> Result<()> {
     for (index, byte) in v.enumerate() {
         if e4m3::is_nan_code(byte) {
-            return Err(Error::NanE4m3 {
-                field: field.into(),
-                index,
-                byte,
-            });
+            return Err(Error::nan_e4m3(field, index, byte));
         }
     }
     Ok(())
@@ -229,10 +225,7 @@ fn check_e4m3(field: &str, v: impl Iterator<Item = u8>) -> Result<()> {
 fn check_ue8m0(field: &str, v: impl Iterator<Item = u8>) -> Result<()> {
     for (index, byte) in v.enumerate() {
         if byte == 255 {
-            return Err(Error::ReservedScale {
-                field: field.into(),
-                index,
-            });
+            return Err(Error::reserved_scale(field, index));
         }
     }
     Ok(())
@@ -296,12 +289,7 @@ impl<'a> Problem<'a> {
                 check_e4m3("k", codes.iter().copied())?;
                 for (index, &v) in scale.iter().enumerate() {
                     if !(v.is_finite() && v > 0.0) {
-                        return Err(Error::BadFloat {
-                            field: "k_scale".into(),
-                            index,
-                            value: v,
-                            expected: "finite and > 0",
-                        });
+                        return Err(Error::bad_key_scale(index, v));
                     }
                 }
             }
@@ -314,18 +302,13 @@ impl<'a> Problem<'a> {
         check_shape("weights", inputs.weights.shape(), &[t, heads])?;
         for (index, &v) in inputs.weights.iter().enumerate() {
             if !v.is_finite() {
-                return Err(Error::BadFloat {
-                    field: "weights".into(),
-                    index,
-                    value: v,
-                    expected: "finite",
-                });
+                return Err(Error::bad_weight(index, v));
             }
         }
         if let Some(slots) = inputs.k_slots {
             check_shape("k_slots", slots.shape(), &[l])?;
             if let Some((index, &v)) = slots.iter().enumerate().find(|(_, &v)| v < 0) {
-                return Err(Error::range(format!("k_slots[{index}]"), v, "a slot >= 0"));
+                return Err(Error::negative_slot(index, v));
             }
         }
         if params.topk == 0 || params.topk > MAX_TOPK {
