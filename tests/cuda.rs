@@ -183,8 +183,37 @@ fn magnitude(p: &Problem, i: usize, j: usize) -> f64 {
     m * kscale
 }
 
+/// The backend's stated bound for logit `[i, j]`: its one definition,
+/// [`cuda::logit_bound`], with `M` computed here.
 fn bound(p: &Problem, i: usize, j: usize) -> f64 {
-    2f64.powi(TOLERANCE_LOG2) * magnitude(p, i, j)
+    cuda::logit_bound(p, i, j, magnitude(p, i, j))
+}
+
+/// fuzz/FINDINGS.md F3's figures, host only: logit `[13, 0]` of the committed input
+/// `fuzz/corpus/cuda_vs_reference/regress_subnormal_kscale_bound` (E4M3 x E4M3, H = 16,
+/// D = 32) was `4117 * 2^-149` (5.769e-42) on the H200 and `4118 * 2^-149` (5.77e-42)
+/// in the reference, with `M = 2.5587764977137906e-41`, key scale `4.0102846e-31` and
+/// sixteen weights `3.5592444e-17`. (The fuzz crate's test
+/// `f3_subnormal_logit_is_within_the_cuda_bound` decodes that file and checks the same
+/// figures through the target's comparison.) One subnormal ulp apart: outside the old
+/// bound `2^TOLERANCE_LOG2 * M` alone, inside the stated one.
+#[test]
+fn f3_subnormal_logit_is_within_the_stated_bound() {
+    let (x, r) = (f32::from_bits(0x1015), f32::from_bits(0x1016));
+    let m = 2.5587764977137906e-41f64;
+    let kscale = f32::from_bits(0x0D02_2424) as f64;
+    let sum_abs_w = 16.0 * f32::from_bits(0x2424_2424) as f64;
+    let diff = (x as f64 - r as f64).abs();
+    assert_eq!(diff, cuda::F32_SUBNORMAL_ULP);
+    let old = 2f64.powi(TOLERANCE_LOG2) * m;
+    let stated = cuda::tolerance_bound(m, cuda::tolerance_abs_term(kscale, sum_abs_w, 1, 16));
+    assert!(
+        old < diff,
+        "old bound {old:e} already holds |diff| {diff:e}"
+    );
+    assert!(diff <= stated, "|diff| {diff:e} > stated bound {stated:e}");
+    // The absolute term alone is two ulps here (key scale and weights are tiny).
+    assert!(stated < 3.0 * cuda::F32_SUBNORMAL_ULP);
 }
 
 /// Every logit within the stated bound of the reference's.

@@ -1,9 +1,9 @@
 //! `chunked_vs_reference`'s cases through the CUDA backend (`--features cuda`, an sm_90
 //! GPU). Exact class (fp4 x fp4): logits, `raw`, `page` and published candidates
-//! bitwise the reference's. Tolerance class: logits within the backend's stated bound
-//! `2^cuda::TOLERANCE_LOG2 * M` plus the absolute subnormal-rounding term of
-//! `case::subnormal_floor` (without it the stated bound fails on results below 2^-126:
-//! fuzz/FINDINGS.md), and outputs bitwise the reference's selection from
+//! bitwise the reference's. Tolerance class: logits within the backend's stated bound,
+//! `cuda::logit_bound` (`2^cuda::TOLERANCE_LOG2 * M` plus the absolute term of f32
+//! rounding in the subnormal range, without which it fails on results below 2^-126:
+//! fuzz/FINDINGS.md F3), and outputs bitwise the reference's selection from
 //! the device's own logits (SPEC 5: same scores, same selection). Defective inputs
 //! must come back as `Error`. No GPU is a failure at the first input, not a pass.
 #![no_main]
@@ -11,7 +11,7 @@
 use arbitrary::{Arbitrary, Unstructured};
 use dsa_indexer::cuda::{self, CudaBackend};
 use dsa_indexer::problem::Problem;
-use fuzz_common::case::{self, BackendRun, Spec, Subject};
+use fuzz_common::case::{self, BackendRun, LogitBound, Spec, Subject};
 use fuzz_common::STATS;
 use libfuzzer_sys::fuzz_target;
 
@@ -29,8 +29,8 @@ impl Subject for Cuda {
     ) -> Vec<(String, dsa_indexer::Result<Vec<f32>>)> {
         vec![("cuda".to_string(), self.0.logits(p, budget))]
     }
-    fn bound_log2(&self, p: &Problem) -> Option<i32> {
-        (!cuda::is_bitwise(p)).then_some(cuda::TOLERANCE_LOG2)
+    fn bound(&self, p: &Problem) -> Option<LogitBound> {
+        (!cuda::is_bitwise(p)).then_some(cuda::logit_bound as LogitBound)
     }
 }
 
