@@ -17,6 +17,10 @@ fn every_kernel_compiles_for_sm90a() {
         return;
     }
     let variants = Variant::all();
+    assert!(
+        variants.contains(&Variant::Topk) && variants.contains(&Variant::Validate),
+        "top-k and validation kernels listed"
+    );
     let mut failures = Vec::new();
     for v in &variants {
         match compile(*v) {
@@ -27,6 +31,26 @@ fn every_kernel_compiles_for_sm90a() {
                     "{}: not sm_90a PTX",
                     v.name()
                 );
+                // Every kernel the backend loads by name is in its module.
+                let entries: &[&str] = match v {
+                    Variant::Logits { .. } => &["mqa_logits"],
+                    Variant::Topk => &[
+                        "topk_ragged_f32",
+                        "topk_segments_f32",
+                        "topk_merge_f32",
+                        "block_keys_f32",
+                        "kept_blocks_u32",
+                        "decode_codes",
+                    ],
+                    Variant::Validate => &["validate_inputs"],
+                };
+                for e in entries {
+                    assert!(
+                        src.contains(&format!(".entry {e}(")),
+                        "{}: no entry {e}",
+                        v.name()
+                    );
+                }
                 if let Ok(dir) = std::env::var("DSA_PTX_DIR") {
                     std::fs::write(format!("{dir}/{}.ptx", v.name()), src).unwrap();
                 }

@@ -14,6 +14,8 @@ pub const COMMON: &str = include_str!("../../kernels/common.cuh");
 pub const LOGITS: &str = include_str!("../../kernels/logits.cu");
 /// `kernels/topk.cu`.
 pub const TOPK: &str = include_str!("../../kernels/topk.cu");
+/// `kernels/validate.cu`.
+pub const VALIDATE: &str = include_str!("../../kernels/validate.cu");
 
 /// Target architecture: Hopper with its arch-specific instructions.
 pub const ARCH: &str = "sm_90a";
@@ -52,6 +54,11 @@ pub const TOPK_SEL_CAP: usize = 4096;
 pub const TOPK_CAND_CAP: usize = 2048;
 /// Threads of a block-keys block.
 pub const BLOCK_KEYS_THREADS: usize = 256;
+/// Threads of a `validate_inputs` block (`VAL_THREADS`, prepended to `validate.cu`).
+pub const VALIDATE_THREADS: usize = 256;
+/// Tensors one `validate_inputs` launch checks (`VAL_SEGS`): q or q_scale, k, k_scale,
+/// weights, k_slots.
+pub const VALIDATE_SEGMENTS: usize = 5;
 
 /// One compiled module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +76,8 @@ pub enum Variant {
     },
     /// `topk_ragged_f32`, `block_keys_f32`, `kept_blocks_u32`, `decode_codes`.
     Topk,
+    /// `validate_inputs`: SPEC 8's value checks of device inputs.
+    Validate,
 }
 
 fn fmt_code(f: Format) -> u32 {
@@ -79,9 +88,10 @@ fn fmt_code(f: Format) -> u32 {
 }
 
 impl Variant {
-    /// Every variant the backend can load: 4 head counts x 3 dims x 4 format pairs, and top-k.
+    /// Every variant the backend can load: 4 head counts x 3 dims x 4 format pairs,
+    /// top-k and validation.
     pub fn all() -> Vec<Variant> {
-        let mut v = vec![Variant::Topk];
+        let mut v = vec![Variant::Topk, Variant::Validate];
         for heads in [8, 16, 32, 64] {
             for groups in [1, 2, 4] {
                 for q in [Format::E4m3, Format::E2m1] {
@@ -99,7 +109,7 @@ impl Variant {
         v
     }
 
-    /// A short name (`logits_h32_g4_e2m1_e2m1`, `topk`).
+    /// A short name (`logits_h32_g4_e2m1_e2m1`, `topk`, `validate`).
     pub fn name(&self) -> String {
         match *self {
             Variant::Logits {
@@ -109,6 +119,7 @@ impl Variant {
                 k,
             } => format!("logits_h{heads}_g{groups}_{q}_{k}"),
             Variant::Topk => "topk".into(),
+            Variant::Validate => "validate".into(),
         }
     }
 
@@ -138,6 +149,9 @@ impl Variant {
                 fmt_code(k)
             ),
             Variant::Topk => format!("{COMMON}\n{TOPK}"),
+            Variant::Validate => format!(
+                "#define VAL_SEGS {VALIDATE_SEGMENTS}\n#define VAL_THREADS {VALIDATE_THREADS}\n{COMMON}\n{VALIDATE}"
+            ),
         }
     }
 }
