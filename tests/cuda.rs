@@ -7,6 +7,7 @@ mod common;
 
 use common::strategies::{build, shape_with};
 use common::{bits, first_diff, golden_files};
+use cudarc::driver::{CudaSlice, CudaStream};
 use dsa_indexer::batch::Batch;
 use dsa_indexer::cuda::{self, kernels, CudaBackend, TOLERANCE_LOG2};
 use dsa_indexer::dump::{Dump, RoleKind};
@@ -16,6 +17,7 @@ use dsa_indexer::problem::*;
 use dsa_indexer::reference::{self, rank_key, Output};
 use ndarray::{Array1, Array2, Array3};
 use proptest::prelude::*;
+use std::sync::Arc;
 
 /// The backend, or `None` (after printing why) when there is no GPU.
 fn gpu() -> Option<CudaBackend> {
@@ -796,4 +798,469 @@ fn plan_and_measured_peak() {
         );
     }
     let _ = rank_key(0.0);
+}
+
+// ---- the engine API: SPEC 8's value checks of device inputs ----
+
+/// A stream of the shared device and an engine on it, or `None` without a GPU (then the
+/// tests below check only the host half: `Problem::new`'s verdicts).
+type Dev = (Arc<CudaStream>, cuda::Engine);
+
+fn engine() -> Option<Dev> {
+    let b = gpu()?;
+    let stream = b.device().context().new_stream().unwrap();
+    let engine = cuda::Engine::on_stream(stream.clone()).unwrap();
+    Some((stream, engine))
+}
+
+/// Owned host inputs of any format pair: [`Problem::new`] judges them on the host,
+/// [`EngineCase::device`] uploads them for [`cuda::Engine::run_device`].
+#[derive(Clone)]
+struct EngineCase {
+    batch: Batch,
+    h: usize,
+    d: usize,
+    /// E4M3 `[T, H, D]`, or packed E2M1 `[T, H, D/2]` when `qs` is given.
+    q: Vec<u8>,
+    /// UE8M0 `[T, H, G]` (E2M1 queries).
+    qs: Option<Vec<u8>>,
+    /// E4M3 `[L, D]`, or packed E2M1 `[L, D/2]` when `ks8` is given.
+    k: Vec<u8>,
+    /// UE8M0 `[L, G]` (E2M1 keys).
+    ks8: Option<Vec<u8>>,
+    /// f32 `[L]` (E4M3 keys).
+    ks32: Option<Vec<f32>>,
+    w: Vec<f32>,
+    slots: Option<Vec<i32>>,
+}
+
+impl EngineCase {
+    /// Valid random inputs (E4M3 NaN codes replaced by +-448, UE8M0 in 120..=134).
+    fn random(batch: Batch, h: usize, d: usize, q_fp4: bool, k_fp4: bool, seed: u64) -> Self {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (t, l, g) = (batch.num_rows(), batch.num_keys(), d / 32);
+        let mut e4m3 = |n: usize| -> Vec<u8> {
+            (0..n)
+                .map(|_| match rng.gen::<u8>() {
+                    b if e4m3::is_nan_code(b) => b - 1,
+                    b => b,
+                })
+                .collect()
+        };
+        let q = if q_fp4 {
+            e4m3(t * h * d / 2)
+        } else {
+            e4m3(t * h * d)
+        };
+        let k = if k_fp4 { e4m3(l * d / 2) } else { e4m3(l * d) };
+        EngineCase {
+            q,
+            qs: q_fp4.then(|| (0..t * h * g).map(|_| rng.gen_range(120..=134)).collect()),
+            k,
+            ks8: k_fp4.then(|| (0..l * g).map(|_| rng.gen_range(120..=134)).collect()),
+            ks32: (!k_fp4).then(|| (0..l).map(|_| rng.gen_range(0.5f32..2.0)).collect()),
+            w: (0..t * h).map(|_| rng.gen_range(-1.0f32..1.0)).collect(),
+            slots: Some((0..l as i32).map(|x| 3 * x + 1).collect()),
+            batch,
+            h,
+            d,
+        }
+    }
+
+    /// The host path's verdict on the same arrays.
+    fn host(&self) -> dsa_indexer::Result<()> {
+        self.problem().map(|_| ())
+    }
+
+    /// The plain layer (`K = 4`) of these arrays, validated by `Problem::new`.
+    fn problem(&self) -> dsa_indexer::Result<Problem<'_>> {
+        let (t, l, h, d) = (self.batch.num_rows(), self.batch.num_keys(), self.h, self.d);
+        let q = match &self.qs {
+            None => Queries::E4m3(ndarray::ArrayView3::from_shape((t, h, d), &self.q).unwrap()),
+            Some(qs) => Queries::E2m1 {
+                packed: ndarray::ArrayView3::from_shape((t, h, d / 2), &self.q).unwrap(),
+                scale: ndarray::ArrayView3::from_shape((t, h, d / 32), qs).unwrap(),
+            },
+        };
+        let k = match (&self.ks8, &self.ks32) {
+            (Some(ks), _) => Keys::E2m1 {
+                packed: ndarray::ArrayView2::from_shape((l, d / 2), &self.k).unwrap(),
+                scale: ndarray::ArrayView2::from_shape((l, d / 32), ks).unwrap(),
+            },
+            (None, Some(ks)) => Keys::E4m3 {
+                codes: ndarray::ArrayView2::from_shape((l, d), &self.k).unwrap(),
+                scale: ndarray::ArrayView1::from(ks),
+            },
+            (None, None) => unreachable!("keys have one scale form"),
+        };
+        let inputs = Inputs {
+            q,
+            k,
+            weights: ndarray::ArrayView2::from_shape((t, h), &self.w).unwrap(),
+            k_slots: self.slots.as_deref().map(ndarray::ArrayView1::from),
+        };
+        Problem::new(&self.batch, inputs, Params::new(4), Role::Plain)
+    }
+
+    /// Upload and run through the engine API. Each tensor sits `lead` elements into its
+    /// buffer (its address not 16-byte aligned for most `lead`), between guard elements
+    /// holding a bad value that the check must not read.
+    fn device(
+        &self,
+        stream: &Arc<CudaStream>,
+        engine: &cuda::Engine,
+        lead: usize,
+    ) -> dsa_indexer::Result<cuda::DeviceOutput> {
+        fn up<T: cudarc::driver::DeviceRepr + Copy>(
+            s: &Arc<CudaStream>,
+            v: &[T],
+            lead: usize,
+            guard: T,
+        ) -> CudaSlice<T> {
+            let mut host = vec![guard; lead];
+            host.extend_from_slice(v);
+            host.push(guard);
+            s.clone_htod(&host).unwrap()
+        }
+        let nan = f32::NAN;
+        let q = up(stream, &self.q, lead, 0xFFu8);
+        let qs = self.qs.as_ref().map(|v| up(stream, v, lead, 255u8));
+        let k = up(stream, &self.k, lead, 0x7Fu8);
+        let ks8 = self.ks8.as_ref().map(|v| up(stream, v, lead, 255u8));
+        let ks32 = self.ks32.as_ref().map(|v| up(stream, v, lead, nan));
+        let w = up(stream, &self.w, lead, nan);
+        let slots = self.slots.as_ref().map(|v| up(stream, v, lead, -1i32));
+        let view = |len: usize| lead..lead + len;
+        let inputs = cuda::DeviceInputs {
+            heads: self.h,
+            dim: self.d,
+            q: match &qs {
+                None => cuda::DeviceQueries::E4m3(q.slice(view(self.q.len()))),
+                Some(s) => cuda::DeviceQueries::E2m1 {
+                    packed: q.slice(view(self.q.len())),
+                    scale: s.slice(view(s.len() - lead - 1)),
+                },
+            },
+            k: match (&ks8, &ks32) {
+                (Some(s), _) => cuda::DeviceKeys::E2m1 {
+                    packed: k.slice(view(self.k.len())),
+                    scale: s.slice(view(s.len() - lead - 1)),
+                },
+                (None, Some(s)) => cuda::DeviceKeys::E4m3 {
+                    codes: k.slice(view(self.k.len())),
+                    scale: s.slice(view(s.len() - lead - 1)),
+                },
+                (None, None) => unreachable!("keys have one scale form"),
+            },
+            weights: w.slice(view(self.w.len())),
+            k_slots: slots.as_ref().map(|s| s.slice(view(s.len() - lead - 1))),
+        };
+        engine.run_device(&self.batch, &inputs, Params::new(4), None, None, 1 << 20)
+    }
+}
+
+/// Equal errors, with a `BadFloat`'s value compared by its bits (NaN payloads, -0).
+fn same_error(a: &dsa_indexer::Error, b: &dsa_indexer::Error) -> bool {
+    use dsa_indexer::Error::BadFloat;
+    match (a, b) {
+        (
+            BadFloat {
+                field: f1,
+                index: i1,
+                value: v1,
+                expected: e1,
+            },
+            BadFloat {
+                field: f2,
+                index: i2,
+                value: v2,
+                expected: e2,
+            },
+        ) => f1 == f2 && i1 == i2 && v1.to_bits() == v2.to_bits() && e1 == e2,
+        _ => a == b,
+    }
+}
+
+/// `c` is rejected with exactly `want` by `Problem::new` on the host and, with a GPU,
+/// by the engine API on the device, at two buffer offsets.
+fn check_rejected(dev: &Option<Dev>, tag: &str, c: &EngineCase, want: &dsa_indexer::Error) {
+    let host = c.host().expect_err(tag);
+    assert!(
+        same_error(&host, want),
+        "{tag}: Problem::new says {host:?}, expected {want:?}"
+    );
+    let Some((stream, engine)) = dev else { return };
+    for lead in [0, 1 + tag.len() % 5] {
+        let got = c.device(stream, engine, lead).expect_err(tag);
+        assert!(
+            same_error(&got, want),
+            "{tag} (lead {lead}): device says {got:?}, Problem::new {want:?}"
+        );
+    }
+}
+
+fn nan_code(field: &str, index: usize, byte: u8) -> dsa_indexer::Error {
+    dsa_indexer::Error::NanE4m3 {
+        field: field.into(),
+        index,
+        byte,
+    }
+}
+
+fn reserved(field: &str, index: usize) -> dsa_indexer::Error {
+    dsa_indexer::Error::ReservedScale {
+        field: field.into(),
+        index,
+    }
+}
+
+fn bad_float(field: &str, index: usize, value: f32, expected: &'static str) -> dsa_indexer::Error {
+    dsa_indexer::Error::BadFloat {
+        field: field.into(),
+        index,
+        value,
+        expected,
+    }
+}
+
+/// Flat positions to corrupt in a tensor of `len` elements: the first ones (the
+/// unaligned head), every byte lane of a 16-byte chunk, a middle one and the last.
+fn offender_positions(len: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..18)
+        .chain([len / 2, len.saturating_sub(2), len.saturating_sub(1)])
+        .collect();
+    v.retain(|&x| x < len);
+    v.dedup();
+    v
+}
+
+#[test]
+fn engine_api_rejects_nan_e4m3_codes_as_problem_new_does() {
+    let dev = engine();
+    let batch = Batch::contiguous(&[40, 9], &[0, 3], 1).unwrap();
+    let c = EngineCase::random(batch, 8, 64, false, false, 1);
+    for (field, len) in [("q", c.q.len()), ("k", c.k.len())] {
+        for pos in offender_positions(len) {
+            for byte in [0x7Fu8, 0xFF] {
+                let mut bad = c.clone();
+                let v = if field == "q" { &mut bad.q } else { &mut bad.k };
+                v[pos] = byte;
+                // A later offender in the same tensor does not hide the first.
+                if pos + 5 < len {
+                    v[pos + 5] = byte ^ 0x80;
+                }
+                let tag = format!("{field}[{pos}] = {byte:#04x}");
+                check_rejected(&dev, &tag, &bad, &nan_code(field, pos, byte));
+            }
+        }
+    }
+    // Queries are checked before keys, keys before their scales and the weights.
+    let mut bad = c.clone();
+    let (lq, lk) = (bad.q.len(), bad.k.len());
+    bad.q[lq - 1] = 0x7F;
+    bad.k[0] = 0xFF;
+    bad.ks32.as_mut().unwrap()[0] = 0.0;
+    bad.w[0] = f32::NAN;
+    check_rejected(&dev, "q before k", &bad, &nan_code("q", lq - 1, 0x7F));
+    bad.q[lq - 1] = 0x7E;
+    bad.k[lk - 1] = 0x7F;
+    check_rejected(&dev, "k before k_scale", &bad, &nan_code("k", 0, 0xFF));
+}
+
+#[test]
+fn engine_api_rejects_ue8m0_255_as_problem_new_does() {
+    let dev = engine();
+    let batch = Batch::contiguous(&[40, 9], &[0, 3], 1).unwrap();
+    let c = EngineCase::random(batch, 16, 128, true, true, 2);
+    for field in ["q_scale", "k_scale"] {
+        let len = if field == "q_scale" {
+            c.qs.as_ref().unwrap().len()
+        } else {
+            c.ks8.as_ref().unwrap().len()
+        };
+        for pos in offender_positions(len) {
+            let mut bad = c.clone();
+            let v = if field == "q_scale" {
+                bad.qs.as_mut().unwrap()
+            } else {
+                bad.ks8.as_mut().unwrap()
+            };
+            v[pos] = 255;
+            if pos + 3 < len {
+                v[pos + 3] = 255;
+            }
+            check_rejected(
+                &dev,
+                &format!("{field}[{pos}] = 255"),
+                &bad,
+                &reserved(field, pos),
+            );
+        }
+    }
+    // Query scales come first.
+    let mut bad = c.clone();
+    let lq = bad.qs.as_ref().unwrap().len();
+    bad.qs.as_mut().unwrap()[lq - 1] = 255;
+    bad.ks8.as_mut().unwrap()[0] = 255;
+    check_rejected(
+        &dev,
+        "q_scale before k_scale",
+        &bad,
+        &reserved("q_scale", lq - 1),
+    );
+}
+
+#[test]
+fn engine_api_rejects_bad_key_scales_weights_and_slots_as_problem_new_does() {
+    let dev = engine();
+    let batch = Batch::contiguous(&[40, 9], &[0, 3], 1).unwrap();
+    let fp8 = EngineCase::random(batch.clone(), 8, 32, false, false, 3);
+    let fp4 = EngineCase::random(batch, 8, 32, true, true, 4);
+    let l = fp8.k.len() / 32;
+    // Key scales: finite and > 0 (0, -0, negatives, infinities, NaNs of either sign).
+    for v in [
+        0.0f32,
+        -0.0,
+        -1.0,
+        -f32::from_bits(1),
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0xFFC0_0000),
+        f32::from_bits(0x7F80_0001),
+    ] {
+        for pos in offender_positions(l) {
+            let mut bad = fp8.clone();
+            bad.ks32.as_mut().unwrap()[pos] = v;
+            let tag = format!("k_scale[{pos}] = {v:?} ({:#010x})", v.to_bits());
+            let want = bad_float("k_scale", pos, v, "finite and > 0");
+            check_rejected(&dev, &tag, &bad, &want);
+        }
+    }
+    // Weights: finite, in both classes.
+    for c in [&fp8, &fp4] {
+        for v in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for pos in offender_positions(c.w.len()) {
+                let mut bad = c.clone();
+                bad.w[pos] = v;
+                let tag = format!("weights[{pos}] = {v:?}");
+                check_rejected(&dev, &tag, &bad, &bad_float("weights", pos, v, "finite"));
+            }
+        }
+    }
+    // Slots: >= 0.
+    for v in [-1i32, i32::MIN] {
+        for pos in [0, 5, l - 1] {
+            let mut bad = fp4.clone();
+            bad.slots.as_mut().unwrap()[pos] = v;
+            let want = dsa_indexer::Error::OutOfRange {
+                field: format!("k_slots[{pos}]"),
+                value: v.to_string(),
+                expected: "a slot >= 0",
+            };
+            check_rejected(&dev, &format!("k_slots[{pos}] = {v}"), &bad, &want);
+        }
+    }
+    // Key scales before weights, weights before slots.
+    let mut bad = fp8.clone();
+    bad.ks32.as_mut().unwrap()[l - 1] = -2.0;
+    bad.w[0] = f32::INFINITY;
+    bad.slots.as_mut().unwrap()[0] = -1;
+    let want = bad_float("k_scale", l - 1, -2.0, "finite and > 0");
+    check_rejected(&dev, "k_scale before weights", &bad, &want);
+    bad.ks32.as_mut().unwrap()[l - 1] = 2.0;
+    let want = bad_float("weights", 0, f32::INFINITY, "finite");
+    check_rejected(&dev, "weights before k_slots", &bad, &want);
+    // A batch without rows still has its keys checked, as on the host.
+    let empty = Batch::contiguous(&[5, 3], &[5, 3], 1).unwrap();
+    let mut bad = EngineCase::random(empty, 8, 32, false, false, 5);
+    bad.ks32.as_mut().unwrap()[6] = f32::NAN;
+    let want = bad_float("k_scale", 6, f32::NAN, "finite and > 0");
+    check_rejected(&dev, "no rows, k_scale[6] = NaN", &bad, &want);
+}
+
+#[test]
+fn engine_api_accepts_every_valid_value_and_runs() {
+    let dev = engine();
+    let batch = Batch::contiguous(&[40, 9], &[0, 3], 1).unwrap();
+    // Every code but the rejected ones, at every byte lane; the extreme valid floats.
+    let mut fp8 = EngineCase::random(batch.clone(), 8, 64, false, false, 6);
+    let valid_e4m3: Vec<u8> = (0..=255u8).filter(|&b| !e4m3::is_nan_code(b)).collect();
+    for (i, x) in fp8.q.iter_mut().enumerate() {
+        *x = valid_e4m3[i % valid_e4m3.len()];
+    }
+    for (i, x) in fp8.k.iter_mut().enumerate() {
+        *x = valid_e4m3[(i * 7) % valid_e4m3.len()];
+    }
+    let scales = [
+        f32::from_bits(1),
+        f32::MIN_POSITIVE,
+        1.0,
+        f32::MAX,
+        f32::from_bits(0x007F_FFFF),
+    ];
+    for (i, x) in fp8.ks32.as_mut().unwrap().iter_mut().enumerate() {
+        *x = scales[i % scales.len()];
+    }
+    let weights = [0.0f32, -0.0, f32::MAX, -f32::MAX, -f32::from_bits(1), 0.5];
+    for (i, x) in fp8.w.iter_mut().enumerate() {
+        *x = weights[i % weights.len()];
+    }
+    fp8.slots.as_mut().unwrap()[0] = 0;
+    fp8.slots.as_mut().unwrap()[1] = i32::MAX;
+    let mut fp4 = EngineCase::random(batch, 16, 128, true, true, 7);
+    for (i, x) in fp4.qs.as_mut().unwrap().iter_mut().enumerate() {
+        *x = (i % 255) as u8;
+    }
+    for (i, x) in fp4.ks8.as_mut().unwrap().iter_mut().enumerate() {
+        *x = [0u8, 254, 127, 1][i % 4];
+    }
+    fp4.q.iter_mut().enumerate().for_each(|(i, x)| *x = i as u8);
+    for (tag, c) in [("fp8 extremes", &fp8), ("fp4 extremes", &fp4)] {
+        c.host()
+            .unwrap_or_else(|e| panic!("{tag}: host rejects {e}"));
+        let Some((stream, engine)) = &dev else {
+            continue;
+        };
+        for lead in [0usize, 1, 2, 3, 4, 8, 15] {
+            c.device(stream, engine, lead)
+                .unwrap_or_else(|e| panic!("{tag} (lead {lead}): device rejects {e}"));
+        }
+    }
+    // Valid exact-class inputs: the reference's outputs.
+    let batch = Batch::contiguous(&[90, 33], &[60, 0], 1).unwrap();
+    let fp4 = EngineCase::random(batch, 16, 64, true, true, 8);
+    let want = reference::run(&fp4.problem().unwrap());
+    let Some((stream, engine)) = &dev else { return };
+    for lead in [0, 3] {
+        let out = fp4.device(stream, engine, lead).unwrap();
+        let raw = stream.clone_dtoh(&out.raw).unwrap();
+        let page = stream.clone_dtoh(&out.page).unwrap();
+        let tag = format!("engine, valid, lead {lead}");
+        check_eq(&tag, "raw", &raw, want.raw.as_slice().unwrap());
+        check_eq(&tag, "page", &page, want.page.as_slice().unwrap());
+    }
+}
+
+/// Inputs larger than one pass of the validation grid (1024 blocks x 256 threads x 16
+/// bytes = 4 MiB): offenders found on later grid-stride passes, the least one wins.
+#[test]
+fn engine_api_finds_the_first_offender_in_large_inputs() {
+    let dev = engine();
+    let batch = Batch::contiguous(&[2048], &[0], 1).unwrap();
+    let c = EngineCase::random(batch, 64, 128, false, false, 9);
+    let len = c.q.len();
+    assert!(len > 4 << 20, "q spans several grid passes");
+    let mut bad = c.clone();
+    bad.q[len - 1] = 0xFF;
+    check_rejected(&dev, "large, q[last]", &bad, &nan_code("q", len - 1, 0xFF));
+    let first = (4 << 20) + 4096 + 3;
+    bad.q[first] = 0x7F;
+    bad.q[first + 64] = 0x7F;
+    bad.q[3 * len / 4] = 0xFF;
+    check_rejected(&dev, "large, q[first]", &bad, &nan_code("q", first, 0x7F));
+    if let Some((stream, engine)) = &dev {
+        c.device(stream, engine, 1).unwrap();
+    }
 }
