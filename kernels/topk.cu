@@ -63,13 +63,23 @@ __device__ __forceinline__ i32 out_id(const RowSrc &s, u32 j) {
 // ---- fast path: two passes over the row, the rest in shared memory ----------------
 #define TK_BINS 2048       // pass-1 histogram on the key's top 11 bits
 #define TK_SEL_CAP 4096    // selected ids held for the final sort (K <= this)
-#define TK_CAND_CAP 2048   // keys of the threshold bin held for the exact resolution
+#define TK_CAND_CAP 3072   // candidate keys held for the exact resolution
 static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
+// Sampled threshold (one pass over long rows): a sample of TK_SEL_CAP keys in chunks of
+// 32, its rank-r key t with about TK_CAND_CAP / 2 keys of the row expected at or above
+// it; rows of at least TK_SAMPLE_MIN keys, n > 16 K and 3 K <= TK_CAND_CAP.
+#ifndef TK_SAMPLED
+#define TK_SAMPLED 1
+#endif
+#define TK_SAMPLE_MIN 16384
+static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunks");
 
 struct TopkSmem {
-  u32 hist[TK_BINS];
+  union {  // the pass-1 histogram is dead before the candidates are written
+    u32 hist[TK_BINS];
+    u32 ckey[TK_CAND_CAP];
+  };
   u32 sel[TK_SEL_CAP];
-  u32 ckey[TK_CAND_CAP];
   u32 cid[TK_CAND_CAP];
   u32 h256[256];
   u32 scan[33];
@@ -127,6 +137,54 @@ __device__ void smem_select(TopkSmem &sm, u32 count, u32 K, F key, u32 &T, u32 &
   take = remaining;
 }
 
+// The sampled threshold: a sample of the row into sm.sel, its rank-r key t, then one pass
+// that appends every key >= t (and its id) to ckey / cid. True, with misc[4] = count
+// and misc[3] = 0, when K <= count <= TK_CAND_CAP: then the K-th key of the row is >= t,
+// so the candidates hold every key the exact selection can take, ties included (keys
+// left out are below t). False otherwise (a rare sample; the caller starts over).
+template <int MODE>
+__device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, const u32 K) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr u32 S = TK_SEL_CAP, CH = S / 32;
+  for (u32 c = warp; c < CH; c += TK_THREADS / 32) {
+    const u32 start = (u32)(((u64)c * (n - 32)) / (CH - 1));  // chunks spread evenly
+    sm.sel[c * 32 + lane] = load_key<MODE>(src, start + lane);
+  }
+  if (tid < 8) sm.misc[tid] = 0;
+  __syncthreads();
+  const u32 r = (u32)(((u64)(TK_CAND_CAP / 2) * S + n - 1) / n);  // in 1 .. S
+  u32 t, unused;
+  smem_select(sm, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
+  if (t == 0u) return false;  // the sample's rank-r key is "not a candidate"
+  constexpr int U = 4;  // independent loads in flight per thread
+  for (u32 base = 0; base < n; base += U * TK_THREADS) {
+    u32 key[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const u32 j = base + u * TK_THREADS + tid;
+      key[u] = j < n ? load_key<MODE>(src, j) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const bool hit = key[u] >= t;
+      const u32 m = __ballot_sync(FULL_MASK, hit);
+      if (m) {
+        const int leader = __ffs(m) - 1;
+        u32 at = 0;
+        if (lane == leader) at = atomicAdd(&sm.misc[4], (u32)__popc(m));
+        at = __shfl_sync(FULL_MASK, at, leader) + __popc(m & ((1u << lane) - 1u));
+        if (hit && at < TK_CAND_CAP) {
+          sm.ckey[at] = key[u];
+          sm.cid[at] = base + u * TK_THREADS + tid;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const u32 count = sm.misc[4];
+  return count >= K && count <= TK_CAND_CAP;
+}
+
 // Returns false (having written nothing) when the row needs the general path: K above
 // TK_SEL_CAP, or more than TK_CAND_CAP keys in the threshold bin.
 // Returns TK_FALLBACK (nothing written: the general path), TK_DONE (outputs written),
@@ -142,6 +200,11 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
                              u32 *T_out, u32 *take_out) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (K > TK_SEL_CAP) return TK_FALLBACK;
+  u32 need;
+  if (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > 16u * K && 3u * K <= TK_CAND_CAP &&
+      sampled_candidates<MODE>(sm, src, n, K)) {
+    need = K;  // every candidate is a key >= t; none selected yet
+  } else {
   // Pass 1: histogram of the top 11 bits.
   for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
   if (tid < 8) sm.misc[tid] = 0;
@@ -180,8 +243,11 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   __syncthreads();
   const u32 total = sm.misc[2];
   if (total <= K) return TK_FALLBACK;  // m <= K: the general path selects all in one pass
-  const u32 bin = sm.misc[0], need = sm.misc[1];
-  if (sm.hist[bin] > TK_CAND_CAP) return TK_FALLBACK;
+  const u32 bin = sm.misc[0];
+  need = sm.misc[1];
+  const u32 in_bin = sm.hist[bin];
+  __syncthreads();  // hist shares its memory with ckey, written below
+  if (in_bin > TK_CAND_CAP) return TK_FALLBACK;
   // Pass 2: keys above the bin are selected; the bin's keys are candidates.
   for (u32 j = tid; j < n; j += TK_THREADS) {
     const u32 key = load_key<MODE>(src, j);
@@ -196,6 +262,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
     }
   }
   __syncthreads();
+  }
   const u32 ncand = sm.misc[4];
   // Exact threshold among the bin's keys, then the lowest ids among its ties.
   u32 T, take;
