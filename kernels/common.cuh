@@ -48,6 +48,12 @@ __device__ __forceinline__ void e2m1_word(u32 w, u32 &lo, u32 &hi) {
   hi = __byte_perm(t0, t1, w >> 16) | __byte_perm(0x00008000u, 0u, (w >> 19) & 0x1111u);
 }
 
+// The same with the table words given (t0: bytes of magnitudes 0..3, t1: 4..7).
+__device__ __forceinline__ void e2m1_word_tab(u32 w, u32 t0, u32 t1, u32 &lo, u32 &hi) {
+  lo = __byte_perm(t0, t1, w) | __byte_perm(0x00008000u, 0u, (w >> 3) & 0x1111u);
+  hi = __byte_perm(t0, t1, w >> 16) | __byte_perm(0x00008000u, 0u, (w >> 19) & 0x1111u);
+}
+
 // UE8M0 byte e -> 2^(e - 127 - extra) as an f32, exact for results >= 2^-149
 // (e = 0 with extra = 0 is 2^-127, bits 0x00400000, as SPEC 2 says).
 __device__ __forceinline__ float ue8m0_pow2(u32 e, int extra) {
@@ -55,6 +61,11 @@ __device__ __forceinline__ float ue8m0_pow2(u32 e, int extra) {
   if (x >= 1) return __uint_as_float(((u32)x) << 23);
   int sh = 22 + x;  // subnormal: 2^(x - 127) = 2^-149 * 2^(x + 22)
   return sh >= 0 ? __uint_as_float(1u << sh) : 0.0f;
+}
+
+// 2^e as an f32 for e in [-149, 127] (exact); callers check the range.
+__device__ __forceinline__ float pow2i(int e) {
+  return e >= -126 ? __uint_as_float((u32)(e + 127) << 23) : __uint_as_float(1u << (e + 149));
 }
 
 // Decoded E4M3 byte (for the device codec test): exact in f32.
@@ -98,6 +109,38 @@ __device__ __forceinline__ void mma_e4m3_zero(float (&d)[4], const u32 (&a)[4], 
       "{%8,%9}, {%10,%10,%10,%10};\n"
       : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// D = A(16x16 f16, row) * B(16x8 f16, col) + C, f32 accumulate: the native Hopper
+// mma.sync (e4m3 mma.sync is emulated on sm_90: F2FP unpacks to f16, then this).
+__device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_f16_zero(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// The high byte of the f16 of m * 2^s, m in {0, 1, 2, 3, 4, 6, 8, 12}, s in [-9, 5]: all
+// normal f16 with at most one fraction bit, so the low byte is 0 (and 0 -> 0).
+__device__ __forceinline__ u32 f16_exact_hi_byte(u32 m, int s) {
+  if (m == 0) return 0u;
+  const int p = 31 - __clz(m);  // m = 1.f * 2^p, f in {0, .5}
+  return ((u32)(p + s + 15) << 2) | ((((m << 1) >> p) & 1u) << 1);
+}
+
+// Two codes (c0 in bits 0-3, c1 in bits 4-7) -> their f16 pair (c0 low), from a table of
+// f16 high bytes (t0: magnitudes 0..3, t1: 4..7; byte 0 of t0 is 0).
+__device__ __forceinline__ u32 e2m1_pair_f16(u32 b, u32 t0, u32 t1) {
+  const u32 sel = ((b & 7u) << 4) | ((b & 0x70u) << 8);  // bytes [0, T[c0], 0, T[c1]]
+  return __byte_perm(t0, t1, sel) | ((b & 8u) << 12) | ((b & 0x80u) << 24);
 }
 
 // Four 8x8 b16 matrices from shared memory; lane l gives the address of row (l & 7) of

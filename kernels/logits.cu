@@ -20,6 +20,17 @@
 // (4 s_g * 2^(eq-129)) * 2^(ek-127): the same real products, one rounding each, so
 // bitwise the reference. (An s8 MMA gives the same 4*s_g but
 // needs an int->f32 conversion per group: two more epilogue ops.)
+// Scale folding (exact class, SCALE_FOLD=1, the default): when a block's query group
+// scales lie within 15 binades per group (eq <= 244), and a key tile's scales too, the
+// operands carry the scales: a doubled E2M1 value times 2^s, s in [-9, 5], is exact in
+// E4M3, so the MMA yields X_g = 4 s_g 2^(sq + sk) exactly (13 significant bits, as
+// above), and t_g = X_g * C_g with the per-tile constant C_g = 2^(ebq_g + ebk_g - 256)
+// (eq = ebq_g + sq, ek = ebk_g + sk). That is one rounding of the same real product as
+// the reference's (s_g * 2^(eq-127)) * 2^(ek-127), whose first multiply is exact for
+// eq <= 244: bitwise the reference, with one multiply per group instead of two and no
+// per-key scale loads. A tile outside the windows (or with C_g out of f32's range) takes
+// the two-multiply epilogue; its query scale is then 2^(ebq_g - 129) per group, since
+// the query operands stay scaled.
 // Tolerance class: e4m3 MMA with f32 accumulate (E2M1 operands converted exactly to
 // E4M3). E4M3 x E4M3 chains the groups in the accumulator (every c_g is 1); a mixed
 // pair takes each group's f32 MMA sum, scales it in f64 and sums the groups pairwise
@@ -35,20 +46,31 @@
 #define D (G * 32)
 #define NT (H / 8)
 #define EXACT (QF == 1 && KF == 1)
-// Rows per block: 4 for H = 64 (register-bound: smaller blocks fit 3 per SM), else 8.
-// The host computes the same (kernels::logits_rows) and reads overrides of it from
-// $DSA_CUDA_DEFINES too.
+// Rows per block: 4 for H >= 32 (register-bound: two or three 4-warp blocks per SM beat
+// one of 8 warps; benches/RESULTS.md), else 8. The host computes the same
+// (kernels::logits_rows) and reads overrides of it from $DSA_CUDA_DEFINES too.
 #ifndef LG_ROWS
-#define LG_ROWS (H == 64 ? 4 : 8)
+#define LG_ROWS (H >= 32 ? 4 : 8)
 #endif
 #define LG_KEYS 64
 #define LG_THREADS (LG_ROWS * 32)
 // Blocks per SM the register allocation must allow (a tuning knob: 2 caps registers
 // at 128 and spills; see benches/RESULTS.md).
 #ifndef LG_MIN_BLOCKS
-#define LG_MIN_BLOCKS (H == 64 ? (QF == 0 && KF == 0 ? 3 : 2) : 1)
+#define LG_MIN_BLOCKS (H == 64 ? (QF == 0 && KF == 0 ? 3 : 2) : (H == 32 && EXACT ? 2 : 1))
 #endif
-#define KSTRIDE (D + 16)  // bytes per staged key row: ldmatrix rows land in distinct banks
+// Scale folding for the exact class (see above); 0 turns it off (an A/B knob).
+#ifndef SCALE_FOLD
+#define SCALE_FOLD 1
+#endif
+#define FOLDING EXACT  // the folding machinery; SCALE_FOLD decides whether it folds
+// The exact class runs f16 MMAs (m16n8k16, two per group): native on sm_90, where the
+// e4m3 mma.sync is emulated by per-use F2FP unpacks to f16; doubled E2M1 values (and
+// with folding, times 2^s) are exact f16. KW: k16 steps per 32-dim group in the
+// fragments; EB: bytes per staged key element.
+#define KW (EXACT ? 2 : 1)
+#define EB (EXACT ? 2 : 1)
+#define KSTRIDE (EB * D + 16)  // bytes per staged key row: ldmatrix rows in distinct banks
 
 static_assert(H == 8 || H == 16 || H == 32 || H == 64, "H must be a power of two in 8..=64");
 static_assert(G == 1 || G == 2 || G == 4, "D must be 32, 64 or 128");
@@ -83,26 +105,30 @@ __device__ __forceinline__ double pairwise_f64(double (&x)[N]) {
 }
 
 // One key tile (keys j0 .. j0+LG_KEYS-1, staged in shared memory) for one warp's row:
-// MMAs, SPEC 4's epilogue, and the row's logits out[j] for j < n.
+// MMAs, SPEC 4's epilogue, and the row's logits out[j] for j < n. FOLD: the tile's
+// scales are in the operands and cg[g] = C_g (exact class only).
+template <bool FOLD>
 __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *__restrict__ out,
                                              const u8 *skey, const float *skscale,
                                              const float *sqs, const float *sw,
-                                             const u32 (&bq)[NT][G][2], const int lane,
-                                             const int gid, const int tig, const bool odd,
-                                             const bool hi) {
+                                             const u32 (&bq)[NT][G][2 * KW], const float (&cg)[G],
+                                             const int lane, const int gid, const int tig,
+                                             const bool odd, const bool hi) {
 
 #pragma unroll 1
   for (int mp = 0; mp < LG_KEYS / 32; ++mp) {
     const u32 jb = j0 + mp * 32;  // keys jb .. jb+31: m-tiles 2*mp, 2*mp+1
     if (jb >= n) break;
-    u32 a[2][G][4];
+    u32 a[2][G][KW][4];
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const int r = mp * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(a[mt][g], skey + r * KSTRIDE + g * 32 + (lane >> 4) * 16);
-      }
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int kw = 0; kw < KW; ++kw) {
+          const int r = mp * 32 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          ldmatrix_x4(a[mt][g][kw], skey + r * KSTRIDE + EB * (g * 32 + kw * 16) + (lane >> 4) * 16);
+        }
     // Key-side scales of this lane's keys (gid, gid+8) in each m-tile.
     float kc[2][(KF == 1) ? G : 1][2];
 #pragma unroll
@@ -127,20 +153,26 @@ __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *_
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           float acc[4];
-          mma_e4m3_zero(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
-          const float2 qs = *reinterpret_cast<const float2 *>(&sqs[g * H + nt * 8 + 2 * tig]);
-          t[0][g] = __fmul_rn(__fmul_rn(acc[0], qs.x), kc[mt][g][0]);
-          t[1][g] = __fmul_rn(__fmul_rn(acc[1], qs.y), kc[mt][g][0]);
-          t[2][g] = __fmul_rn(__fmul_rn(acc[2], qs.x), kc[mt][g][1]);
-          t[3][g] = __fmul_rn(__fmul_rn(acc[3], qs.y), kc[mt][g][1]);
+          mma_f16_zero(acc, a[mt][g][0], bq[nt][g][0], bq[nt][g][1]);
+          mma_f16(acc, a[mt][g][1], bq[nt][g][2], bq[nt][g][3]);
+          if (FOLD) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) t[e][g] = __fmul_rn(acc[e], cg[g]);
+          } else {
+            const float2 qs = *reinterpret_cast<const float2 *>(&sqs[g * H + nt * 8 + 2 * tig]);
+            t[0][g] = __fmul_rn(__fmul_rn(acc[0], qs.x), kc[mt][g][0]);
+            t[1][g] = __fmul_rn(__fmul_rn(acc[1], qs.y), kc[mt][g][0]);
+            t[2][g] = __fmul_rn(__fmul_rn(acc[2], qs.x), kc[mt][g][1]);
+            t[3][g] = __fmul_rn(__fmul_rn(acc[3], qs.y), kc[mt][g][1]);
+          }
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) ah[e] = pairwise_f32<G>(t[e]);
 #elif QF == 0 && KF == 0
         float acc[4];
-        mma_e4m3_zero(acc, a[mt][0], bq[nt][0][0], bq[nt][0][1]);
+        mma_e4m3_zero(acc, a[mt][0][0], bq[nt][0][0], bq[nt][0][1]);
 #pragma unroll
-        for (int g = 1; g < G; ++g) mma_e4m3(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
+        for (int g = 1; g < G; ++g) mma_e4m3(acc, a[mt][g][0], bq[nt][g][0], bq[nt][g][1]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) ah[e] = acc[e];
 #else
@@ -148,7 +180,7 @@ __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *_
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           float acc[4];
-          mma_e4m3_zero(acc, a[mt][g], bq[nt][g][0], bq[nt][g][1]);
+          mma_e4m3_zero(acc, a[mt][g][0], bq[nt][g][0], bq[nt][g][1]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
 #if QF == 1
@@ -185,6 +217,47 @@ __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *_
   }
 }
 
+// Scale windows for folding. Every lane holds bytes of group lane % G only (32 and the
+// block size are multiples of G); values above 255 are "none". Returns, in lane 0, the
+// warp's per-group maxima and minima as packed bytes (group g in byte g; unused bytes
+// neutral: 0 for the max, 255 for the min).
+__device__ __forceinline__ void warp_window(u32 mx, u32 mn, u32 &pmax, u32 &pmin) {
+#pragma unroll
+  for (int o = G; o < 32; o <<= 1) {
+    mx = max(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+    mn = min(mn, __shfl_xor_sync(FULL_MASK, mn, o));
+  }
+  pmax = 0u;
+  pmin = 0xFFFFFFFFu;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    pmax |= __shfl_sync(FULL_MASK, mx, g) << (8 * g);
+    pmin &= ~(0xFFu << (8 * g)) | (__shfl_sync(FULL_MASK, mn, g) << (8 * g));
+  }
+}
+
+// The block's window per group from the warps' packed bytes: base[g] = the exponent the
+// operands are scaled against (max(min, max - 5): shifts in [-9, 5]); false when a group
+// spans more than 15 binades.
+__device__ __forceinline__ bool block_window(const u32 *wmax, const u32 *wmin, int (&base)[G],
+                                             int (&top)[G]) {
+  u32 bmax = 0u, bmin = 0xFFFFFFFFu;
+#pragma unroll
+  for (int w = 0; w < LG_ROWS; ++w) {
+    bmax = __vmaxu4(bmax, wmax[w]);
+    bmin = __vminu4(bmin, wmin[w]);
+  }
+  bool ok = true;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int mx = (int)((bmax >> (8 * g)) & 0xFFu), mn = (int)((bmin >> (8 * g)) & 0xFFu);
+    ok = ok && mx - mn <= 14;
+    base[g] = max(mn, mx - 5);
+    top[g] = mx;
+  }
+  return ok;
+}
+
 extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logits(
     const u8 *__restrict__ q,        // E4M3 [T,H,D] or packed E2M1 [T,H,D/2]
     const u8 *__restrict__ q_scale,  // UE8M0 [T,H,G] (E2M1 queries)
@@ -206,6 +279,12 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   // Per warp (row): query group scales [G][H] and weights [H].
   __shared__ __align__(8) float sqs[LG_ROWS][(QF == 1 ? G : 1) * H];
   __shared__ __align__(8) float sw[LG_ROWS][H];
+#if FOLDING
+  // f16 high bytes (magnitudes 0..3, 4..7) of the doubled E2M1 magnitudes times 2^(i - 9).
+  __shared__ u32 stab[15][2];
+  // Per warp: packed per-group maxima / minima of the query scales, and of a key tile's.
+  __shared__ u32 swq[2][LG_ROWS], swk[2][LG_ROWS];
+#endif
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + LG_KEYS - 1) / LG_KEYS;
@@ -219,19 +298,68 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   const u32 row = grp.x + (active ? warp : 0);
   const u32 n = active ? row_n[row] : 0u;
   for (int h = lane; h < H; h += 32) sw[warp][h] = w[(u64)row * H + h];
+#if FOLDING
+  if (tid < 15) {
+    const u32 m[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+    u32 t0 = 0, t1 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      t0 |= f16_exact_hi_byte(m[i], tid - 9) << (8 * i);
+      t1 |= f16_exact_hi_byte(m[i + 4], tid - 9) << (8 * i);
+    }
+    stab[tid][0] = t0;
+    stab[tid][1] = t1;
+  }
+  {
+    u32 mx = 0u, mn = 255u;
+    for (int t = lane; t < H * G; t += 32) {
+      const u32 e = q_scale[(u64)row * H * G + t];
+      mx = max(mx, e);
+      mn = min(mn, e);
+    }
+    u32 pmax, pmin;
+    warp_window(mx, mn, pmax, pmin);
+    if (lane == 0) {
+      swq[0][warp] = pmax;
+      swq[1][warp] = pmin;
+    }
+  }
+  __syncthreads();
+  int qbase[G], qtop[G];
+  bool fold_q = block_window(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
+#pragma unroll
+  for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
+#endif
   if (QF == 1) {
     for (int t = lane; t < H * G; t += 32) {
       const int h = t / G, g = t % G;
       // Exact class folds the 1/4 of 4*s_g into the query scale (a power of two: exact).
+#if FOLDING
+      // With the operands scaled, the query scale left is 2^(ebq_g - 129) per group.
+      sqs[warp][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
+                                    : ue8m0_pow2(q_scale[(u64)row * H * G + t], 2);
+#else
       sqs[warp][g * H + h] = ue8m0_pow2(q_scale[(u64)row * H * G + t], EXACT ? 2 : 0);
+#endif
     }
   }
-  u32 bq[NT][G][2];
+  u32 bq[NT][G][2 * KW];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const int h = nt * 8 + gid;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
+#if EXACT
+      // f16 B fragments of m16n8k16: b{2kw + half} holds dims g*32 + 16kw + 8half + 2tig, +1
+      // (one packed byte), times 2^(eq - ebq_g) when the block folds.
+      const int sh = fold_q ? (int)q_scale[((u64)row * H + h) * G + g] - qbase[g] : 0;
+      const u32 t0 = stab[sh + 9][0], t1 = stab[sh + 9][1];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        bq[nt][g][i] = e2m1_pair_f16(
+            q[((u64)row * H + h) * (D / 2) + (g * 32 + (i >> 1) * 16 + (i & 1) * 8 + 2 * tig) / 2],
+            t0, t1);
+#else
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int d = g * 32 + half * 16 + tig * 4;
@@ -239,12 +367,13 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
         if (QF == 1) {
           const u16 two = *reinterpret_cast<const u16 *>(q + ((u64)row * H + h) * (D / 2) + d / 2);
           u32 unused;
-          e2m1_word<EXACT>(two, v, unused);
+          e2m1_word<false>(two, v, unused);
         } else {
           v = *reinterpret_cast<const u32 *>(q + ((u64)row * H + h) * D + d);
         }
         bq[nt][g][half] = v;
       }
+#endif
     }
   }
 
@@ -255,7 +384,11 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   constexpr int NS = LG_KEYS * ((KF == 1) ? G : 1);  // key-side scales per tile
   constexpr int PRE_S = (KF == 1) ? (NS + LG_THREADS - 1) / LG_THREADS : 1;
   uint4 pre[PRE];
+#if FOLDING
+  u32 pre_s[PRE_S];  // raw UE8M0 bytes (256: none)
+#else
   float pre_s[PRE_S];
+#endif
   // E2M1: global -> registers.
   auto prefetch = [&](u32 c) {
     const u32 j0 = c * LG_KEYS;
@@ -271,8 +404,13 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
 #pragma unroll
     for (int i = 0; i < PRE_S; ++i) {
       const int t = tid + i * LG_THREADS;
+#if FOLDING
+      pre_s[i] = 256u;  // "none" for the window: a key past the group's
+      if (t < NS && (u32)(t / G) < nk) pre_s[i] = k_scale8[(u64)(ks + j0) * G + t];
+#else
       pre_s[i] = 0.0f;
       if (t < NS && (u32)(t / G) < nk) pre_s[i] = ue8m0_pow2(k_scale8[(u64)(ks + j0) * G + t], 0);
+#endif
     }
   };
   // E4M3: global -> shared buffer `buf` directly, zero-filled past the group's keys.
@@ -295,16 +433,67 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   if (KF == 1) prefetch(blockIdx.x);
   else issue(blockIdx.x, 0);
   int buf = 0;
+  // Folding state of the current tile (always off outside the exact class).
+  bool fold = false;
+  float cg[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) cg[g] = 0.0f;
+#if FOLDING
+  int kbase[G], ktop[G];
+#endif
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * LG_KEYS;
     const bool more = c + gridDim.x < nchunks;
     if (KF == 1) {
-      // Stage: E2M1 decoded once per block (doubled s8 or E4M3 bytes).
+#if FOLDING
+      // This tile's key-scale window; fold when it and the block's query window hold
+      // and every C_g is an f32.
+      {
+        u32 mx = 0u, mn = 255u;
+#pragma unroll
+        for (int i = 0; i < PRE_S; ++i)
+          if (pre_s[i] <= 255u) {
+            mx = max(mx, pre_s[i]);
+            mn = min(mn, pre_s[i]);
+          }
+        u32 pmax, pmin;
+        warp_window(mx, mn, pmax, pmin);
+        if (lane == 0) {
+          swk[0][warp] = pmax;
+          swk[1][warp] = pmin;
+        }
+      }
+      __syncthreads();
+      fold = block_window(swk[0], swk[1], kbase, ktop) && fold_q;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int ce = qbase[g] + kbase[g] - 256;
+        fold = fold && ce >= -149 && ce <= 127;
+        cg[g] = fold ? pow2i(ce) : 0.0f;
+      }
+#endif
+      // Stage: E2M1 decoded once per block (doubled E4M3 bytes; folded: times 2^sk).
 #pragma unroll
       for (int i = 0; i < PRE; ++i) {
         const int t = tid + i * LG_THREADS;
         if (t < LG_KEYS * KV) {
           const int kk = t / KV, p = t % KV;
+#if FOLDING
+          // Piece p is group p of key kk: its scale is pre_s[i] (same t).
+          const int sh = (fold && pre_s[i] <= 255u) ? (int)pre_s[i] - kbase[p] : 0;
+          const u32 t0 = stab[sh + 9][0], t1 = stab[sh + 9][1];
+          // 32 codes -> 32 f16 (64 bytes): the table gives each code's f16 high byte
+          // (sign in bit 7), a byte permute interleaves the zero low bytes.
+          const u32 words[4] = {pre[i].x, pre[i].y, pre[i].z, pre[i].w};
+#pragma unroll
+          for (int wi = 0; wi < 4; ++wi) {
+            u32 lo, hb;
+            e2m1_word_tab(words[wi], t0, t1, lo, hb);
+            *reinterpret_cast<uint4 *>(&skey[0][kk * KSTRIDE + p * 64 + wi * 16]) =
+                make_uint4(__byte_perm(lo, 0u, 0x1404), __byte_perm(lo, 0u, 0x3424),
+                           __byte_perm(hb, 0u, 0x1404), __byte_perm(hb, 0u, 0x3424));
+          }
+#else
           uint4 a, b;
           e2m1_word<EXACT>(pre[i].x, a.x, a.y);
           e2m1_word<EXACT>(pre[i].y, a.z, a.w);
@@ -312,12 +501,17 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
           e2m1_word<EXACT>(pre[i].w, b.z, b.w);
           *reinterpret_cast<uint4 *>(&skey[0][kk * KSTRIDE + p * 32]) = a;
           *reinterpret_cast<uint4 *>(&skey[0][kk * KSTRIDE + p * 32 + 16]) = b;
+#endif
         }
       }
 #pragma unroll
       for (int i = 0; i < PRE_S; ++i) {
         const int t = tid + i * LG_THREADS;
+#if FOLDING
+        if (t < NS) skscale[0][t] = pre_s[i] <= 255u ? ue8m0_pow2(pre_s[i], 0) : 0.0f;
+#else
         if (t < NS) skscale[0][t] = pre_s[i];
+#endif
       }
       __syncthreads();
       if (more) prefetch(c + gridDim.x);
@@ -330,9 +524,14 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
       }
       __syncthreads();
     }
-    if (active && j0 < n)
-      compute_tile(j0, n, logits + row_off[row], skey[buf], skscale[buf], sqs[warp], sw[warp],
-                   bq, lane, gid, tig, odd, hi);
+    if (active && j0 < n) {
+      if (fold)
+        compute_tile<true>(j0, n, logits + row_off[row], skey[buf], skscale[buf], sqs[warp],
+                           sw[warp], bq, cg, lane, gid, tig, odd, hi);
+      else
+        compute_tile<false>(j0, n, logits + row_off[row], skey[buf], skscale[buf], sqs[warp],
+                            sw[warp], bq, cg, lane, gid, tig, odd, hi);
+    }
     __syncthreads();
     if (KF == 0) buf ^= 1;
   }

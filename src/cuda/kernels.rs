@@ -20,17 +20,17 @@ pub const VALIDATE: &str = include_str!("../../kernels/validate.cu");
 /// Target architecture: Hopper with its arch-specific instructions.
 pub const ARCH: &str = "sm_90a";
 
-/// Rows per logits block (one warp each) for `H < 64`; must match `LG_ROWS` in `logits.cu`.
+/// Rows per logits block (one warp each) for `H < 32`; must match `LG_ROWS` in `logits.cu`.
 pub const LOGITS_ROWS: usize = 8;
-/// Rows per logits block for `H = 64` (register-bound: 3 blocks of 4 warps per SM).
-pub const LOGITS_ROWS_H64: usize = 4;
+/// Rows per logits block for `H >= 32` (register-bound: several 4-warp blocks per SM).
+pub const LOGITS_ROWS_LARGE_H: usize = 4;
 
 /// Rows per logits block for `heads` in this process: [`LOGITS_ROWS`] or
-/// [`LOGITS_ROWS_H64`], or an `LG_ROWS=` override in `$DSA_CUDA_DEFINES` (1..=16; the
-/// kernel gets the same define).
+/// [`LOGITS_ROWS_LARGE_H`], or an `LG_ROWS=` override in `$DSA_CUDA_DEFINES` (1..=16;
+/// the kernel gets the same define).
 pub fn logits_rows(heads: usize) -> usize {
-    let default = if heads == 64 {
-        LOGITS_ROWS_H64
+    let default = if heads >= 32 {
+        LOGITS_ROWS_LARGE_H
     } else {
         LOGITS_ROWS
     };
@@ -51,7 +51,7 @@ pub const TOPK_CHUNK: usize = 512 * 8;
 /// Largest `K` of the top-k fast path (`TK_SEL_CAP`); above it, the general path.
 pub const TOPK_SEL_CAP: usize = 4096;
 /// Keys of the threshold bin the fast path resolves in shared memory (`TK_CAND_CAP`).
-pub const TOPK_CAND_CAP: usize = 2048;
+pub const TOPK_CAND_CAP: usize = 3072;
 /// Threads of a block-keys block.
 pub const BLOCK_KEYS_THREADS: usize = 256;
 /// Threads of a `validate_inputs` block (`VAL_THREADS`, prepended to `validate.cu`).
