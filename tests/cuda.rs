@@ -466,7 +466,7 @@ impl Case {
 fn boundary_sizes_from_the_kernel_constants() {
     let Some(mut b) = gpu() else { return };
     let (r, kc, chunk) = (
-        kernels::LOGITS_ROWS,
+        kernels::logits_rows(32),
         kernels::LOGITS_KEYS,
         kernels::TOPK_CHUNK,
     );
@@ -519,7 +519,18 @@ fn boundary_sizes_from_the_kernel_constants() {
         );
     }
     // Row groups of the H = 64 kernel (4 rows a block), +-1.
-    let r64 = kernels::LOGITS_ROWS_H64;
+    // Row groups of the H < 32 kernels (8 rows a block), +-1.
+    let r8 = kernels::logits_rows(8);
+    for rows in [r8 - 1, r8, r8 + 1, 2 * r8 + 1] {
+        let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
+        let c = Case::random(batch, 8, 64, 700 + rows as u64);
+        check_exact(
+            &mut b,
+            &format!("H=8 rows={rows}"),
+            &c.problem(Params::new(5), Role::Plain),
+        );
+    }
+    let r64 = kernels::logits_rows(64);
     for rows in [r64 - 1, r64, r64 + 1, 2 * r64 + 1] {
         let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
         let c = Case::random(batch, 64, 128, 600 + rows as u64);
@@ -639,6 +650,147 @@ fn special_values_are_bitwise() {
             Role::Source { tail: None },
         ),
     );
+}
+
+/// The exact class folds the scales into the MMA operands when a block's query scales
+/// and a key tile's scales each span at most 15 binades per group, every query scale is
+/// <= 244 and each per-tile constant `2^(ebq + ebk - 256)` is an f32 (kernels/logits.cu).
+/// Both sides of every one of those edges, within one launch where they can differ by
+/// block or by key tile, are bitwise the reference.
+#[test]
+fn exact_class_scale_folding_edges_are_bitwise() {
+    let Some(mut b) = gpu() else { return };
+    let kc = kernels::LOGITS_KEYS;
+    // Three key tiles and rows enough for two row blocks of the H = 32 kernel.
+    let rows = kernels::logits_rows(32) + 3;
+    let s = 3 * kc + 5;
+    let batch = Batch::contiguous(&[s, kc + 2], &[s - rows, kc - 1], 1).unwrap();
+    // (name, query scale of (row, head, group), key scale of (key, group)).
+    type Pattern = (
+        &'static str,
+        fn(usize, usize, usize) -> u8,
+        fn(usize, usize) -> u8,
+    );
+    let patterns: [Pattern; 9] = [
+        (
+            "spans of 15 (folded)",
+            |i, h, g| (110 + (i + h + g) % 15) as u8,
+            |x, g| (120 + (x * 7 + g) % 15) as u8,
+        ),
+        (
+            "query span 16 across a block's rows",
+            |i, h, _| (110 + (i % 2) + h % 15) as u8,
+            |x, g| (120 + (x + g) % 15) as u8,
+        ),
+        (
+            "key span 16 in the second tile only",
+            |_, h, g| (120 + (h + g) % 15) as u8,
+            |x, g| {
+                if (64..128).contains(&x) {
+                    (100 + (x + g) % 16) as u8
+                } else {
+                    (120 + (x + g) % 15) as u8
+                }
+            },
+        ),
+        (
+            "C = 2^-149 (folded, subnormal results)",
+            |_, _, _| 50,
+            |_, _| 57,
+        ),
+        ("C = 2^-150 (not folded)", |_, _, _| 50, |_, _| 56),
+        ("C = 2^127 (folded, overflow)", |_, _, _| 200, |_, _| 183),
+        ("C = 2^128 (not folded)", |_, _, _| 200, |_, _| 184),
+        (
+            "query scales up to 244 (folded)",
+            |i, h, g| (230 + (i + h + g) % 15) as u8,
+            |x, g| ((x + g) % 15) as u8,
+        ),
+        (
+            "query scales up to 245 (not folded)",
+            |i, h, g| (231 + (i + h + g) % 15) as u8,
+            |x, g| ((x + g) % 15) as u8,
+        ),
+    ];
+    for (h, d) in [(32, 128), (64, 128), (8, 32), (16, 64)] {
+        for (name, qe, ke) in patterns {
+            let mut c = Case::random(batch.clone(), h, d, (h * d) as u64);
+            c.qs = Array3::from_shape_fn(c.qs.dim(), |(i, hh, g)| qe(i, hh, g));
+            c.ks = Array2::from_shape_fn(c.ks.dim(), |(x, g)| ke(x, g));
+            let tag = format!("H={h} D={d}: {name}");
+            check_exact(&mut b, &tag, &c.problem(Params::new(9), Role::Plain));
+        }
+    }
+}
+
+/// Rows long enough for the top-k's sampled threshold (one pass over the row) and score
+/// patterns on both sides of it: the sample's threshold admits between K and the
+/// candidate capacity (random, ascending, the best keys where no sample chunk falls),
+/// or too many (few distinct values, all equal: the two-pass path takes over).
+#[test]
+fn topk_sampled_threshold_matches_a_full_sort() {
+    let Some(mut b) = gpu() else { return };
+    use rand::{Rng, SeedableRng};
+    // More rows than the split threshold, so each row is one block's.
+    let rows = 140usize;
+    let lens: Vec<usize> = (0..rows).map(|i| 16_384 + i * 211).collect();
+    let seq = *lens.iter().max().unwrap();
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let batch = Batch::explicit(&[seq], &vec![0; rows], &positions, 1).unwrap();
+    let c = Case::random(batch.clone(), 8, 32, 5);
+    let total: usize = lens.iter().sum();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let patterns: [(
+        &str,
+        Box<dyn Fn(usize, usize, &mut rand_chacha::ChaCha8Rng) -> f32>,
+    ); 6] = [
+        ("random", Box::new(|_, _, r| r.gen_range(-4.0f32..4.0))),
+        ("ascending", Box::new(|_, j, _| j as f32)),
+        ("descending", Box::new(|_, j, _| -(j as f32))),
+        (
+            "best keys between sample chunks",
+            Box::new(|i, j, r| {
+                let n = 16_384 + i * 211;
+                let stride = (n - 32) / 127;
+                if j % stride == 40 {
+                    100.0 + r.gen_range(0.0f32..1.0)
+                } else {
+                    r.gen_range(0.0f32..1.0)
+                }
+            }),
+        ),
+        ("five distinct values", Box::new(|_, j, _| (j % 5) as f32)),
+        (
+            "all equal, NaN and -0 mixed in",
+            Box::new(|_, j, _| match j % 7 {
+                0 => f32::NAN,
+                1 => -0.0,
+                _ => 0.0,
+            }),
+        ),
+    ];
+    for (name, f) in patterns.iter() {
+        let mut scores = Vec::with_capacity(total);
+        for (i, &n) in lens.iter().enumerate() {
+            for j in 0..n {
+                scores.push(f(i, j, &mut rng));
+            }
+        }
+        for k in [1usize, 64, 512, 1024, 1025] {
+            let p = c.problem(Params::new(k), Role::Plain);
+            let got = b.select_scores(&p, &scores, usize::MAX).unwrap();
+            let mut off = 0;
+            for (i, &n) in lens.iter().enumerate() {
+                let row = &scores[off..off + n];
+                let all: Vec<usize> = (0..n).collect();
+                let mut want = reference::topk::select_by_sort(row, &all, k);
+                want.resize(k, -1);
+                let got_row: Vec<i32> = got.raw.row(i).to_vec();
+                assert_eq!(got_row, want, "{name}, K={k}, row {i} (n={n})");
+                off += n;
+            }
+        }
+    }
 }
 
 #[test]
@@ -1180,6 +1332,17 @@ fn engine_api_rejects_bad_key_scales_weights_and_slots_as_problem_new_does() {
     check_rejected(&dev, "no rows, k_scale[6] = NaN", &bad, &want);
 }
 
+/// The engine API's error for a query tensor off a 16-byte boundary (checked before k).
+fn assert_misaligned<T: std::fmt::Debug>(tag: &str, got: Result<T, dsa_indexer::Error>) {
+    match got {
+        Err(dsa_indexer::Error::OutOfRange { field, value, .. }) => {
+            assert_eq!(field, "q", "{tag}");
+            assert!(value.starts_with("device address 0x"), "{tag}: {value}");
+        }
+        other => panic!("{tag}: want the alignment error for q, got {other:?}"),
+    }
+}
+
 #[test]
 fn engine_api_accepts_every_valid_value_and_runs() {
     let dev = engine();
@@ -1223,9 +1386,14 @@ fn engine_api_accepts_every_valid_value_and_runs() {
         let Some((stream, engine)) = &dev else {
             continue;
         };
-        for lead in [0usize, 1, 2, 3, 4, 8, 15] {
-            c.device(stream, engine, lead)
-                .unwrap_or_else(|e| panic!("{tag} (lead {lead}): device rejects {e}"));
+        // Values pass wherever they sit; the kernels then need 16-byte aligned q and k.
+        for lead in [0usize, 1, 2, 3, 4, 8, 15, 16] {
+            let got = c.device(stream, engine, lead);
+            if lead % cuda::INPUT_ALIGN == 0 {
+                got.unwrap_or_else(|e| panic!("{tag} (lead {lead}): device rejects {e}"));
+            } else {
+                assert_misaligned(&format!("{tag} (lead {lead})"), got.map(|_| ()));
+            }
         }
     }
     // Valid exact-class inputs: the reference's outputs.
@@ -1233,7 +1401,11 @@ fn engine_api_accepts_every_valid_value_and_runs() {
     let fp4 = EngineCase::random(batch, 16, 64, true, true, 8);
     let want = reference::run(&fp4.problem().unwrap());
     let Some((stream, engine)) = &dev else { return };
-    for lead in [0, 3] {
+    assert_misaligned(
+        "engine, valid, lead 3",
+        fp4.device(stream, engine, 3).map(|_| ()),
+    );
+    for lead in [0, 16] {
         let out = fp4.device(stream, engine, lead).unwrap();
         let raw = stream.clone_dtoh(&out.raw).unwrap();
         let page = stream.clone_dtoh(&out.page).unwrap();

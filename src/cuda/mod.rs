@@ -143,6 +143,10 @@ pub fn logit_bound(p: &Problem, i: usize, j: usize, magnitude: f64) -> f64 {
     )
 }
 
+/// Alignment, in bytes, that [`Engine::run_device`] requires of the query and key
+/// tensors' device addresses.
+pub const INPUT_ALIGN: usize = 16;
+
 /// Largest `K` the device top-k supports.
 pub const MAX_TOPK: usize = 1 << 16;
 
@@ -1407,6 +1411,19 @@ impl Engine {
             checked.push(Checked::Slots(slots));
         }
         validate(&self.dev, &checked)?;
+        // The kernels read query and key rows with 16-byte (and 4-byte) vector loads:
+        // their tensors must start on a 16-byte boundary (every cudarc allocation does;
+        // a view into one need not). Checked after the values, so that a bad value is
+        // reported as Problem::new reports it, wherever it sits.
+        for (field, addr) in [("q", ptrs.q), ("k", ptrs.k)] {
+            if addr % INPUT_ALIGN as u64 != 0 {
+                return Err(Error::range(
+                    field,
+                    format!("device address {addr:#x}"),
+                    "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
+                ));
+            }
+        }
         if t == 0 {
             let none = |what: &str| s.null::<i32>().map_err(drv(what));
             return Ok(DeviceOutput {
