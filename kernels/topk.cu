@@ -72,6 +72,9 @@ static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
 #define TK_SAMPLED 1
 #endif
 #define TK_SAMPLE_MIN 16384
+#ifndef TK_UNROLL
+#define TK_UNROLL 4  // loads in flight per thread in the collecting pass
+#endif
 static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunks");
 
 struct TopkSmem {
@@ -156,7 +159,7 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   u32 t, unused;
   smem_select(sm, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
   if (t == 0u) return false;  // the sample's rank-r key is "not a candidate"
-  constexpr int U = 4;  // independent loads in flight per thread
+  constexpr int U = TK_UNROLL;  // independent loads in flight per thread
   for (u32 base = 0; base < n; base += U * TK_THREADS) {
     u32 key[U];
 #pragma unroll

@@ -1433,6 +1433,10 @@ fn engine_api_finds_the_first_offender_in_large_inputs() {
     bad.q[3 * len / 4] = 0xFF;
     check_rejected(&dev, "large, q[first]", &bad, &nan_code("q", first, 0x7F));
     if let Some((stream, engine)) = &dev {
-        c.device(stream, engine, 1).unwrap();
+        c.device(stream, engine, 0).unwrap();
+        assert_misaligned(
+            "large, valid, lead 1",
+            c.device(stream, engine, 1).map(|_| ()),
+        );
     }
 }
