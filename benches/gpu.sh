@@ -23,6 +23,9 @@ if has tests; then
   DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
   echo "rc=$?" >> "$OUT/tests.txt"
   grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
+  # The mma.sync logits kernel where wgmma is the default (H = 32 exact class).
+  DSA_CUDA_DEFINES="WGMMA=0" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden >> "$OUT/tests.txt" 2>&1
+  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/WGMMA=0: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
@@ -41,7 +44,7 @@ if has bench; then
 fi
 
 if has ab; then
-  for defs in "SCALE_FOLD=0" "TK_SAMPLED=0" "LG_ROWS=8 LG_MIN_BLOCKS=1"; do
+  for defs in "WGMMA=0" "SCALE_FOLD=0" "TK_SAMPLED=0" "WG_MIN_BLOCKS=3"; do
     log "A/B: $defs"
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench v41-chunk --reps 5 >> "$OUT/summary.txt" 2>&1
   done

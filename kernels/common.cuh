@@ -68,6 +68,16 @@ __device__ __forceinline__ float pow2i(int e) {
   return e >= -126 ? __uint_as_float((u32)(e + 127) << 23) : __uint_as_float(1u << (e + 149));
 }
 
+// The E4M3 byte of m * 2^s for m in {0, 1, 2, 3, 4, 6, 8, 12} and s in [-9, 5]: every
+// such value is exact in E4M3 (12 * 2^5 = 384 <= 448; 1 * 2^-9 is its least subnormal).
+__device__ __forceinline__ u32 e4m3_exact_byte(u32 m, int s) {
+  if (m == 0) return 0u;
+  const int p = 31 - __clz(m);  // m = 1.f * 2^p
+  const int e = p + s;           // unbiased exponent of the value
+  if (e >= -6) return ((u32)(e + 7) << 3) | (((m << 3) >> p) & 7u);
+  return m << (s + 9);  // subnormal: m * 2^s = (m * 2^(s+9)) * 2^-9
+}
+
 // Decoded E4M3 byte (for the device codec test): exact in f32.
 __device__ __forceinline__ float e4m3_decode(u32 b) {
   u32 e = (b >> 3) & 0xFu, m = b & 7u;
@@ -169,6 +179,45 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- Hopper warpgroup MMA (wgmma) -------------------------------------------------
+
+// Shared-memory matrix descriptor, no swizzle: start address, LBO (bytes between core
+// matrices adjacent in K) and SBO (adjacent in M or N); a core matrix is 8 rows of 16
+// contiguous bytes.
+__device__ __forceinline__ u64 wgmma_desc(const void *smem, u32 lbo, u32 sbo) {
+  const u32 a = (u32)__cvta_generic_to_shared(smem);
+  return (u64)((a & 0x3FFFFu) >> 4) | ((u64)((lbo & 0x3FFFFu) >> 4) << 16) |
+         ((u64)((sbo & 0x3FFFFu) >> 4) << 32);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy shared-memory writes made visible to the tensor cores' async proxy.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from touching accumulator registers across the async MMA.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// D = A(64x32 e4m3, smem, K-major) * B(32x64 e4m3, smem, K-major), D overwritten
+// (scale-d = 0). Thread t of the warpgroup holds rows 16(t/32) + (t%32)/4 (+8) and
+// columns 8j + 2(t%4) (+1): d[4j + 2*(row half) + col].
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], u64 da, u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(0));
 }
 
 // ---- block-wide helpers -----------------------------------------------------------

@@ -239,11 +239,12 @@ __device__ __forceinline__ void warp_window(u32 mx, u32 mn, u32 &pmax, u32 &pmin
 // The block's window per group from the warps' packed bytes: base[g] = the exponent the
 // operands are scaled against (max(min, max - 5): shifts in [-9, 5]); false when a group
 // spans more than 15 binades.
+template <int NW>
 __device__ __forceinline__ bool block_window(const u32 *wmax, const u32 *wmin, int (&base)[G],
                                              int (&top)[G]) {
   u32 bmax = 0u, bmin = 0xFFFFFFFFu;
 #pragma unroll
-  for (int w = 0; w < LG_ROWS; ++w) {
+  for (int w = 0; w < NW; ++w) {
     bmax = __vmaxu4(bmax, wmax[w]);
     bmin = __vminu4(bmin, wmin[w]);
   }
@@ -326,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   }
   __syncthreads();
   int qbase[G], qtop[G];
-  bool fold_q = block_window(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
+  bool fold_q = block_window<LG_ROWS>(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
 #pragma unroll
   for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
 #endif
@@ -464,7 +465,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
         }
       }
       __syncthreads();
-      fold = block_window(swk[0], swk[1], kbase, ktop) && fold_q;
+      fold = block_window<LG_ROWS>(swk[0], swk[1], kbase, ktop) && fold_q;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const int ce = qbase[g] + kbase[g] - 256;
@@ -536,3 +537,248 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
     if (KF == 0) buf ^= 1;
   }
 }
+
+#if EXACT && H == 32 && G >= 2
+// ---- mqa_logits_wg: the exact class for H = 32 on wgmma ----------------------------
+// block: one warpgroup (128 threads), WG_ROWS = 2 rows of one request (N = 64 columns:
+// row r, head h at column 32r + h) x key tiles of 64 (M) keys: c = blockIdx.x,
+// blockIdx.x + gridDim.x, ... One m64n64k32 e4m3 wgmma per group g gives X_g for the
+// tile (fresh accumulator: no chained groups), from operands in shared memory: doubled
+// E2M1 values (times 2^s when folding, as above), exact in E4M3. Every product is an
+// integer times 2^(sq + sk) and every partial sum below 2^13 of that unit, so X_g is
+// exact even from an accumulator that keeps only 13 bits per addition, which is what
+// the bitwise tests hold it to. The epilogue is compute_tile's, with the two rows in
+// the place of its two m-tiles. Operand layout (wgmma's no-swizzle K-major canonical
+// form): 16-byte chunk kc of row m at kc * (rows / 8) * 128 + (m / 8) * 128 + (m % 8) * 16.
+#define WG_ROWS 2
+#define WG_N (WG_ROWS * H)
+#define WG_KEYS 64
+#define WG_THREADS 128
+// 4 blocks (16 warps) per SM at <= 128 registers; A/B on v41-chunk (benches/RESULTS.md):
+// 3 blocks 48.6 ms, 4 blocks 43.4 ms, 5 blocks 47.0 ms.
+#ifndef WG_MIN_BLOCKS
+#define WG_MIN_BLOCKS 4
+#endif
+static_assert(WG_N == 64, "one m64n64 tile per group");
+
+// Byte offset of 16-byte chunk kc of row m in a wgmma operand of `rows` rows.
+__device__ __forceinline__ u32 wg_off(u32 m, u32 kc, u32 rows) {
+  return kc * (rows / 8) * 128 + (m / 8) * 128 + (m % 8) * 16;
+}
+
+// The tile's group sums on wgmma and SPEC 4's pairwise sum of the t_g (FOLD: the scales
+// are in the operands and t_g = X_g * cg[g]; else t_g = (X_g * qs) * kc): a[i] for
+// i = 4j + 2 kk + e, key 16 warp + gid + 8 kk, column 8j + 2 tig + e (row j / 4).
+template <bool FOLD>
+__device__ __forceinline__ void wg_group_sums(float (&a)[32], const u8 *sA, const u8 *sB,
+                                              const float (&cg)[G],
+                                              const float (*sqs)[G * H],
+                                              const float *skscale, const int warp,
+                                              const int gid, const int tig) {
+  auto scaled = [&](float x, int g, int i) -> float {
+    if (FOLD) return __fmul_rn(x, cg[g]);
+    const int j = i >> 2, kk = (i >> 1) & 1, e = i & 1;
+    const int r = j >> 2, h = (j & 3) * 8 + 2 * tig + e;
+    const int key = 16 * warp + gid + 8 * kk;
+    return __fmul_rn(__fmul_rn(x, sqs[r][g * H + h]), skscale[key * G + g]);
+  };
+  constexpr u32 lbo = (WG_KEYS / 8) * 128;  // = (WG_N / 8) * 128: chunk to chunk
+  float x0[32], x1[32];
+#pragma unroll
+  for (int g2 = 0; g2 < G; g2 += 2) {  // groups g2, g2 + 1: one pairwise level
+    wgmma_fence();
+    wgmma_m64n64k32_e4m3(x0, wgmma_desc(sA + 2 * g2 * lbo, lbo, 128),
+                         wgmma_desc(sB + 2 * g2 * lbo, lbo, 128));
+    wgmma_m64n64k32_e4m3(x1, wgmma_desc(sA + 2 * (g2 + 1) * lbo, lbo, 128),
+                         wgmma_desc(sB + 2 * (g2 + 1) * lbo, lbo, 128));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x0);
+    fence_regs(x1);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const float p = __fadd_rn(scaled(x0[i], g2, i), scaled(x1[i], g2 + 1, i));
+      a[i] = g2 == 0 ? p : __fadd_rn(a[i], p);  // G = 4: (t0 + t1) + (t2 + t3)
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logits_wg(
+    const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
+    const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
+    const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
+    const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
+    float *__restrict__ logits) {
+  __shared__ __align__(128) u8 sA[WG_KEYS * D];
+  __shared__ __align__(128) u8 sB[WG_N * D];
+  __shared__ __align__(16) float skscale[WG_KEYS * G];
+  __shared__ __align__(8) float sqs[WG_ROWS][G * H];
+  __shared__ __align__(8) float sw[WG_ROWS][H];
+  __shared__ u32 stab[15][2];  // E4M3 words of doubled magnitudes times 2^(i - 9)
+  __shared__ u32 swq[2][4], swk[2][4];
+
+  const uint4 grp = groups[group0 + blockIdx.y];
+  const u32 nchunks = (grp.z + WG_KEYS - 1) / WG_KEYS;
+  if (blockIdx.x >= nchunks) return;
+  const u32 ks = row_ks[grp.x];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
+  // Row r of the block (a missing second row repeats the first; it is never stored).
+  auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
+
+  for (int t = tid; t < WG_ROWS * H; t += WG_THREADS)
+    sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  if (tid < 15) {
+    const u32 m[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+    u32 t0 = 0, t1 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      t0 |= e4m3_exact_byte(m[i], tid - 9) << (8 * i);
+      t1 |= e4m3_exact_byte(m[i + 4], tid - 9) << (8 * i);
+    }
+    stab[tid][0] = t0;
+    stab[tid][1] = t1;
+  }
+  {
+    u32 mx = 0u, mn = 255u;
+    for (int t = tid; t < WG_ROWS * H * G; t += WG_THREADS) {
+      const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
+      mx = max(mx, e);
+      mn = min(mn, e);
+    }
+    u32 pmax, pmin;
+    warp_window(mx, mn, pmax, pmin);
+    if (lane == 0) {
+      swq[0][warp] = pmax;
+      swq[1][warp] = pmin;
+    }
+  }
+  __syncthreads();
+  int qbase[G], qtop[G];
+  bool fold_q = block_window<4>(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
+#pragma unroll
+  for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
+  for (int t = tid; t < WG_ROWS * H * G; t += WG_THREADS) {
+    const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
+    sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
+                               : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
+  }
+  // B: the block's query rows as doubled E4M3 (times 2^(eq - ebq_g) when folding).
+  for (int t = tid; t < WG_N * (D / 16); t += WG_THREADS) {
+    const int n = t / (D / 16), kc = t % (D / 16), r = n / H, h = n % H, g = kc / 2;
+    const u64 qrow = (u64)row_of(r) * H + h;
+    const int sh = fold_q ? (int)q_scale[qrow * G + g] - qbase[g] : 0;
+    const uint2 codes = *reinterpret_cast<const uint2 *>(q + qrow * (D / 2) + kc * 8);
+    uint4 v;
+    e2m1_word_tab(codes.x, stab[sh + 9][0], stab[sh + 9][1], v.x, v.y);
+    e2m1_word_tab(codes.y, stab[sh + 9][0], stab[sh + 9][1], v.z, v.w);
+    *reinterpret_cast<uint4 *>(&sB[wg_off(n, kc, WG_N)]) = v;
+  }
+
+  // Key tiles: global loads of the next tile are in flight while this one is computed.
+  constexpr int PRE = (WG_KEYS * G) / WG_THREADS;  // 16-byte pieces (one key group each)
+  static_assert((WG_KEYS * G) % WG_THREADS == 0, "whole pieces per thread");
+  uint4 pre[PRE];
+  u32 pre_s[PRE];
+  auto prefetch = [&](u32 c) {
+    const u32 j0 = c * WG_KEYS;
+    const u32 nk = min((u32)WG_KEYS, grp.z - j0);
+#pragma unroll
+    for (int i = 0; i < PRE; ++i) {
+      const int t = tid + i * WG_THREADS, kk = t / G, g = t % G;
+      pre[i] = make_uint4(0, 0, 0, 0);
+      pre_s[i] = 256u;
+      if ((u32)kk < nk) {
+        pre[i] = *reinterpret_cast<const uint4 *>(k + (u64)(ks + j0 + kk) * (D / 2) + g * 16);
+        pre_s[i] = k_scale8[(u64)(ks + j0 + kk) * G + g];
+      }
+    }
+  };
+  prefetch(blockIdx.x);
+  float cg[G];
+  int kbase[G], ktop[G];
+  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const u32 j0 = c * WG_KEYS;
+    {
+      u32 mx = 0u, mn = 255u;
+#pragma unroll
+      for (int i = 0; i < PRE; ++i)
+        if (pre_s[i] <= 255u) {
+          mx = max(mx, pre_s[i]);
+          mn = min(mn, pre_s[i]);
+        }
+      u32 pmax, pmin;
+      warp_window(mx, mn, pmax, pmin);
+      if (lane == 0) {
+        swk[0][warp] = pmax;
+        swk[1][warp] = pmin;
+      }
+    }
+    __syncthreads();  // also: every warp is done with the previous tile's operands
+    bool fold = block_window<4>(swk[0], swk[1], kbase, ktop) && fold_q;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int ce = qbase[g] + kbase[g] - 256;
+      fold = fold && ce >= -149 && ce <= 127;
+      cg[g] = fold ? pow2i(ce) : 0.0f;
+    }
+    // A: this tile's keys, 32 codes (one group) per piece -> chunks 2g, 2g + 1.
+#pragma unroll
+    for (int i = 0; i < PRE; ++i) {
+      const int t = tid + i * WG_THREADS, kk = t / G, g = t % G;
+      const int sh = (fold && pre_s[i] <= 255u) ? (int)pre_s[i] - kbase[g] : 0;
+      const u32 t0 = stab[sh + 9][0], t1 = stab[sh + 9][1];
+      uint4 a, b;
+      e2m1_word_tab(pre[i].x, t0, t1, a.x, a.y);
+      e2m1_word_tab(pre[i].y, t0, t1, a.z, a.w);
+      e2m1_word_tab(pre[i].z, t0, t1, b.x, b.y);
+      e2m1_word_tab(pre[i].w, t0, t1, b.z, b.w);
+      *reinterpret_cast<uint4 *>(&sA[wg_off(kk, 2 * g, WG_KEYS)]) = a;
+      *reinterpret_cast<uint4 *>(&sA[wg_off(kk, 2 * g + 1, WG_KEYS)]) = b;
+      skscale[t] = pre_s[i] <= 255u ? ue8m0_pow2(pre_s[i], 0) : 0.0f;
+    }
+    fence_proxy_async();
+    __syncthreads();
+    if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
+
+    // X_g for this thread's keys (16 warp + gid, + 8) and columns 8j + 2 tig (+1), then
+    // t_g and SPEC 4's pairwise group sum: a[i], i = 4j + 2 kk + e.
+    float a[32];
+    if (fold)
+      wg_group_sums<true>(a, sA, sB, cg, sqs, skscale, warp, gid, tig);
+    else
+      wg_group_sums<false>(a, sA, sB, cg, sqs, skscale, warp, gid, tig);
+    // term_h = w_h * relu(a_h), SPEC 4's pairwise head sum: heads (2 tig, +1) in the
+    // thread, lane offset 1 (even lanes keep key gid, odd gid + 8), lane offset 2 (lanes
+    // with tig bit 1 keep row 1), then the four n-tiles pairwise in the thread.
+    float s[4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
+      const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
+      float v[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float2 wv = r ? w1 : w0;
+        const int i = 4 * (4 * r + nt);
+        const float u0 = __fadd_rn(__fmul_rn(wv.x, RELU(a[i])), __fmul_rn(wv.y, RELU(a[i + 1])));
+        const float u1 =
+            __fadd_rn(__fmul_rn(wv.x, RELU(a[i + 2])), __fmul_rn(wv.y, RELU(a[i + 3])));
+        const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
+        v[r] = __fadd_rn(odd ? u1 : u0, r1);
+      }
+      const float r2 = __shfl_xor_sync(FULL_MASK, hi ? v[0] : v[1], 2);
+      s[nt] = __fadd_rn(hi ? v[1] : v[0], r2);
+    }
+    float logit = pairwise_f32<4>(s);
+    if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+    const u32 r = hi ? 1u : 0u;
+    if (r < grp.y) {
+      const u32 row = grp.x + r;
+      const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
+      if (j < row_n[row]) logits[row_off[row] + j] = logit;
+    }
+  }
+}
+#endif

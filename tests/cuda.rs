@@ -9,7 +9,7 @@ use common::strategies::{build, shape_with};
 use common::{bits, first_diff, golden_files};
 use cudarc::driver::{CudaSlice, CudaStream};
 use dsa_indexer::batch::Batch;
-use dsa_indexer::cuda::{self, kernels, CudaBackend, TOLERANCE_LOG2};
+use dsa_indexer::cuda::{self, kernels, CudaBackend, Variant, TOLERANCE_LOG2};
 use dsa_indexer::dump::{Dump, RoleKind};
 use dsa_indexer::formats::{e2m1, e4m3, ue8m0};
 use dsa_indexer::indexer::{plan_for, run as run_backend, Backend};
@@ -466,7 +466,13 @@ impl Case {
 fn boundary_sizes_from_the_kernel_constants() {
     let Some(mut b) = gpu() else { return };
     let (r, kc, chunk) = (
-        kernels::logits_rows(32),
+        kernels::logits_kernel(Variant::Logits {
+            heads: 32,
+            groups: 2,
+            q: Format::E2m1,
+            k: Format::E2m1,
+        })
+        .1,
         kernels::LOGITS_KEYS,
         kernels::TOPK_CHUNK,
     );
@@ -662,7 +668,7 @@ fn exact_class_scale_folding_edges_are_bitwise() {
     let Some(mut b) = gpu() else { return };
     let kc = kernels::LOGITS_KEYS;
     // Three key tiles and rows enough for two row blocks of the H = 32 kernel.
-    let rows = kernels::logits_rows(32) + 3;
+    let rows = kernels::logits_rows(32) + 3; // two blocks of either H = 32 kernel
     let s = 3 * kc + 5;
     let batch = Batch::contiguous(&[s, kc + 2], &[s - rows, kc - 1], 1).unwrap();
     // (name, query scale of (row, head, group), key scale of (key, group)).

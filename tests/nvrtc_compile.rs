@@ -3,7 +3,7 @@
 //! libnvrtc fails instead of skipping.
 #![cfg(feature = "cuda")]
 
-use dsa_indexer::cuda::kernels::{compile, nvrtc_present, Variant};
+use dsa_indexer::cuda::kernels::{self, compile, nvrtc_present, Variant};
 
 #[test]
 fn every_kernel_compiles_for_sm90a() {
@@ -33,6 +33,9 @@ fn every_kernel_compiles_for_sm90a() {
                 );
                 // Every kernel the backend loads by name is in its module.
                 let entries: &[&str] = match v {
+                    Variant::Logits { .. } if kernels::logits_wgmma(*v) => {
+                        &["mqa_logits", "mqa_logits_wg"]
+                    }
                     Variant::Logits { .. } => &["mqa_logits"],
                     Variant::Topk => &[
                         "topk_ragged_f32",

@@ -42,6 +42,43 @@ pub fn logits_rows(heads: usize) -> usize {
         .find(|v| (1..=16).contains(v))
         .unwrap_or(default)
 }
+/// Whether the logits of this variant run on `mqa_logits_wg` (Hopper `wgmma`, the
+/// exact class with `H = 32` and `D >= 64`) rather than `mqa_logits` (`mma.sync`).
+/// `WGMMA=0` in `$DSA_CUDA_DEFINES` turns it off (an A/B knob).
+pub fn logits_wgmma(v: Variant) -> bool {
+    let off = std::env::var("DSA_CUDA_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .any(|kv| kv == "WGMMA=0");
+    match v {
+        Variant::Logits {
+            heads,
+            groups,
+            q: Format::E2m1,
+            k: Format::E2m1,
+        } => heads == 32 && groups >= 2 && !off,
+        _ => false,
+    }
+}
+
+/// Rows per block of `mqa_logits_wg` (`WG_ROWS`: 2 rows x 32 heads = one 64-column MMA).
+pub const LOGITS_WG_ROWS: usize = 2;
+/// Threads per block of `mqa_logits_wg` (one warpgroup).
+pub const LOGITS_WG_THREADS: usize = 128;
+
+/// The logits kernel of variant `v`: entry name, rows per block, threads per block.
+pub fn logits_kernel(v: Variant) -> (&'static str, usize, usize) {
+    if logits_wgmma(v) {
+        return ("mqa_logits_wg", LOGITS_WG_ROWS, LOGITS_WG_THREADS);
+    }
+    let heads = match v {
+        Variant::Logits { heads, .. } => heads,
+        _ => 0,
+    };
+    let rows = logits_rows(heads);
+    ("mqa_logits", rows, rows * 32)
+}
+
 /// Keys per logits block; must match `LG_KEYS` in `logits.cu`.
 pub const LOGITS_KEYS: usize = 64;
 /// Threads of a top-k block; must match `TK_THREADS` in `topk.cu`.

@@ -375,6 +375,18 @@ struct Shape {
     consumer: bool,
 }
 
+impl Shape {
+    /// The logits module of this layer.
+    fn logits_variant(&self) -> Variant {
+        Variant::Logits {
+            heads: self.heads,
+            groups: self.dim / 32,
+            q: self.q,
+            k: self.k,
+        }
+    }
+}
+
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
     let (p, _g) = s.device_ptr(stream);
     p
@@ -517,7 +529,7 @@ impl Run {
         let mut groups: Vec<u32> = Vec::new();
         let mut geom = Vec::with_capacity(plan.tiles.len());
         let mut npub = 0i32;
-        let lg_rows = kernels::logits_rows(shape.heads);
+        let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant());
         for r in rows {
             row_n.push(r.n as u32);
             row_ks.push(r.ks as u32);
@@ -679,15 +691,8 @@ impl Run {
         let groups = ptr(&self.groups, s);
         // 1. Logits.
         if g.chunks > 0 && logits_ptr != 0 {
-            let f = dev.function(
-                Variant::Logits {
-                    heads: sh.heads,
-                    groups: sh.dim / 32,
-                    q: sh.q,
-                    k: sh.k,
-                },
-                "mqa_logits",
-            )?;
+            let (name, _, threads) = kernels::logits_kernel(sh.logits_variant());
+            let f = dev.function(sh.logits_variant(), name)?;
             // Key tiles per block: enough blocks to fill the GPU several times over, and
             // up to 16 tiles per block so the query fragments are loaded once per 16.
             let ngroups = g.groups.len().max(1);
@@ -716,7 +721,7 @@ impl Run {
                 unsafe {
                     l.launch(LaunchConfig {
                         grid_dim: (gx, count as u32, 1),
-                        block_dim: ((kernels::logits_rows(sh.heads) * 32) as u32, 1, 1),
+                        block_dim: (threads as u32, 1, 1),
                         shared_mem_bytes: 0,
                     })
                 }
