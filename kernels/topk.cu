@@ -2,13 +2,19 @@
 // block: one row -> its selected ids sorted ascending, -1 padded (raw, page or
 //        published), from that row's scores in the tile buffer.
 //
-// Radix select on the order-preserving 32-bit key: four 8-bit digit passes, each a
-// histogram of the candidates that match the digits found so far, give the exact K-th
-// key T and how many of the keys equal to T are taken (the lowest j first: SPEC 5's
-// total order). A last pass walks j in order and writes the selected ids in place with
-// one block scan per chunk: output position = (keys > T before) + min(ties before, r).
-// Key 0 marks "not a candidate" (a consumer row's keys outside its kept blocks); no
-// score has key 0.
+// Everything ranks by the order-preserving 32-bit key (rank_key); key 0 marks "not a
+// candidate" (a consumer row's keys outside its kept blocks), no score has key 0. Per
+// row, the first that applies:
+// - sampled threshold (long rows, K <= 1024): a sample gives a threshold t, one pass
+//   collects the keys >= t into shared memory, and the exact selection runs there;
+// - two passes: an 11-bit histogram finds the K-th key's bin, a second pass collects
+//   the keys above it (selected) and in it (candidates, resolved in shared memory);
+// - general path: radix_select's four 8-bit digit passes over the row give the exact
+//   K-th key T and how many keys equal to T are taken (the lowest j first: SPEC 5's
+//   total order), then an ordered pass writes the ids in place with one block scan per
+//   chunk: output position = (keys > T before) + min(ties before, taken).
+// The first two end with the selected ids sorted in shared memory (or hand T to the
+// ordered pass when the row is short next to K).
 
 #define TK_THREADS 512
 #define TK_ITEMS 8  // consecutive ids per thread in the ordered pass
@@ -89,26 +95,31 @@ struct TopkSmem {
   u32 misc[8];  // 0: bin, 1: remaining, 2: total, 3: nsel, 4: ncand, 5..6: select results
 };
 
-// Radix select over `count` shared-memory keys (largest first): the K-th key T and how
-// many keys equal to T are taken (`K` <= count). Keys are `key(i)`.
-template <class F>
-__device__ void smem_select(TopkSmem &sm, u32 count, u32 K, F key, u32 &T, u32 &take) {
+// Radix select over `count` keys key(i), largest first (key 0 is "not a candidate" and
+// never counted): four 8-bit digit passes, each a histogram of the keys that match the
+// digits found so far, give the K-th key T and how many keys equal to T are taken (the
+// caller takes the lowest ids among them). EARLY: return false after the first pass when
+// at most K keys are candidates (every one is selected; T and take unset). Uses h256 and
+// misc[5..7]; ends with a barrier.
+template <bool EARLY, class F>
+__device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 &T, u32 &take) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   u32 prefix = 0, mask = 0, remaining = K;
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
-    for (int i = tid; i < 256; i += TK_THREADS) sm.h256[i] = 0;
+    for (int i = tid; i < 256; i += TK_THREADS) h256[i] = 0;
     __syncthreads();
     for (u32 i = tid; i < count; i += TK_THREADS) {
       const u32 k = key(i);
-      if ((k & mask) == prefix) atomicAdd(&sm.h256[(k >> shift) & 255u], 1u);
+      if (k != 0u && (k & mask) == prefix) atomicAdd(&h256[(k >> shift) & 255u], 1u);
     }
     __syncthreads();
     if (warp == 0) {
+      // Lane l owns digits 255-8l .. 248-8l (descending).
       u32 c[8], local = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        c[i] = sm.h256[255 - (lane * 8 + i)];
+        c[i] = h256[255 - (lane * 8 + i)];
         local += c[i];
       }
       u32 incl = local;
@@ -118,12 +129,14 @@ __device__ void smem_select(TopkSmem &sm, u32 count, u32 K, F key, u32 &T, u32 &
         if (lane >= o) incl += y;
       }
       const u32 before = incl - local;
+      if (pass == 0 && lane == 31) misc[7] = incl;  // candidates in all
+      // The digit where the running count reaches `remaining`.
       if (before < remaining && incl >= remaining) {
         u32 cum = before;
         for (int i = 0; i < 8; ++i) {
           if (cum + c[i] >= remaining) {
-            sm.misc[5] = prefix | ((u32)(255 - (lane * 8 + i)) << shift);
-            sm.misc[6] = remaining - cum;
+            misc[5] = prefix | ((u32)(255 - (lane * 8 + i)) << shift);
+            misc[6] = remaining - cum;
             break;
           }
           cum += c[i];
@@ -131,13 +144,15 @@ __device__ void smem_select(TopkSmem &sm, u32 count, u32 K, F key, u32 &T, u32 &
       }
     }
     __syncthreads();
-    prefix = sm.misc[5];
-    remaining = sm.misc[6];
+    if (EARLY && pass == 0 && misc[7] <= K) return false;
+    prefix = misc[5];
+    remaining = misc[6];
     mask |= 255u << shift;
     __syncthreads();
   }
   T = prefix;
   take = remaining;
+  return true;
 }
 
 // The sampled threshold: a sample of the row into sm.sel, its rank-r key t, then one pass
@@ -157,8 +172,8 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   __syncthreads();
   const u32 r = (u32)(((u64)(TK_CAND_CAP / 2) * S + n - 1) / n);  // in 1 .. S
   u32 t, unused;
-  smem_select(sm, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
-  if (t == 0u) return false;  // the sample's rank-r key is "not a candidate"
+  radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
+  if (sm.misc[7] < r) return false;  // fewer than r candidates sampled (a consumer's bitmap)
   constexpr int U = TK_UNROLL;  // independent loads in flight per thread
   for (u32 base = 0; base < n; base += U * TK_THREADS) {
     u32 key[U];
@@ -269,7 +284,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   const u32 ncand = sm.misc[4];
   // Exact threshold among the bin's keys, then the lowest ids among its ties.
   u32 T, take;
-  smem_select(sm, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T, take);
+  radix_select<false>(sm.h256, sm.misc, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T, take);
   if (n <= 16u * K) {
     *T_out = T;
     *take_out = take;
@@ -285,8 +300,8 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   }
   u32 Tj = 0;  // ties with ~id >= Tj are taken (the `take` lowest ids)
   if (take < ties)
-    smem_select(sm, ncand, take,
-                [&](u32 i) { return sm.ckey[i] == T ? ~sm.cid[i] : 0u; }, Tj, take);
+    radix_select<false>(sm.h256, sm.misc, ncand, take,
+                        [&](u32 i) { return sm.ckey[i] == T ? ~sm.cid[i] : 0u; }, Tj, take);
   for (u32 i = tid; i < ncand; i += TK_THREADS) {
     const u32 key = sm.ckey[i];
     if (key > T || (key == T && ~sm.cid[i] >= Tj)) sm.sel[atomicAdd(&sm.misc[3], 1u)] = sm.cid[i];
@@ -340,71 +355,17 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   }
   if (status == TK_DONE) return;
   __syncthreads();
-  u32 *hist = fast.h256;
   u32 *scan = fast.scan;
-  u32 *sel = fast.misc;  // prefix, remaining, total candidates
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  u32 prefix = 0, mask = 0, remaining = K;
-  bool all = false;
-  if (status == TK_THRESHOLD) {
-    prefix = fT;
-    remaining = ftake;
-    all = fT == 0u;
-  }
-  for (int pass = 0; pass < 4 && status == TK_FALLBACK; ++pass) {
-    const int shift = 24 - 8 * pass;
-    for (int i = tid; i < 256; i += TK_THREADS) hist[i] = 0;
-    __syncthreads();
-    for (u32 j = tid; j < n; j += TK_THREADS) {
-      const u32 key = load_key<MODE>(src, j);
-      if (key != 0u && (key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-    }
-    __syncthreads();
-    if (warp == 0) {
-      // Lane l owns digits 255-8l .. 248-8l (descending).
-      u32 c[8], local = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        c[i] = hist[255 - (lane * 8 + i)];
-        local += c[i];
-      }
-      u32 incl = local;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
-      }
-      const u32 total = __shfl_sync(FULL_MASK, incl, 31);
-      const u32 before = incl - local;
-      if (pass == 0 && lane == 0) sel[2] = total;
-      // The digit where the running count reaches `remaining`.
-      const bool mine = before < remaining && incl >= remaining;
-      if (mine) {
-        u32 cum = before;
-        for (int i = 0; i < 8; ++i) {
-          if (cum + c[i] >= remaining) {
-            sel[0] = prefix | ((u32)(255 - (lane * 8 + i)) << shift);
-            sel[1] = remaining - cum;
-            break;
-          }
-          cum += c[i];
-        }
-      }
-    }
-    __syncthreads();
-    if (pass == 0 && sel[2] <= K) {
-      all = true;  // m <= K: every candidate is selected, no score compared
-      break;
-    }
-    prefix = sel[0];
-    remaining = sel[1];
-    mask |= 255u << shift;
-    __syncthreads();
-  }
-  // Threshold T = prefix; `remaining` keys equal to T are taken, lowest j first.
-  const u32 T = all ? 0u : prefix;
-  const u32 take_eq = all ? 0u : remaining;
+  const int tid = threadIdx.x;
+  // Threshold T; `take_eq` keys equal to T are taken, lowest j first. T = 0: every
+  // candidate (m <= K, no score compared).
+  u32 T = fT, take_eq = ftake;
+  if (status == TK_FALLBACK &&
+      !radix_select<true>(fast.h256, fast.misc, n, K,
+                          [&](u32 j) { return load_key<MODE>(src, j); }, T, take_eq))
+    T = 0u;
+  const bool all = T == 0u;  // no real K-th key is 0
+  if (all) take_eq = 0u;
 
   u32 gt_before = 0, eq_before = 0;
   const u32 chunk = TK_THREADS * TK_ITEMS;

@@ -432,6 +432,57 @@ struct Run {
     bitmap_words: u32,
 }
 
+/// The device addresses of a run's buffers (0 = absent), taken once per step for the
+/// kernel arguments of both halves of a tile.
+#[derive(Debug, Clone, Copy)]
+struct RunAddrs {
+    logits: u64,
+    row_n: u64,
+    row_ks: u64,
+    row_off: u64,
+    row_pub: u64,
+    row_boff: u64,
+    groups: u64,
+    bkeys: u64,
+    split: u64,
+    raw: u64,
+    page: u64,
+    published: u64,
+}
+
+impl Run {
+    fn addrs(&self, s: &CudaStream) -> RunAddrs {
+        let opt = |b: &Option<CudaSlice<_>>| b.as_ref().map_or(0, |b| ptr(b, s));
+        RunAddrs {
+            logits: self.logits.as_ref().map_or(0, |l| ptr(l, s)),
+            row_n: ptr(&self.row_n, s),
+            row_ks: ptr(&self.row_ks, s),
+            row_off: ptr(&self.row_off, s),
+            row_pub: ptr(&self.row_pub, s),
+            row_boff: ptr(&self.row_boff, s),
+            groups: ptr(&self.groups, s),
+            bkeys: self.bkeys.as_ref().map_or(0, |b| ptr(b, s)),
+            split: opt(&self.split),
+            raw: ptr(&self.raw, s),
+            page: ptr(&self.page, s),
+            published: opt(&self.published),
+        }
+    }
+}
+
+/// Raise `f`'s dynamic shared-memory limit to `bytes` (a consumer row's bitmap on top of
+/// the top-k kernels' static 42 KiB exceeds the default 48 KiB); nothing for 0.
+fn allow_dynamic_smem(f: &CudaFunction, bytes: u32) -> Result<()> {
+    if bytes > 0 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(drv("set shared memory size"))?;
+    }
+    Ok(())
+}
+
 #[allow(dead_code)]
 enum OwnedBuf {
     U8(CudaSlice<u8>),
@@ -684,11 +735,9 @@ impl Run {
         let s = &dev.stream;
         let sh = self.shape;
         let p = self.ptrs;
-        let logits_ptr = self.logits.as_ref().map_or(0, |l| ptr(l, s));
-        let row_n = ptr(&self.row_n, s);
-        let row_ks = ptr(&self.row_ks, s);
-        let row_off = ptr(&self.row_off, s);
-        let groups = ptr(&self.groups, s);
+        let a = self.addrs(s);
+        let (logits_ptr, row_n, row_ks, row_off, groups) =
+            (a.logits, a.row_n, a.row_ks, a.row_off, a.groups);
         // 1. Logits.
         if g.chunks > 0 && logits_ptr != 0 {
             let (name, _, threads) = kernels::logits_kernel(sh.logits_variant());
@@ -741,18 +790,15 @@ impl Run {
         let s = &dev.stream;
         let sh = self.shape;
         let p = self.ptrs;
-        let logits_ptr = self.logits.as_ref().map_or(0, |l| ptr(l, s));
-        let row_n = ptr(&self.row_n, s);
-        let row_ks = ptr(&self.row_ks, s);
-        let row_off = ptr(&self.row_off, s);
-        let row_pub = ptr(&self.row_pub, s);
-        let row_boff = ptr(&self.row_boff, s);
+        let a = self.addrs(s);
+        let (logits_ptr, row_n, row_ks, row_off, row_pub, row_boff) =
+            (a.logits, a.row_n, a.row_ks, a.row_off, a.row_pub, a.row_boff);
         let rows = g.rows.len() as u32;
         let row0 = g.rows.start as u32;
         // 2. Source: block keys, then kept blocks.
-        if let (Some(pubd), true) = (self.published.as_ref(), sh.tail.is_some()) {
-            let pub_ptr = ptr(pubd, s);
-            let bk = self.bkeys.as_ref().map_or(0, |b| ptr(b, s));
+        if a.published != 0 && sh.tail.is_some() {
+            let pub_ptr = a.published;
+            let bk = a.bkeys;
             let bs = sh.block_size as u32;
             let nbk = sh.num_blocks as u32;
             if g.max_blocks > 0 && bk != 0 && logits_ptr != 0 {
@@ -807,34 +853,20 @@ impl Run {
         }
         // 3. Top-k and index assembly.
         let f = dev.function(Variant::Topk, "topk_ragged_f32")?;
-        let raw = ptr(&self.raw, s);
-        let page = ptr(&self.page, s);
+        let (raw, page) = (a.raw, a.page);
         let k = sh.topk as u32;
         let pc = sh.page_cols as u32;
         let nbk = sh.num_blocks as u32;
         let bs = sh.block_size as u32;
         let bw = self.bitmap_words;
+        // A consumer row's bitmap of kept blocks (up to 160 KiB) in dynamic shared memory.
         let smem = if sh.consumer { bw * 4 } else { 0 };
-        if smem > 0 {
-            // The top-k kernel's static shared memory plus the bitmap exceed the default
-            // 48 KiB per block: raise the dynamic limit (up to 160 KiB + 42 KiB static).
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(drv("set shared memory size"))?;
-        }
-        if let (true, Some(scratch)) = (g.segments > 1, self.split.as_ref()) {
-            let scratch = ptr(scratch, s);
+        allow_dynamic_smem(&f, smem)?;
+        if g.segments > 1 && a.split != 0 {
+            let scratch = a.split;
             let segs = g.segments as u32;
             let fs = dev.function(Variant::Topk, "topk_segments_f32")?;
-            if smem > 0 {
-                fs.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .map_err(drv("set shared memory size"))?;
-            }
+            allow_dynamic_smem(&fs, smem)?;
             let mut l = s.launch_builder(&fs);
             l.arg(&logits_ptr)
                 .arg(&row_off)
