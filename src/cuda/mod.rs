@@ -791,8 +791,9 @@ impl Run {
         let sh = self.shape;
         let p = self.ptrs;
         let a = self.addrs(s);
-        let (logits_ptr, row_n, row_ks, row_off, row_pub, row_boff) =
-            (a.logits, a.row_n, a.row_ks, a.row_off, a.row_pub, a.row_boff);
+        let (logits_ptr, row_n, row_ks, row_off, row_pub, row_boff) = (
+            a.logits, a.row_n, a.row_ks, a.row_off, a.row_pub, a.row_boff,
+        );
         let rows = g.rows.len() as u32;
         let row0 = g.rows.start as u32;
         // 2. Source: block keys, then kept blocks.
