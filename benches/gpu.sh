@@ -44,7 +44,7 @@ if has bench; then
 fi
 
 if has ab; then
-  for defs in "WGMMA=0" "SCALE_FOLD=0" "TK_SAMPLED=0" "WG_MIN_BLOCKS=3"; do
+  for defs in "WGMMA=0" "SCALE_FOLD=0" "TK_SAMPLED=0" "WG_GROUPS=2"; do
     log "A/B: $defs"
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench v41-chunk --reps 5 >> "$OUT/summary.txt" 2>&1
   done

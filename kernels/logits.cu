@@ -540,8 +540,9 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
 
 #if EXACT && H == 32 && G >= 2
 // ---- mqa_logits_wg: the exact class for H = 32 on wgmma ----------------------------
-// block: one warpgroup (128 threads), WG_ROWS = 2 rows of one request (N = 64 columns:
-// row r, head h at column 32r + h) x key tiles of 64 (M) keys: c = blockIdx.x,
+// block: WG_GROUPS warpgroups (128 threads each) sharing one key tile, each with its own
+// WG_ROWS = 2 rows of one request (N = 64 columns: row r, head h at column 32r + h),
+// x key tiles of 64 (M) keys: c = blockIdx.x,
 // blockIdx.x + gridDim.x, ... One m64n64k32 e4m3 wgmma per group g gives X_g for the
 // tile (fresh accumulator: no chained groups), from operands in shared memory: doubled
 // E2M1 values (times 2^s when folding, as above), exact in E4M3. Every product is an
@@ -553,11 +554,18 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
 #define WG_ROWS 2
 #define WG_N (WG_ROWS * H)
 #define WG_KEYS 64
-#define WG_THREADS 128
-// 4 blocks (16 warps) per SM at <= 128 registers; A/B on v41-chunk (benches/RESULTS.md):
-// 3 blocks 48.6 ms, 4 blocks 43.4 ms, 5 blocks 47.0 ms.
+// Warpgroups per block: the key tile's decode and scale window are shared by their rows.
+// A/B on v41-chunk in one call: 2 groups 45.8 ms, 1 group 45.5 ms (logits), so 1. The
+// host reads the same override from $DSA_CUDA_DEFINES (kernels::logits_wg_groups).
+#ifndef WG_GROUPS
+#define WG_GROUPS 1
+#endif
+#define WG_THREADS (128 * WG_GROUPS)
+#define WG_BROWS (WG_ROWS * WG_GROUPS)  // rows per block
+// 16 warps per SM at <= 128 registers; A/B on v41-chunk with one warpgroup per block
+// (benches/RESULTS.md): 3 blocks 48.6 ms, 4 blocks 43.4 ms, 5 blocks 47.0 ms.
 #ifndef WG_MIN_BLOCKS
-#define WG_MIN_BLOCKS 4
+#define WG_MIN_BLOCKS (4 / WG_GROUPS)
 #endif
 static_assert(WG_N == 64, "one m64n64 tile per group");
 
@@ -610,12 +618,12 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
     float *__restrict__ logits) {
   __shared__ __align__(128) u8 sA[WG_KEYS * D];
-  __shared__ __align__(128) u8 sB[WG_N * D];
+  __shared__ __align__(128) u8 sB[WG_GROUPS][WG_N * D];
   __shared__ __align__(16) float skscale[WG_KEYS * G];
-  __shared__ __align__(8) float sqs[WG_ROWS][G * H];
-  __shared__ __align__(8) float sw[WG_ROWS][H];
+  __shared__ __align__(8) float sqs[WG_BROWS][G * H];
+  __shared__ __align__(8) float sw[WG_BROWS][H];
   __shared__ u32 stab[15][2];  // E4M3 words of doubled magnitudes times 2^(i - 9)
-  __shared__ u32 swq[2][4], swk[2][4];
+  __shared__ u32 swq[2][4 * WG_GROUPS], swk[2][4 * WG_GROUPS];
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + WG_KEYS - 1) / WG_KEYS;
@@ -623,11 +631,12 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
   const u32 ks = row_ks[grp.x];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, tig = lane & 3;
+  const int wg = warp >> 2, wwarp = warp & 3;  // warpgroup; warp in it (keys 16 wwarp ..)
   const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
-  // Row r of the block (a missing second row repeats the first; it is never stored).
+  // Row r of the block (a missing row repeats the last present one; it is never stored).
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
-  for (int t = tid; t < WG_ROWS * H; t += WG_THREADS)
+  for (int t = tid; t < WG_BROWS * H; t += WG_THREADS)
     sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
   if (tid < 15) {
     const u32 m[8] = {0, 1, 2, 3, 4, 6, 8, 12};
@@ -642,7 +651,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
   }
   {
     u32 mx = 0u, mn = 255u;
-    for (int t = tid; t < WG_ROWS * H * G; t += WG_THREADS) {
+    for (int t = tid; t < WG_BROWS * H * G; t += WG_THREADS) {
       const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
       mx = max(mx, e);
       mn = min(mn, e);
@@ -656,29 +665,30 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
   }
   __syncthreads();
   int qbase[G], qtop[G];
-  bool fold_q = block_window<4>(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
+  bool fold_q = block_window<4 * WG_GROUPS>(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
 #pragma unroll
   for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
-  for (int t = tid; t < WG_ROWS * H * G; t += WG_THREADS) {
+  for (int t = tid; t < WG_BROWS * H * G; t += WG_THREADS) {
     const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
     sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
                                : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
   }
   // B: the block's query rows as doubled E4M3 (times 2^(eq - ebq_g) when folding).
-  for (int t = tid; t < WG_N * (D / 16); t += WG_THREADS) {
-    const int n = t / (D / 16), kc = t % (D / 16), r = n / H, h = n % H, g = kc / 2;
+  for (int t = tid; t < WG_GROUPS * WG_N * (D / 16); t += WG_THREADS) {
+    const int b = t / (WG_N * (D / 16)), n = (t / (D / 16)) % WG_N, kc = t % (D / 16);
+    const int r = b * WG_ROWS + n / H, h = n % H, g = kc / 2;
     const u64 qrow = (u64)row_of(r) * H + h;
     const int sh = fold_q ? (int)q_scale[qrow * G + g] - qbase[g] : 0;
     const uint2 codes = *reinterpret_cast<const uint2 *>(q + qrow * (D / 2) + kc * 8);
     uint4 v;
     e2m1_word_tab(codes.x, stab[sh + 9][0], stab[sh + 9][1], v.x, v.y);
     e2m1_word_tab(codes.y, stab[sh + 9][0], stab[sh + 9][1], v.z, v.w);
-    *reinterpret_cast<uint4 *>(&sB[wg_off(n, kc, WG_N)]) = v;
+    *reinterpret_cast<uint4 *>(&sB[b][wg_off(n, kc, WG_N)]) = v;
   }
 
   // Key tiles: global loads of the next tile are in flight while this one is computed.
-  constexpr int PRE = (WG_KEYS * G) / WG_THREADS;  // 16-byte pieces (one key group each)
-  static_assert((WG_KEYS * G) % WG_THREADS == 0, "whole pieces per thread");
+  // 16-byte pieces (one key group each) per thread; threads past WG_KEYS * G hold none.
+  constexpr int PRE = (WG_KEYS * G + WG_THREADS - 1) / WG_THREADS;
   uint4 pre[PRE];
   u32 pre_s[PRE];
   auto prefetch = [&](u32 c) {
@@ -689,7 +699,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
       const int t = tid + i * WG_THREADS, kk = t / G, g = t % G;
       pre[i] = make_uint4(0, 0, 0, 0);
       pre_s[i] = 256u;
-      if ((u32)kk < nk) {
+      if (t < WG_KEYS * G && (u32)kk < nk) {
         pre[i] = *reinterpret_cast<const uint4 *>(k + (u64)(ks + j0 + kk) * (D / 2) + g * 16);
         pre_s[i] = k_scale8[(u64)(ks + j0 + kk) * G + g];
       }
@@ -716,7 +726,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
       }
     }
     __syncthreads();  // also: every warp is done with the previous tile's operands
-    bool fold = block_window<4>(swk[0], swk[1], kbase, ktop) && fold_q;
+    bool fold = block_window<4 * WG_GROUPS>(swk[0], swk[1], kbase, ktop) && fold_q;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const int ce = qbase[g] + kbase[g] - 256;
@@ -727,6 +737,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
 #pragma unroll
     for (int i = 0; i < PRE; ++i) {
       const int t = tid + i * WG_THREADS, kk = t / G, g = t % G;
+      if (t >= WG_KEYS * G) continue;
       const int sh = (fold && pre_s[i] <= 255u) ? (int)pre_s[i] - kbase[g] : 0;
       const u32 t0 = stab[sh + 9][0], t1 = stab[sh + 9][1];
       uint4 a, b;
@@ -746,17 +757,18 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
     // t_g and SPEC 4's pairwise group sum: a[i], i = 4j + 2 kk + e.
     float a[32];
     if (fold)
-      wg_group_sums<true>(a, sA, sB, cg, sqs, skscale, warp, gid, tig);
+      wg_group_sums<true>(a, sA, sB[wg], cg, sqs + wg * WG_ROWS, skscale, wwarp, gid, tig);
     else
-      wg_group_sums<false>(a, sA, sB, cg, sqs, skscale, warp, gid, tig);
+      wg_group_sums<false>(a, sA, sB[wg], cg, sqs + wg * WG_ROWS, skscale, wwarp, gid, tig);
     // term_h = w_h * relu(a_h), SPEC 4's pairwise head sum: heads (2 tig, +1) in the
     // thread, lane offset 1 (even lanes keep key gid, odd gid + 8), lane offset 2 (lanes
     // with tig bit 1 keep row 1), then the four n-tiles pairwise in the thread.
     float s[4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
-      const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
+      const float2 w0 = *reinterpret_cast<const float2 *>(&sw[wg * WG_ROWS][nt * 8 + 2 * tig]);
+      const float2 w1 =
+          *reinterpret_cast<const float2 *>(&sw[wg * WG_ROWS + 1][nt * 8 + 2 * tig]);
       float v[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -773,10 +785,10 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
     }
     float logit = pairwise_f32<4>(s);
     if (logit != logit) logit = __uint_as_float(0xFFC00000u);
-    const u32 r = hi ? 1u : 0u;
+    const u32 r = wg * WG_ROWS + (hi ? 1u : 0u);
     if (r < grp.y) {
       const u32 row = grp.x + r;
-      const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
+      const u32 j = j0 + 16 * wwarp + gid + (odd ? 8 : 0);
       if (j < row_n[row]) logits[row_off[row] + j] = logit;
     }
   }

@@ -61,15 +61,30 @@ pub fn logits_wgmma(v: Variant) -> bool {
     }
 }
 
-/// Rows per block of `mqa_logits_wg` (`WG_ROWS`: 2 rows x 32 heads = one 64-column MMA).
+/// Rows per warpgroup of `mqa_logits_wg` (`WG_ROWS`: 2 rows x 32 heads = one 64-column
+/// MMA).
 pub const LOGITS_WG_ROWS: usize = 2;
-/// Threads per block of `mqa_logits_wg` (one warpgroup).
-pub const LOGITS_WG_THREADS: usize = 128;
+/// Warpgroups per `mqa_logits_wg` block (`WG_GROUPS`, sharing a key tile; 2 measured no
+/// faster than 1 on v41-chunk).
+pub const LOGITS_WG_GROUPS: usize = 1;
+
+/// [`LOGITS_WG_GROUPS`], or a `WG_GROUPS=` override (1 or 2) in `$DSA_CUDA_DEFINES`
+/// (the kernel gets the same define).
+pub fn logits_wg_groups() -> usize {
+    std::env::var("DSA_CUDA_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|kv| kv.strip_prefix("WG_GROUPS="))
+        .filter_map(|v| v.parse::<usize>().ok())
+        .find(|v| (1..=2).contains(v))
+        .unwrap_or(LOGITS_WG_GROUPS)
+}
 
 /// The logits kernel of variant `v`: entry name, rows per block, threads per block.
 pub fn logits_kernel(v: Variant) -> (&'static str, usize, usize) {
     if logits_wgmma(v) {
-        return ("mqa_logits_wg", LOGITS_WG_ROWS, LOGITS_WG_THREADS);
+        let groups = logits_wg_groups();
+        return ("mqa_logits_wg", LOGITS_WG_ROWS * groups, 128 * groups);
     }
     let heads = match v {
         Variant::Logits { heads, .. } => heads,
