@@ -63,7 +63,9 @@ pub const ROW_ALIGN: usize = 16;
 /// F3: a logit of `5.77e-42` one subnormal ulp off, against `2^-16 * M = 3.9e-46`).
 ///
 /// Derivation of the relative part: `mma.sync` e4m3 forms each 32-product group sum with
-/// f32 accumulation (seen exact in a probe; assumed here only to round each step to f32): at most
+/// f32 accumulation. On sm_90 it runs as f16 MMAs (the SASS is `F2FP` unpacks of the E4M3
+/// operands, exact in f16, and two `HMMA.16816.F32`): exact products, f32 sums (seen
+/// exact in a probe; assumed here only to round each step to f32): at most
 /// `G <= 4` roundings of partial sums bounded by the group magnitudes. After that the
 /// GPU and the reference do the same f32 steps (weight, pairwise head sum of <= 6
 /// levels, key scale), each contributing <= 2^-24 relative to `M` on both sides, and
