@@ -1,4 +1,5 @@
-// mqa_logits: SPEC 4 on tensor cores.
+// mqa_logits: SPEC 4 on tensor cores (mma.sync); mqa_logits_wg (end of file): the exact
+// class for H = 32, D >= 64 on wgmma, which the host picks for those variants.
 // block: one row group (<= LG_ROWS rows of one request, one warp each) x key tiles
 //        c = blockIdx.x, blockIdx.x + gridDim.x, .. of LG_KEYS keys -> logits[row_off[i] + j], j < n_i.
 //
@@ -7,13 +8,15 @@
 //
 // Layout: keys are the MMA's M side (16 keys per m-tile, staged through shared memory
 // and fed by ldmatrix), heads its N side (8 per n-tile, the query row's fragments live
-// in registers), one k=32 step per scale group. A lane of the m16n8 accumulator holds
+// in registers), one k=32 e4m3 step per scale group (two k=16 f16 steps in the exact
+// class: sm_90 runs e4m3 mma.sync as F2FP unpacks plus f16 MMAs on every use, so the
+// exact class stages f16 once instead). A lane of the m16n8 accumulator holds
 // keys (gid, gid+8) x heads (2*tig, 2*tig+1), so SPEC 4's head sum P is: one add in the
 // thread, a shuffle at lane offset 1, one at offset 2 (tig bits = head bits 1, 2), then
 // the n-tiles pairwise in the thread.
 //
 // Exact class (E2M1 x E2M1): the MMA runs on doubled values (integers in [-12, 12],
-// exact in E4M3) with f32 accumulation: every product is an integer <= 144 and every
+// exact in f16 and in E4M3) with f32 accumulation: every product is an integer <= 144 and every
 // partial sum an integer below 4608 < 2^13, so 4*s_g comes out exact in f32 in any
 // summation order, even from an accumulator that keeps only 13 bits (and the tests
 // check it bitwise). t_g = (s_g * 2^(eq-127)) * 2^(ek-127) is computed as
@@ -23,7 +26,7 @@
 // Scale folding (exact class, SCALE_FOLD=1, the default): when a block's query group
 // scales lie within 15 binades per group (eq <= 244), and a key tile's scales too, the
 // operands carry the scales: a doubled E2M1 value times 2^s, s in [-9, 5], is exact in
-// E4M3, so the MMA yields X_g = 4 s_g 2^(sq + sk) exactly (13 significant bits, as
+// E4M3 (and in f16), so the MMA yields X_g = 4 s_g 2^(sq + sk) exactly (13 significant bits, as
 // above), and t_g = X_g * C_g with the per-tile constant C_g = 2^(ebq_g + ebk_g - 256)
 // (eq = ebq_g + sq, ek = ebk_g + sk). That is one rounding of the same real product as
 // the reference's (s_g * 2^(eq-127)) * 2^(ek-127), whose first multiply is exact for
