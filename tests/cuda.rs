@@ -746,10 +746,9 @@ fn topk_sampled_threshold_matches_a_full_sort() {
     let c = Case::random(batch.clone(), 8, 32, 5);
     let total: usize = lens.iter().sum();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
-    let patterns: [(
-        &str,
-        Box<dyn Fn(usize, usize, &mut rand_chacha::ChaCha8Rng) -> f32>,
-    ); 6] = [
+    // Score of (row, key), drawing from the generator where it wants randomness.
+    type Score = Box<dyn Fn(usize, usize, &mut rand_chacha::ChaCha8Rng) -> f32>;
+    let patterns: [(&str, Score); 6] = [
         ("random", Box::new(|_, _, r| r.gen_range(-4.0f32..4.0))),
         ("ascending", Box::new(|_, j, _| j as f32)),
         ("descending", Box::new(|_, j, _| -(j as f32))),

@@ -1779,4 +1779,37 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn the_exact_class_with_32_heads_runs_on_wgmma_and_the_rest_on_mma_sync() {
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // an override changes the choice on purpose
+        }
+        for v in Variant::all() {
+            let Variant::Logits {
+                heads,
+                groups,
+                q,
+                k,
+            } = v
+            else {
+                continue;
+            };
+            let (name, rows, threads) = kernels::logits_kernel(v);
+            let wg = q == Format::E2m1 && k == Format::E2m1 && heads == 32 && groups >= 2;
+            assert_eq!(name == "mqa_logits_wg", wg, "{}", v.name());
+            if wg {
+                // One warpgroup per 2 rows: 2 x 32 heads = the 64 columns of its MMA.
+                assert_eq!((rows, threads), (2, 128), "{}", v.name());
+            } else {
+                assert_eq!(rows, kernels::logits_rows(heads), "{}", v.name());
+                assert_eq!(threads, rows * 32, "{}", v.name());
+            }
+            // The host's choice is in the variant's source (tests/nvrtc_compile.rs checks
+            // the compiled module's entries).
+            if wg {
+                assert!(v.source().contains("mqa_logits_wg("), "{}", v.name());
+            }
+        }
+    }
 }
