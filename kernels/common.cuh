@@ -35,23 +35,19 @@ __device__ __forceinline__ u32 e2m1_e4m3(u32 c) {
   return b | ((c & 8u) << 4);
 }
 
-// Four packed bytes (8 codes) -> 8 E4M3 bytes as two u32 (low element first). Nibble k
-// of w is element k, so one byte permute looks up four magnitudes at once (PRMT uses
-// the low 3 bits of each selector nibble: the magnitude index) and a second one turns
-// each sign bit into 0x00 / 0x80: five ops per four codes.
-template <bool DOUBLED>
-__device__ __forceinline__ void e2m1_word(u32 w, u32 &lo, u32 &hi) {
-  // Table bytes 0..7: E4M3 of the magnitudes (or of twice them), as in E2M1_AS_E4M3.
-  const u32 t0 = DOUBLED ? 0x44403800u : 0x3C383000u;
-  const u32 t1 = DOUBLED ? 0x54504C48u : 0x4C484440u;
+// Four packed bytes (8 codes) -> 8 bytes as two u32 (low element first), each the table
+// byte of the code's magnitude (t0: magnitudes 0..3, t1: 4..7; bit 7 free) with the
+// code's sign in bit 7. Nibble k of w is element k, so one byte permute looks up four
+// magnitudes at once (PRMT uses the low 3 bits of each selector nibble: the magnitude
+// index) and a second one turns each sign bit into 0x00 / 0x80: five ops per four codes.
+__device__ __forceinline__ void e2m1_word_tab(u32 w, u32 t0, u32 t1, u32 &lo, u32 &hi) {
   lo = __byte_perm(t0, t1, w) | __byte_perm(0x00008000u, 0u, (w >> 3) & 0x1111u);
   hi = __byte_perm(t0, t1, w >> 16) | __byte_perm(0x00008000u, 0u, (w >> 19) & 0x1111u);
 }
 
-// The same with the table words given (t0: bytes of magnitudes 0..3, t1: 4..7).
-__device__ __forceinline__ void e2m1_word_tab(u32 w, u32 t0, u32 t1, u32 &lo, u32 &hi) {
-  lo = __byte_perm(t0, t1, w) | __byte_perm(0x00008000u, 0u, (w >> 3) & 0x1111u);
-  hi = __byte_perm(t0, t1, w >> 16) | __byte_perm(0x00008000u, 0u, (w >> 19) & 0x1111u);
+// The E4M3 bytes of the codes' values (the table of E2M1_AS_E4M3).
+__device__ __forceinline__ void e2m1_word(u32 w, u32 &lo, u32 &hi) {
+  e2m1_word_tab(w, 0x3C383000u, 0x4C484440u, lo, hi);
 }
 
 // UE8M0 byte e -> 2^(e - 127 - extra) as an f32, exact for results >= 2^-149

@@ -66,7 +66,6 @@
 #ifndef SCALE_FOLD
 #define SCALE_FOLD 1
 #endif
-#define FOLDING EXACT  // the folding machinery; SCALE_FOLD decides whether it folds
 // The exact class runs f16 MMAs (m16n8k16, two per group): native on sm_90, where the
 // e4m3 mma.sync is emulated by per-use F2FP unpacks to f16; doubled E2M1 values (and
 // with folding, times 2^s) are exact f16. KW: k16 steps per 32-dim group in the
@@ -105,6 +104,25 @@ __device__ __forceinline__ double pairwise_f64(double (&x)[N]) {
 #pragma unroll
     for (int i = 0; i < N; i += 2 * s) x[i] = __dadd_rn(x[i], x[i + s]);
   return x[0];
+}
+
+// SPEC 4's head sum, first levels, for the accumulator fragment of one lane: a0, a1 are
+// key gid at heads (2 tig, +1), a2, a3 key gid + 8. term_h = w_h * relu(a_h); the head
+// pair in the thread; then head bit 1 (lane offset 1), where even lanes keep key gid
+// and odd lanes key gid + 8.
+__device__ __forceinline__ float head_quad(const float2 wv, const float a0, const float a1,
+                                           const float a2, const float a3, const bool odd) {
+  const float u0 = __fadd_rn(__fmul_rn(wv.x, RELU(a0)), __fmul_rn(wv.y, RELU(a1)));
+  const float u1 = __fadd_rn(__fmul_rn(wv.x, RELU(a2)), __fmul_rn(wv.y, RELU(a3)));
+  const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
+  return __fadd_rn(odd ? u1 : u0, r1);
+}
+
+// The next level, head bit 2 (lane offset 2), over two independent partial sums v0, v1
+// (two m-tiles or two rows): lanes with `hi` keep v1's, the others v0's.
+__device__ __forceinline__ float lane_pair_sum(const float v0, const float v1, const bool hi) {
+  const float r2 = __shfl_xor_sync(FULL_MASK, hi ? v0 : v1, 2);
+  return __fadd_rn(hi ? v1 : v0, r2);
 }
 
 // One key tile (keys j0 .. j0+LG_KEYS-1, staged in shared memory) for one warp's row:
@@ -197,16 +215,9 @@ __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *_
 #pragma unroll
         for (int e = 0; e < 4; ++e) ah[e] = __double2float_rn(pairwise_f64<G>(t[e]));
 #endif
-        // term_h = w_h * relu(a_h); first head pair in the thread.
-        const float u0 = __fadd_rn(__fmul_rn(wv.x, RELU(ah[0])), __fmul_rn(wv.y, RELU(ah[1])));
-        const float u1 = __fadd_rn(__fmul_rn(wv.x, RELU(ah[2])), __fmul_rn(wv.y, RELU(ah[3])));
-        // Head bit 1 (lane offset 1): even lanes keep key gid, odd lanes key gid+8.
-        const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
-        v[mt] = __fadd_rn(odd ? u1 : u0, r1);
+        v[mt] = head_quad(wv, ah[0], ah[1], ah[2], ah[3], odd);
       }
-      // Head bit 2 (lane offset 2): lanes with tig bit 1 clear keep m-tile 0.
-      const float r2 = __shfl_xor_sync(FULL_MASK, hi ? v[0] : v[1], 2);
-      s[nt] = __fadd_rn(hi ? v[1] : v[0], r2);
+      s[nt] = lane_pair_sum(v[0], v[1], hi);  // lanes with tig bit 1 clear keep m-tile 0
     }
     float logit = pairwise_f32<NT>(s);
     const int kk = mp * 32 + (hi ? 16 : 0) + gid + (odd ? 8 : 0);
@@ -220,23 +231,60 @@ __device__ __forceinline__ void compute_tile(const u32 j0, const u32 n, float *_
   }
 }
 
+// The folding tables: thread i < 15 writes table i, the codes of the doubled E2M1
+// magnitudes {0, 1, 2, 3, 4, 6, 8, 12} times 2^(i - 9) (word 0: magnitudes 0..3, word
+// 1: 4..7), as f16 high bytes (F16) or E4M3 bytes; e2m1_word_tab looks codes up in them.
+template <bool F16>
+__device__ __forceinline__ void shift_tables(u32 (*stab)[2], const int tid) {
+  if (tid < 15) {
+    const u32 m[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+    u32 t0 = 0, t1 = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      t0 |= (F16 ? f16_exact_hi_byte(m[i], tid - 9) : e4m3_exact_byte(m[i], tid - 9)) << (8 * i);
+      t1 |= (F16 ? f16_exact_hi_byte(m[i + 4], tid - 9) : e4m3_exact_byte(m[i + 4], tid - 9))
+            << (8 * i);
+    }
+    stab[tid][0] = t0;
+    stab[tid][1] = t1;
+  }
+}
+
 // Scale windows for folding. Every lane holds bytes of group lane % G only (32 and the
-// block size are multiples of G); values above 255 are "none". Returns, in lane 0, the
-// warp's per-group maxima and minima as packed bytes (group g in byte g; unused bytes
-// neutral: 0 for the max, 255 for the min).
-__device__ __forceinline__ void warp_window(u32 mx, u32 mn, u32 &pmax, u32 &pmin) {
+// block size are multiples of G); values above 255 are "none". Lane 0 stores the warp's
+// per-group maxima and minima as packed bytes in wmax[warp] / wmin[warp] (group g in
+// byte g; unused bytes neutral: 0 for the max, 255 for the min).
+__device__ __forceinline__ void warp_window(u32 mx, u32 mn, u32 *wmax, u32 *wmin,
+                                            const int lane, const int warp) {
 #pragma unroll
   for (int o = G; o < 32; o <<= 1) {
     mx = max(mx, __shfl_xor_sync(FULL_MASK, mx, o));
     mn = min(mn, __shfl_xor_sync(FULL_MASK, mn, o));
   }
-  pmax = 0u;
-  pmin = 0xFFFFFFFFu;
+  u32 pmax = 0u, pmin = 0xFFFFFFFFu;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     pmax |= __shfl_sync(FULL_MASK, mx, g) << (8 * g);
     pmin &= ~(0xFFu << (8 * g)) | (__shfl_sync(FULL_MASK, mn, g) << (8 * g));
   }
+  if (lane == 0) {
+    wmax[warp] = pmax;
+    wmin[warp] = pmin;
+  }
+}
+
+// warp_window of a key tile's scale bytes held by this thread (256: none).
+template <int N>
+__device__ __forceinline__ void key_window(const u32 (&pre_s)[N], u32 *wmax, u32 *wmin,
+                                           const int lane, const int warp) {
+  u32 mx = 0u, mn = 255u;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    if (pre_s[i] <= 255u) {
+      mx = max(mx, pre_s[i]);
+      mn = min(mn, pre_s[i]);
+    }
+  warp_window(mx, mn, wmax, wmin, lane, warp);
 }
 
 // The block's window per group from the warps' packed bytes: base[g] = the exponent the
@@ -262,6 +310,23 @@ __device__ __forceinline__ bool block_window(const u32 *wmax, const u32 *wmin, i
   return ok;
 }
 
+// Whether a key tile folds (its windows hold, the block's queries fold, and every
+// C_g = 2^(ebq_g + ebk_g - 256) is an f32), with kbase and cg (0 when not folding).
+template <int NW>
+__device__ __forceinline__ bool key_fold(const u32 *wmax, const u32 *wmin, const bool fold_q,
+                                         const int (&qbase)[G], int (&kbase)[G],
+                                         float (&cg)[G]) {
+  int ktop[G];
+  bool fold = block_window<NW>(wmax, wmin, kbase, ktop) && fold_q;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const int ce = qbase[g] + kbase[g] - 256;
+    fold = fold && ce >= -149 && ce <= 127;
+    cg[g] = fold ? pow2i(ce) : 0.0f;
+  }
+  return fold;
+}
+
 extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logits(
     const u8 *__restrict__ q,        // E4M3 [T,H,D] or packed E2M1 [T,H,D/2]
     const u8 *__restrict__ q_scale,  // UE8M0 [T,H,G] (E2M1 queries)
@@ -283,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   // Per warp (row): query group scales [G][H] and weights [H].
   __shared__ __align__(8) float sqs[LG_ROWS][(QF == 1 ? G : 1) * H];
   __shared__ __align__(8) float sw[LG_ROWS][H];
-#if FOLDING
+#if EXACT
   // f16 high bytes (magnitudes 0..3, 4..7) of the doubled E2M1 magnitudes times 2^(i - 9).
   __shared__ u32 stab[15][2];
   // Per warp: packed per-group maxima / minima of the query scales, and of a key tile's.
@@ -302,18 +367,8 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   const u32 row = grp.x + (active ? warp : 0);
   const u32 n = active ? row_n[row] : 0u;
   for (int h = lane; h < H; h += 32) sw[warp][h] = w[(u64)row * H + h];
-#if FOLDING
-  if (tid < 15) {
-    const u32 m[8] = {0, 1, 2, 3, 4, 6, 8, 12};
-    u32 t0 = 0, t1 = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      t0 |= f16_exact_hi_byte(m[i], tid - 9) << (8 * i);
-      t1 |= f16_exact_hi_byte(m[i + 4], tid - 9) << (8 * i);
-    }
-    stab[tid][0] = t0;
-    stab[tid][1] = t1;
-  }
+#if EXACT
+  shift_tables<true>(stab, tid);
   {
     u32 mx = 0u, mn = 255u;
     for (int t = lane; t < H * G; t += 32) {
@@ -321,12 +376,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
       mx = max(mx, e);
       mn = min(mn, e);
     }
-    u32 pmax, pmin;
-    warp_window(mx, mn, pmax, pmin);
-    if (lane == 0) {
-      swq[0][warp] = pmax;
-      swq[1][warp] = pmin;
-    }
+    warp_window(mx, mn, swq[0], swq[1], lane, warp);
   }
   __syncthreads();
   int qbase[G], qtop[G];
@@ -338,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
     for (int t = lane; t < H * G; t += 32) {
       const int h = t / G, g = t % G;
       // Exact class folds the 1/4 of 4*s_g into the query scale (a power of two: exact).
-#if FOLDING
+#if EXACT
       // With the operands scaled, the query scale left is 2^(ebq_g - 129) per group.
       sqs[warp][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
                                     : ue8m0_pow2(q_scale[(u64)row * H * G + t], 2);
@@ -371,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
         if (QF == 1) {
           const u16 two = *reinterpret_cast<const u16 *>(q + ((u64)row * H + h) * (D / 2) + d / 2);
           u32 unused;
-          e2m1_word<false>(two, v, unused);
+          e2m1_word(two, v, unused);
         } else {
           v = *reinterpret_cast<const u32 *>(q + ((u64)row * H + h) * D + d);
         }
@@ -388,7 +438,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   constexpr int NS = LG_KEYS * ((KF == 1) ? G : 1);  // key-side scales per tile
   constexpr int PRE_S = (KF == 1) ? (NS + LG_THREADS - 1) / LG_THREADS : 1;
   uint4 pre[PRE];
-#if FOLDING
+#if EXACT
   u32 pre_s[PRE_S];  // raw UE8M0 bytes (256: none)
 #else
   float pre_s[PRE_S];
@@ -408,7 +458,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
 #pragma unroll
     for (int i = 0; i < PRE_S; ++i) {
       const int t = tid + i * LG_THREADS;
-#if FOLDING
+#if EXACT
       pre_s[i] = 256u;  // "none" for the window: a key past the group's
       if (t < NS && (u32)(t / G) < nk) pre_s[i] = k_scale8[(u64)(ks + j0) * G + t];
 #else
@@ -442,39 +492,19 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   float cg[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) cg[g] = 0.0f;
-#if FOLDING
-  int kbase[G], ktop[G];
+#if EXACT
+  int kbase[G];
 #endif
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * LG_KEYS;
     const bool more = c + gridDim.x < nchunks;
     if (KF == 1) {
-#if FOLDING
+#if EXACT
       // This tile's key-scale window; fold when it and the block's query window hold
       // and every C_g is an f32.
-      {
-        u32 mx = 0u, mn = 255u;
-#pragma unroll
-        for (int i = 0; i < PRE_S; ++i)
-          if (pre_s[i] <= 255u) {
-            mx = max(mx, pre_s[i]);
-            mn = min(mn, pre_s[i]);
-          }
-        u32 pmax, pmin;
-        warp_window(mx, mn, pmax, pmin);
-        if (lane == 0) {
-          swk[0][warp] = pmax;
-          swk[1][warp] = pmin;
-        }
-      }
+      key_window(pre_s, swk[0], swk[1], lane, warp);
       __syncthreads();
-      fold = block_window<LG_ROWS>(swk[0], swk[1], kbase, ktop) && fold_q;
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const int ce = qbase[g] + kbase[g] - 256;
-        fold = fold && ce >= -149 && ce <= 127;
-        cg[g] = fold ? pow2i(ce) : 0.0f;
-      }
+      fold = key_fold<LG_ROWS>(swk[0], swk[1], fold_q, qbase, kbase, cg);
 #endif
       // Stage: E2M1 decoded once per block (doubled E4M3 bytes; folded: times 2^sk).
 #pragma unroll
@@ -482,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
         const int t = tid + i * LG_THREADS;
         if (t < LG_KEYS * KV) {
           const int kk = t / KV, p = t % KV;
-#if FOLDING
+#if EXACT
           // Piece p is group p of key kk: its scale is pre_s[i] (same t).
           const int sh = (fold && pre_s[i] <= 255u) ? (int)pre_s[i] - kbase[p] : 0;
           const u32 t0 = stab[sh + 9][0], t1 = stab[sh + 9][1];
@@ -499,10 +529,10 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
           }
 #else
           uint4 a, b;
-          e2m1_word<EXACT>(pre[i].x, a.x, a.y);
-          e2m1_word<EXACT>(pre[i].y, a.z, a.w);
-          e2m1_word<EXACT>(pre[i].z, b.x, b.y);
-          e2m1_word<EXACT>(pre[i].w, b.z, b.w);
+          e2m1_word(pre[i].x, a.x, a.y);
+          e2m1_word(pre[i].y, a.z, a.w);
+          e2m1_word(pre[i].z, b.x, b.y);
+          e2m1_word(pre[i].w, b.z, b.w);
           *reinterpret_cast<uint4 *>(&skey[0][kk * KSTRIDE + p * 32]) = a;
           *reinterpret_cast<uint4 *>(&skey[0][kk * KSTRIDE + p * 32 + 16]) = b;
 #endif
@@ -511,7 +541,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
 #pragma unroll
       for (int i = 0; i < PRE_S; ++i) {
         const int t = tid + i * LG_THREADS;
-#if FOLDING
+#if EXACT
         if (t < NS) skscale[0][t] = pre_s[i] <= 255u ? ue8m0_pow2(pre_s[i], 0) : 0.0f;
 #else
         if (t < NS) skscale[0][t] = pre_s[i];
@@ -641,17 +671,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
 
   for (int t = tid; t < WG_BROWS * H; t += WG_THREADS)
     sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
-  if (tid < 15) {
-    const u32 m[8] = {0, 1, 2, 3, 4, 6, 8, 12};
-    u32 t0 = 0, t1 = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      t0 |= e4m3_exact_byte(m[i], tid - 9) << (8 * i);
-      t1 |= e4m3_exact_byte(m[i + 4], tid - 9) << (8 * i);
-    }
-    stab[tid][0] = t0;
-    stab[tid][1] = t1;
-  }
+  shift_tables<false>(stab, tid);
   {
     u32 mx = 0u, mn = 255u;
     for (int t = tid; t < WG_BROWS * H * G; t += WG_THREADS) {
@@ -659,12 +679,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
       mx = max(mx, e);
       mn = min(mn, e);
     }
-    u32 pmax, pmin;
-    warp_window(mx, mn, pmax, pmin);
-    if (lane == 0) {
-      swq[0][warp] = pmax;
-      swq[1][warp] = pmin;
-    }
+    warp_window(mx, mn, swq[0], swq[1], lane, warp);
   }
   __syncthreads();
   int qbase[G], qtop[G];
@@ -710,32 +725,12 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
   };
   prefetch(blockIdx.x);
   float cg[G];
-  int kbase[G], ktop[G];
+  int kbase[G];
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * WG_KEYS;
-    {
-      u32 mx = 0u, mn = 255u;
-#pragma unroll
-      for (int i = 0; i < PRE; ++i)
-        if (pre_s[i] <= 255u) {
-          mx = max(mx, pre_s[i]);
-          mn = min(mn, pre_s[i]);
-        }
-      u32 pmax, pmin;
-      warp_window(mx, mn, pmax, pmin);
-      if (lane == 0) {
-        swk[0][warp] = pmax;
-        swk[1][warp] = pmin;
-      }
-    }
+    key_window(pre_s, swk[0], swk[1], lane, warp);
     __syncthreads();  // also: every warp is done with the previous tile's operands
-    bool fold = block_window<4 * WG_GROUPS>(swk[0], swk[1], kbase, ktop) && fold_q;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int ce = qbase[g] + kbase[g] - 256;
-      fold = fold && ce >= -149 && ce <= 127;
-      cg[g] = fold ? pow2i(ce) : 0.0f;
-    }
+    const bool fold = key_fold<4 * WG_GROUPS>(swk[0], swk[1], fold_q, qbase, kbase, cg);
     // A: this tile's keys, 32 codes (one group) per piece -> chunks 2g, 2g + 1.
 #pragma unroll
     for (int i = 0; i < PRE; ++i) {
@@ -777,14 +772,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
       for (int r = 0; r < 2; ++r) {
         const float2 wv = r ? w1 : w0;
         const int i = 4 * (4 * r + nt);
-        const float u0 = __fadd_rn(__fmul_rn(wv.x, RELU(a[i])), __fmul_rn(wv.y, RELU(a[i + 1])));
-        const float u1 =
-            __fadd_rn(__fmul_rn(wv.x, RELU(a[i + 2])), __fmul_rn(wv.y, RELU(a[i + 3])));
-        const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
-        v[r] = __fadd_rn(odd ? u1 : u0, r1);
+        v[r] = head_quad(wv, a[i], a[i + 1], a[i + 2], a[i + 3], odd);
       }
-      const float r2 = __shfl_xor_sync(FULL_MASK, hi ? v[0] : v[1], 2);
-      s[nt] = __fadd_rn(hi ? v[1] : v[0], r2);
+      s[nt] = lane_pair_sum(v[0], v[1], hi);  // lanes with tig bit 1 clear keep row 0
     }
     float logit = pairwise_f32<4>(s);
     if (logit != logit) logit = __uint_as_float(0xFFC00000u);

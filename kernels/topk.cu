@@ -405,6 +405,19 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     for (u32 c = count + tid; c < page_cols; c += TK_THREADS) out_page[c] = -1;
 }
 
+// Consumer row `row`'s kept blocks (its NB candidate ids in cblocks, -1 for none) as a
+// bitmap over blocks in shared memory. Ends with a barrier.
+__device__ __forceinline__ void consumer_bitmap(u32 *bitmap, const i32 *cblocks, u32 row,
+                                                u32 num_blocks, u32 bitmap_words) {
+  for (u32 i = threadIdx.x; i < bitmap_words; i += TK_THREADS) bitmap[i] = 0;
+  __syncthreads();
+  for (u32 i = threadIdx.x; i < num_blocks; i += TK_THREADS) {
+    const i32 c = cblocks[(u64)row * num_blocks + i];
+    if (c >= 0 && (u32)c < bitmap_words * 32u) atomicOr(&bitmap[c >> 5], 1u << (c & 31));
+  }
+  __syncthreads();
+}
+
 // Top-k of one tile's rows (row = row0 + blockIdx.x) over their f32 logits.
 // Consumer rows (cblocks != null) build the bitmap of their kept blocks in dynamic
 // shared memory (bitmap_words u32).
@@ -417,15 +430,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_ragged_f32(
   extern __shared__ u32 bitmap[];
   const u32 row = row0 + blockIdx.x;
   const u32 n = row_n[row];
-  if (cblocks) {
-    for (u32 i = threadIdx.x; i < bitmap_words; i += TK_THREADS) bitmap[i] = 0;
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < num_blocks; i += TK_THREADS) {
-      const i32 c = cblocks[(u64)row * num_blocks + i];
-      if (c >= 0 && (u32)c < bitmap_words * 32u) atomicOr(&bitmap[c >> 5], 1u << (c & 31));
-    }
-    __syncthreads();
-  }
+  if (cblocks) consumer_bitmap(bitmap, cblocks, row, num_blocks, bitmap_words);
   const RowSrc src{logits + row_off[row], 0u, cblocks ? bitmap : nullptr, block_size, ~0u,
                    nullptr};
   topk_row<0>(src, n, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols, k_slots,
@@ -444,15 +449,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_segments_f32(
   extern __shared__ u32 bitmap[];
   const u32 row = row0 + blockIdx.y;
   const u32 n = row_n[row];
-  if (cblocks) {
-    for (u32 i = threadIdx.x; i < bitmap_words; i += TK_THREADS) bitmap[i] = 0;
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < num_blocks; i += TK_THREADS) {
-      const i32 c = cblocks[(u64)row * num_blocks + i];
-      if (c >= 0 && (u32)c < bitmap_words * 32u) atomicOr(&bitmap[c >> 5], 1u << (c & 31));
-    }
-    __syncthreads();
-  }
+  if (cblocks) consumer_bitmap(bitmap, cblocks, row, num_blocks, bitmap_words);
   const u32 S = gridDim.x, seg = (n + S - 1) / S;
   const u32 lo = min(n, blockIdx.x * seg), hi = min(n, lo + seg);
   const RowSrc src{logits + row_off[row], lo, cblocks ? bitmap : nullptr, block_size, ~0u,
