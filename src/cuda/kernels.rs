@@ -34,22 +34,13 @@ pub fn logits_rows(heads: usize) -> usize {
     } else {
         LOGITS_ROWS
     };
-    std::env::var("DSA_CUDA_DEFINES")
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|kv| kv.strip_prefix("LG_ROWS="))
-        .filter_map(|v| v.parse::<usize>().ok())
-        .find(|v| (1..=16).contains(v))
-        .unwrap_or(default)
+    define_in("LG_ROWS", 1..=16).unwrap_or(default)
 }
 /// Whether the logits of this variant run on `mqa_logits_wg` (Hopper `wgmma`, the
 /// exact class with `H = 32` and `D >= 64`) rather than `mqa_logits` (`mma.sync`).
 /// `WGMMA=0` in `$DSA_CUDA_DEFINES` turns it off (an A/B knob).
 pub fn logits_wgmma(v: Variant) -> bool {
-    let off = std::env::var("DSA_CUDA_DEFINES")
-        .unwrap_or_default()
-        .split_whitespace()
-        .any(|kv| kv == "WGMMA=0");
+    let off = defines().iter().any(|(k, v)| k == "WGMMA" && v == "0");
     match v {
         Variant::Logits {
             heads,
@@ -71,13 +62,30 @@ pub const LOGITS_WG_GROUPS: usize = 1;
 /// [`LOGITS_WG_GROUPS`], or a `WG_GROUPS=` override (1 or 2) in `$DSA_CUDA_DEFINES`
 /// (the kernel gets the same define).
 pub fn logits_wg_groups() -> usize {
-    std::env::var("DSA_CUDA_DEFINES")
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|kv| kv.strip_prefix("WG_GROUPS="))
-        .filter_map(|v| v.parse::<usize>().ok())
-        .find(|v| (1..=2).contains(v))
-        .unwrap_or(LOGITS_WG_GROUPS)
+    define_in("WG_GROUPS", 1..=2).unwrap_or(LOGITS_WG_GROUPS)
+}
+
+/// `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs separated by spaces; tuning knobs for
+/// experiments, prepended to every kernel source as `#define`s), read once per process.
+fn defines() -> &'static [(String, String)] {
+    static DEFINES: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
+    DEFINES.get_or_init(|| {
+        std::env::var("DSA_CUDA_DEFINES")
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    })
+}
+
+/// The first value of define `name` in [`defines`] that is a number in `range`.
+fn define_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
+    defines()
+        .iter()
+        .filter(|(k, _)| k == name)
+        .filter_map(|(_, v)| v.parse::<usize>().ok())
+        .find(|v| range.contains(v))
 }
 
 /// The logits kernel of variant `v`: entry name, rows per block, threads per block.
@@ -179,10 +187,8 @@ impl Variant {
     /// separated by spaces) is prepended as `#define`s: a tuning knob for experiments
     /// (e.g. `LG_MIN_BLOCKS=2`), read once per process.
     pub fn source(&self) -> String {
-        let extra: String = std::env::var("DSA_CUDA_DEFINES")
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|kv| kv.split_once('='))
+        let extra: String = defines()
+            .iter()
             .map(|(k, v)| format!("#define {k} {v}\n"))
             .collect();
         extra + &self.source_plain()
