@@ -59,6 +59,10 @@ impl Owned {
     ) -> Result<(), Error> {
         Problem::new(&self.batch, inputs, params, role).map(|_| ())
     }
+    /// `problem` with K = 4, plain.
+    fn plain<'a>(&'a self, inputs: Inputs<'a>) -> Result<(), Error> {
+        self.problem(inputs, Params::new(4), Role::Plain)
+    }
 }
 
 /// The error's message must name `field` and show `value`.
@@ -92,107 +96,79 @@ fn shapes_heads_and_dims() {
     let o = owned();
     let bad_q = Array3::<u8>::from_elem((4, 8, 32), 0x21);
     names(
-        o.problem(
-            Inputs {
-                q: Queries::E2m1 {
-                    packed: bad_q.view(),
-                    scale: o.qs.view(),
-                },
-                ..o.inputs()
+        o.plain(Inputs {
+            q: Queries::E2m1 {
+                packed: bad_q.view(),
+                scale: o.qs.view(),
             },
-            Params::new(4),
-            Role::Plain,
-        ),
+            ..o.inputs()
+        }),
         "q",
         "[4, 8, 32]",
     );
     let q12 = Array3::<u8>::from_elem((7, 12, 32), 0x21);
     names(
-        o.problem(
-            Inputs {
-                q: Queries::E2m1 {
-                    packed: q12.view(),
-                    scale: o.qs.view(),
-                },
-                ..o.inputs()
+        o.plain(Inputs {
+            q: Queries::E2m1 {
+                packed: q12.view(),
+                scale: o.qs.view(),
             },
-            Params::new(4),
-            Role::Plain,
-        ),
+            ..o.inputs()
+        }),
         "heads",
         "12",
     );
     let q128 = Array3::<u8>::from_elem((7, 128, 32), 0x21);
     names(
-        o.problem(
-            Inputs {
-                q: Queries::E2m1 {
-                    packed: q128.view(),
-                    scale: o.qs.view(),
-                },
-                ..o.inputs()
+        o.plain(Inputs {
+            q: Queries::E2m1 {
+                packed: q128.view(),
+                scale: o.qs.view(),
             },
-            Params::new(4),
-            Role::Plain,
-        ),
+            ..o.inputs()
+        }),
         "heads",
         "128",
     );
     let d96 = Array3::<u8>::from_elem((7, 8, 96), 0x38);
     names(
-        o.problem(
-            Inputs {
-                q: Queries::E4m3(d96.view()),
-                ..o.inputs()
-            },
-            Params::new(4),
-            Role::Plain,
-        ),
+        o.plain(Inputs {
+            q: Queries::E4m3(d96.view()),
+            ..o.inputs()
+        }),
         "dim",
         "96",
     );
     let short_scale = Array3::<u8>::from_elem((7, 8, 1), 127);
     names(
-        o.problem(
-            Inputs {
-                q: Queries::E2m1 {
-                    packed: o.q4.view(),
-                    scale: short_scale.view(),
-                },
-                ..o.inputs()
+        o.plain(Inputs {
+            q: Queries::E2m1 {
+                packed: o.q4.view(),
+                scale: short_scale.view(),
             },
-            Params::new(4),
-            Role::Plain,
-        ),
+            ..o.inputs()
+        }),
         "q_scale",
         "[7, 8, 1]",
     );
     let k_short = Array2::<u8>::from_elem((8, 64), 0x30);
     names(
-        o.problem(
-            Inputs {
-                k: Keys::E4m3 {
-                    codes: k_short.view(),
-                    scale: o.kscale.view(),
-                },
-                ..o.inputs()
+        o.plain(Inputs {
+            k: Keys::E4m3 {
+                codes: k_short.view(),
+                scale: o.kscale.view(),
             },
-            Params::new(4),
-            Role::Plain,
-        ),
+            ..o.inputs()
+        }),
         "k",
         "[8, 64]",
     );
     let w_bad = Array2::<f32>::zeros((7, 16));
     names(
-        o.problem(
-            Inputs {
-                weights: w_bad.view(),
-                ..o.inputs()
-            },
-            Params::new(4),
-            Role::Plain,
-        ),
+        o.plain(Inputs {
+            weights: w_bad.view(),
+            ..o.inputs()
+        }),
         "weights",
         "[7, 16]",
     );
@@ -262,65 +238,49 @@ fn values() {
     let mut q8 = o.q8.clone();
     q8[[1, 2, 3]] = 0xFF;
     names(
-        o.problem(
-            Inputs {
-                q: Queries::E4m3(q8.view()),
-                ..o.inputs()
-            },
-            Params::new(4),
-            Role::Plain,
-        ),
+        o.plain(Inputs {
+            q: Queries::E4m3(q8.view()),
+            ..o.inputs()
+        }),
         "q[",
         "0xff",
     );
     let mut k8 = o.k8.clone();
     k8[[0, 5]] = 0x7F;
     names(
-        o.problem(
-            Inputs {
-                k: Keys::E4m3 {
-                    codes: k8.view(),
-                    scale: o.kscale.view(),
-                },
-                ..o.inputs()
+        o.plain(Inputs {
+            k: Keys::E4m3 {
+                codes: k8.view(),
+                scale: o.kscale.view(),
             },
-            Params::new(4),
-            Role::Plain,
-        ),
+            ..o.inputs()
+        }),
         "k[5]",
         "0x7f",
     );
     let mut qs = o.qs.clone();
     qs[[0, 0, 1]] = 255;
     names(
-        o.problem(
-            Inputs {
-                q: Queries::E2m1 {
-                    packed: o.q4.view(),
-                    scale: qs.view(),
-                },
-                ..o.inputs()
+        o.plain(Inputs {
+            q: Queries::E2m1 {
+                packed: o.q4.view(),
+                scale: qs.view(),
             },
-            Params::new(4),
-            Role::Plain,
-        ),
+            ..o.inputs()
+        }),
         "q_scale[1]",
         "255",
     );
     let mut ks4 = o.ks4.clone();
     ks4[[2, 0]] = 255;
     names(
-        o.problem(
-            Inputs {
-                k: Keys::E2m1 {
-                    packed: o.k4.view(),
-                    scale: ks4.view(),
-                },
-                ..o.inputs()
+        o.plain(Inputs {
+            k: Keys::E2m1 {
+                packed: o.k4.view(),
+                scale: ks4.view(),
             },
-            Params::new(4),
-            Role::Plain,
-        ),
+            ..o.inputs()
+        }),
         "k_scale[4]",
         "255",
     );
@@ -328,14 +288,10 @@ fn values() {
         let mut w = o.w.clone();
         w[[3, 1]] = bad;
         names(
-            o.problem(
-                Inputs {
-                    weights: w.view(),
-                    ..o.inputs()
-                },
-                Params::new(4),
-                Role::Plain,
-            ),
+            o.plain(Inputs {
+                weights: w.view(),
+                ..o.inputs()
+            }),
             "weights[25]",
             &bad.to_string(),
         );
@@ -344,17 +300,13 @@ fn values() {
         let mut s = o.kscale.clone();
         s[2] = bad;
         names(
-            o.problem(
-                Inputs {
-                    k: Keys::E4m3 {
-                        codes: o.k8.view(),
-                        scale: s.view(),
-                    },
-                    ..o.inputs()
+            o.plain(Inputs {
+                k: Keys::E4m3 {
+                    codes: o.k8.view(),
+                    scale: s.view(),
                 },
-                Params::new(4),
-                Role::Plain,
-            ),
+                ..o.inputs()
+            }),
             "k_scale[2]",
             &bad.to_string(),
         );
@@ -362,27 +314,19 @@ fn values() {
     let mut slots = o.slots.clone();
     slots[4] = -3;
     names(
-        o.problem(
-            Inputs {
-                k_slots: Some(slots.view()),
-                ..o.inputs()
-            },
-            Params::new(4),
-            Role::Plain,
-        ),
+        o.plain(Inputs {
+            k_slots: Some(slots.view()),
+            ..o.inputs()
+        }),
         "k_slots[4]",
         "-3",
     );
     let short = Array1::<i32>::zeros(3);
     names(
-        o.problem(
-            Inputs {
-                k_slots: Some(short.view()),
-                ..o.inputs()
-            },
-            Params::new(4),
-            Role::Plain,
-        ),
+        o.plain(Inputs {
+            k_slots: Some(short.view()),
+            ..o.inputs()
+        }),
         "k_slots",
         "[3]",
     );
