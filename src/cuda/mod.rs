@@ -593,7 +593,7 @@ impl Run {
             let (mut max_n, mut max_blocks) = (0usize, 0usize);
             let mut i = tile.rows.start;
             while i < tile.rows.end {
-                // A row group: up to LOGITS_ROWS consecutive rows of one request.
+                // A row group: up to one logits block's rows, consecutive, of one request.
                 let mut e = i + 1;
                 while e < tile.rows.end
                     && e - i < lg_rows
@@ -738,10 +738,8 @@ impl Run {
         let sh = self.shape;
         let p = self.ptrs;
         let a = self.addrs(s);
-        let (logits_ptr, row_n, row_ks, row_off, groups) =
-            (a.logits, a.row_n, a.row_ks, a.row_off, a.groups);
         // 1. Logits.
-        if g.chunks > 0 && logits_ptr != 0 {
+        if g.chunks > 0 && a.logits != 0 {
             let (name, _, threads) = kernels::logits_kernel(sh.logits_variant());
             let f = dev.function(sh.logits_variant(), name)?;
             // Key tiles per block: enough blocks to fill the GPU several times over, and
@@ -760,12 +758,12 @@ impl Run {
                     .arg(&p.k_scale8)
                     .arg(&p.k_scale32)
                     .arg(&p.w)
-                    .arg(&row_n)
-                    .arg(&row_ks)
-                    .arg(&row_off)
-                    .arg(&groups)
+                    .arg(&a.row_n)
+                    .arg(&a.row_ks)
+                    .arg(&a.row_off)
+                    .arg(&a.groups)
                     .arg(&group0)
-                    .arg(&logits_ptr);
+                    .arg(&a.logits);
                 // SAFETY: every pointer addresses a live device buffer of the shape the
                 // kernel reads (validated problem); writes stay inside each row's
                 // footprint in the logits tile, which the plan sized.
@@ -793,9 +791,6 @@ impl Run {
         let sh = self.shape;
         let p = self.ptrs;
         let a = self.addrs(s);
-        let (logits_ptr, row_n, row_ks, row_off, row_pub, row_boff) = (
-            a.logits, a.row_n, a.row_ks, a.row_off, a.row_pub, a.row_boff,
-        );
         let rows = g.rows.len() as u32;
         let row0 = g.rows.start as u32;
         // 2. Source: block keys, then kept blocks.
@@ -804,7 +799,7 @@ impl Run {
             let bk = a.bkeys;
             let bs = sh.block_size as u32;
             let nbk = sh.num_blocks as u32;
-            if g.max_blocks > 0 && bk != 0 && logits_ptr != 0 {
+            if g.max_blocks > 0 && bk != 0 && a.logits != 0 {
                 let f = dev.function(Variant::Topk, "block_keys_f32")?;
                 let gx = g.max_blocks.div_ceil(kernels::BLOCK_KEYS_THREADS).min(1024) as u32;
                 let mut r = 0u32;
@@ -812,11 +807,11 @@ impl Run {
                     let count = (rows - r).min(65535);
                     let r0 = row0 + r;
                     let mut l = s.launch_builder(&f);
-                    l.arg(&logits_ptr)
-                        .arg(&row_off)
-                        .arg(&row_n)
-                        .arg(&row_pub)
-                        .arg(&row_boff)
+                    l.arg(&a.logits)
+                        .arg(&a.row_off)
+                        .arg(&a.row_n)
+                        .arg(&a.row_pub)
+                        .arg(&a.row_boff)
                         .arg(&r0)
                         .arg(&bs)
                         .arg(&bk);
@@ -836,9 +831,9 @@ impl Run {
             let f = dev.function(Variant::Topk, "kept_blocks_u32")?;
             let mut l = s.launch_builder(&f);
             l.arg(&bk)
-                .arg(&row_n)
-                .arg(&row_pub)
-                .arg(&row_boff)
+                .arg(&a.row_n)
+                .arg(&a.row_pub)
+                .arg(&a.row_boff)
                 .arg(&row0)
                 .arg(&bs)
                 .arg(&nbk)
@@ -871,9 +866,9 @@ impl Run {
             let fs = dev.function(Variant::Topk, "topk_segments_f32")?;
             allow_dynamic_smem(&fs, smem)?;
             let mut l = s.launch_builder(&fs);
-            l.arg(&logits_ptr)
-                .arg(&row_off)
-                .arg(&row_n)
+            l.arg(&a.logits)
+                .arg(&a.row_off)
+                .arg(&a.row_n)
                 .arg(&row0)
                 .arg(&k)
                 .arg(&scratch)
@@ -893,9 +888,9 @@ impl Run {
             .map_err(drv("launch topk_segments_f32"))?;
             let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
             let mut l = s.launch_builder(&fm);
-            l.arg(&logits_ptr)
-                .arg(&row_off)
-                .arg(&row_ks)
+            l.arg(&a.logits)
+                .arg(&a.row_off)
+                .arg(&a.row_ks)
                 .arg(&row0)
                 .arg(&k)
                 .arg(&segs)
@@ -917,10 +912,10 @@ impl Run {
             return Ok(());
         }
         let mut l = s.launch_builder(&f);
-        l.arg(&logits_ptr)
-            .arg(&row_off)
-            .arg(&row_n)
-            .arg(&row_ks)
+        l.arg(&a.logits)
+            .arg(&a.row_off)
+            .arg(&a.row_n)
+            .arg(&a.row_ks)
             .arg(&row0)
             .arg(&k)
             .arg(&raw)
