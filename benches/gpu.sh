@@ -6,7 +6,8 @@
 #   run: bash benches/gpu.sh [tests] [bench] [ab] [torch]         # there, carry .gpu
 #
 # With no arguments it runs all four parts. Variants are compiled per process from
-# $DSA_CUDA_DEFINES (kernels/*.cu knobs: SCALE_FOLD, TK_SAMPLED, LG_ROWS, LG_MIN_BLOCKS).
+# $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS,
+# W16_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -47,6 +48,11 @@ if has ab; then
   for defs in "WGMMA=0" "SCALE_FOLD=0" "TK_SAMPLED=0" "WG_GROUPS=2"; do
     log "A/B: $defs"
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench v41-chunk --reps 5 >> "$OUT/summary.txt" 2>&1
+  done
+  # v32 (E4M3 x E4M3, H = 64): mqa_logits_w16 against mma.sync, and its blocks per SM.
+  for defs in "WGMMA=0" "W16_MIN_BLOCKS=4" "W16_MIN_BLOCKS=2"; do
+    log "A/B v32-16k: $defs"
+    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench v32-16k --reps 5 >> "$OUT/summary.txt" 2>&1
   done
 fi
 

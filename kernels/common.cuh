@@ -216,6 +216,26 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], u64 da, u64
       : "l"(da), "l"(db), "r"(0));
 }
 
+// D (+)= A(64x16 f16, registers: the mma.sync m16n8k16 A fragment of each warp's 16
+// rows) * B(16x128 f16, smem, K-major); scale_d = 0 overwrites D. Accumulator layout as
+// in wgmma_m64n64k32_e4m3, with j = 0..15.
+__device__ __forceinline__ void wgmma_m64n128k16_f16_rs(float (&d)[64], const u32 (&a)[4], u64 db,
+                                                        u32 scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// Two E4M3 bytes (bits 0-7: element 0, bits 8-15: element 1) -> their f16 pair, exact
+// (every E4M3 value is an f16). One F2FP per pair on sm_90.
+__device__ __forceinline__ u32 e4m3x2_f16x2(u32 b) {
+  u32 r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"((unsigned short)(b & 0xFFFFu)));
+  return r;
+}
+
 // ---- block-wide helpers -----------------------------------------------------------
 
 // Exclusive prefix sum of v over the block (blockDim.x a multiple of 32, <= 1024);

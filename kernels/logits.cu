@@ -571,6 +571,11 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   }
 }
 
+// wgmma operands in shared memory (no swizzle, K-major): byte offset of 16-byte chunk kc of row m in a wgmma operand of `rows` rows.
+__device__ __forceinline__ u32 wg_off(u32 m, u32 kc, u32 rows) {
+  return kc * (rows / 8) * 128 + (m / 8) * 128 + (m % 8) * 16;
+}
+
 #if EXACT && H == 32 && G >= 2
 // ---- mqa_logits_wg: the exact class for H = 32 on wgmma ----------------------------
 // block: WG_GROUPS warpgroups (128 threads each) sharing one key tile, each with its own
@@ -601,11 +606,6 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
 #define WG_MIN_BLOCKS (4 / WG_GROUPS)
 #endif
 static_assert(WG_N == 64, "one m64n64 tile per group");
-
-// Byte offset of 16-byte chunk kc of row m in a wgmma operand of `rows` rows.
-__device__ __forceinline__ u32 wg_off(u32 m, u32 kc, u32 rows) {
-  return kc * (rows / 8) * 128 + (m / 8) * 128 + (m % 8) * 16;
-}
 
 // The tile's group sums on wgmma and SPEC 4's pairwise sum of the t_g (FOLD: the scales
 // are in the operands and t_g = X_g * cg[g]; else t_g = (X_g * qs) * kc): a[i] for
@@ -782,6 +782,152 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
     if (r < grp.y) {
       const u32 row = grp.x + r;
       const u32 j = j0 + 16 * wwarp + gid + (odd ? 8 : 0);
+      if (j < row_n[row]) logits[row_off[row] + j] = logit;
+    }
+  }
+}
+#endif
+
+#if QF == 0 && KF == 0 && H == 64
+// ---- mqa_logits_w16: E4M3 x E4M3 with H = 64 on wgmma, f16 operands ------------------
+// block: one warpgroup, W16_ROWS = 2 rows of one request (N = 128 columns: row r, head h
+// at column 64 r + h) x key tiles of 64 (M) keys: c = blockIdx.x, blockIdx.x +
+// gridDim.x, ... Per tile, D / 16 chained m64n128k16 f16 wgmmas with f32 accumulation.
+//
+// Why f16 and not fp8 wgmma: every E4M3 value is exact in f16 and every product exact
+// in f32, so the error is that of f32 accumulation, as on the mma.sync path (the stated
+// 2^-16 M bound, cuda::TOLERANCE_LOG2); fp8 wgmma keeps about 13 bits per addition
+// (../shared/GPU.md's probe), which no bound near 2^-16 M survives.
+//
+// A (keys) comes from registers, in the mma.sync m16n8k16 A fragment of each warp's 16
+// keys: no shared memory and no barrier for keys. The dot product does not care in which
+// order the dims are paired, so the fragments use a permuted dim order in which thread
+// tig of a quad reads D / 4 contiguous bytes of each key (dims (D/4) tig + 4 s + e, e =
+// 0..3, are k = 2 tig + e (e < 2) and 2 tig + 6 + e (e >= 2) of k16 step s), and B (the
+// queries, staged once per block) uses the same order. E4M3 -> f16 by cvt (exact).
+// The epilogue is mqa_logits_wg's with the two rows in the place of its two m-tiles,
+// eight n-tiles per row, then the key scale: SPEC 4's order, within the bound.
+#define W16_ROWS 2
+#define W16_N (W16_ROWS * H)
+#define W16_KEYS 64
+#define W16_S (D / 16)   // k16 steps per tile
+#ifndef W16_MIN_BLOCKS
+#define W16_MIN_BLOCKS 3
+#endif
+static_assert(W16_N == 128, "one m64n128 tile per k16 step");
+
+// The W16_S words of one key (or query head) row this thread's fragments take: bytes
+// (D / 4) tig .. + D / 4.
+__device__ __forceinline__ void w16_load(u32 (&x)[W16_S], const u8 *row, const int tig) {
+  const u8 *p = row + (D / 4) * tig;
+#if G == 4
+  const uint4 a = *reinterpret_cast<const uint4 *>(p), b = *reinterpret_cast<const uint4 *>(p + 16);
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+#elif G == 2
+  const uint4 a = *reinterpret_cast<const uint4 *>(p);
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+#else
+  const uint2 a = *reinterpret_cast<const uint2 *>(p);
+  x[0] = a.x; x[1] = a.y;
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16(
+    const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
+    const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
+    const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
+    const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
+    float *__restrict__ logits) {
+  __shared__ __align__(128) u8 sB[W16_N * D * 2];
+  __shared__ __align__(8) float sw[W16_ROWS][H];
+
+  const uint4 grp = groups[group0 + blockIdx.y];
+  const u32 nchunks = (grp.z + W16_KEYS - 1) / W16_KEYS;
+  if (blockIdx.x >= nchunks) return;
+  const u32 ks = row_ks[grp.x];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
+  auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
+
+  for (int t = tid; t < W16_ROWS * H; t += 128) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  // B: column n (row n / H, head n % H), k16 step s: chunk 2s holds k = 0..7 (e = 0, 1 of
+  // the four quad threads' words), chunk 2s + 1 holds k = 8..15 (e = 2, 3).
+  for (int t = tid; t < W16_N * 4; t += 128) {
+    const int n = t / 4, tg = t % 4;
+    u32 x[W16_S];
+    w16_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
+#pragma unroll
+    for (int s = 0; s < W16_S; ++s) {
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s, W16_N) + 4 * tg]) = e4m3x2_f16x2(x[s]);
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s + 1, W16_N) + 4 * tg]) = e4m3x2_f16x2(x[s] >> 16);
+    }
+  }
+  fence_proxy_async();
+  __syncthreads();
+
+  // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
+  // tile's bytes and scales are loaded while this one is computed.
+  u32 raw[2][W16_S];
+  float ksc[2];
+  auto prefetch = [&](u32 c) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const u32 j = c * W16_KEYS + 16 * warp + gid + 8 * kk;
+      if (j < grp.z) {
+        w16_load(raw[kk], k + (u64)(ks + j) * D, tig);
+        ksc[kk] = k_scale32[ks + j];
+      } else {
+#pragma unroll
+        for (int s = 0; s < W16_S; ++s) raw[kk][s] = 0u;
+        ksc[kk] = 0.0f;
+      }
+    }
+  };
+  prefetch(blockIdx.x);
+  constexpr u32 lbo = (W16_N / 8) * 128;  // chunk to chunk
+  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const u32 j0 = c * W16_KEYS;
+    u32 a[W16_S][4];
+#pragma unroll
+    for (int s = 0; s < W16_S; ++s) {
+      a[s][0] = e4m3x2_f16x2(raw[0][s]);
+      a[s][1] = e4m3x2_f16x2(raw[1][s]);
+      a[s][2] = e4m3x2_f16x2(raw[0][s] >> 16);
+      a[s][3] = e4m3x2_f16x2(raw[1][s] >> 16);
+    }
+    const float kscale = odd ? ksc[1] : ksc[0];  // this lane's key after the head sum
+    if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
+
+    float acc[64];
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < W16_S; ++s)
+      wgmma_m64n128k16_f16_rs(acc, a[s], wgmma_desc(sB + 2 * s * lbo, lbo, 128), s > 0 ? 1u : 0u);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+
+    // acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8).
+    // SPEC 4's head sum: heads (2 tig, +1) in the thread, lane offset 1 (even lanes keep
+    // key gid, odd gid + 8), lane offset 2 (lanes with tig bit 1 keep row 1), then the
+    // eight n-tiles pairwise in the thread.
+    float s8[8];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
+      const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
+      const float v0 = head_quad(w0, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3], odd);
+      const int i = 4 * (8 + nt);
+      const float v1 = head_quad(w1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3], odd);
+      s8[nt] = lane_pair_sum(v0, v1, hi);
+    }
+    float logit = __fmul_rn(pairwise_f32<8>(s8), kscale);
+    if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+    const u32 r = hi ? 1u : 0u;
+    if (r < grp.y) {
+      const u32 row = grp.x + r;
+      const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
       if (j < row_n[row]) logits[row_off[row] + j] = logit;
     }
   }

@@ -36,9 +36,10 @@ pub fn logits_rows(heads: usize) -> usize {
     };
     define_in("LG_ROWS", 1..=16).unwrap_or(default)
 }
-/// Whether the logits of this variant run on `mqa_logits_wg` (Hopper `wgmma`, the
-/// exact class with `H = 32` and `D >= 64`) rather than `mqa_logits` (`mma.sync`).
-/// `WGMMA=0` in `$DSA_CUDA_DEFINES` turns it off (an A/B knob).
+/// Whether the logits of this variant run on Hopper `wgmma` rather than `mqa_logits`
+/// (`mma.sync`): `mqa_logits_wg` for the exact class with `H = 32` and `D >= 64`,
+/// `mqa_logits_w16` (f16 operands) for E4M3 x E4M3 with `H = 64`. `WGMMA=0` in
+/// `$DSA_CUDA_DEFINES` turns both off (an A/B knob).
 pub fn logits_wgmma(v: Variant) -> bool {
     let off = defines().iter().any(|(k, v)| k == "WGMMA" && v == "0");
     match v {
@@ -48,9 +49,18 @@ pub fn logits_wgmma(v: Variant) -> bool {
             q: Format::E2m1,
             k: Format::E2m1,
         } => heads == 32 && groups >= 2 && !off,
+        Variant::Logits {
+            heads,
+            q: Format::E4m3,
+            k: Format::E4m3,
+            ..
+        } => heads == 64 && !off,
         _ => false,
     }
 }
+
+/// Rows per `mqa_logits_w16` block (`W16_ROWS`: 2 rows x 64 heads = one 128-column MMA).
+pub const LOGITS_W16_ROWS: usize = 2;
 
 /// Rows per warpgroup of `mqa_logits_wg` (`WG_ROWS`: 2 rows x 32 heads = one 64-column
 /// MMA).
@@ -90,14 +100,17 @@ fn define_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize
 
 /// The logits kernel of variant `v`: entry name, rows per block, threads per block.
 pub fn logits_kernel(v: Variant) -> (&'static str, usize, usize) {
+    let (heads, exact) = match v {
+        Variant::Logits { heads, q, k, .. } => (heads, q == Format::E2m1 && k == Format::E2m1),
+        _ => (0, false),
+    };
     if logits_wgmma(v) {
+        if !exact {
+            return ("mqa_logits_w16", LOGITS_W16_ROWS, 128);
+        }
         let groups = logits_wg_groups();
         return ("mqa_logits_wg", LOGITS_WG_ROWS * groups, 128 * groups);
     }
-    let heads = match v {
-        Variant::Logits { heads, .. } => heads,
-        _ => 0,
-    };
     let rows = logits_rows(heads);
     ("mqa_logits", rows, rows * 32)
 }

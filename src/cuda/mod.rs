@@ -1776,7 +1776,7 @@ mod tests {
     }
 
     #[test]
-    fn the_exact_class_with_32_heads_runs_on_wgmma_and_the_rest_on_mma_sync() {
+    fn wgmma_runs_the_h32_exact_class_and_h64_e4m3_and_mma_sync_the_rest() {
         if std::env::var("DSA_CUDA_DEFINES").is_ok() {
             return; // an override changes the choice on purpose
         }
@@ -1792,9 +1792,13 @@ mod tests {
             };
             let (name, rows, threads) = kernels::logits_kernel(v);
             let wg = q == Format::E2m1 && k == Format::E2m1 && heads == 32 && groups >= 2;
+            let w16 = q == Format::E4m3 && k == Format::E4m3 && heads == 64;
             assert_eq!(name == "mqa_logits_wg", wg, "{}", v.name());
-            if wg {
-                // One warpgroup per 2 rows: 2 x 32 heads = the 64 columns of its MMA.
+            assert_eq!(name == "mqa_logits_w16", w16, "{}", v.name());
+            assert_eq!(kernels::logits_wgmma(v), wg || w16, "{}", v.name());
+            if wg || w16 {
+                // One warpgroup per 2 rows: 2 x 32 heads = the 64 columns of its MMA, or
+                // 2 x 64 heads = 128.
                 assert_eq!((rows, threads), (2, 128), "{}", v.name());
             } else {
                 assert_eq!(rows, kernels::logits_rows(heads), "{}", v.name());
@@ -1802,9 +1806,7 @@ mod tests {
             }
             // The host's choice is in the variant's source (tests/nvrtc_compile.rs checks
             // the compiled module's entries).
-            if wg {
-                assert!(v.source().contains("mqa_logits_wg("), "{}", v.name());
-            }
+            assert!(v.source().contains(&format!("{name}(")), "{}", v.name());
         }
     }
 }
