@@ -811,8 +811,10 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
 #define W16_N (W16_ROWS * H)
 #define W16_KEYS 64
 #define W16_S (D / 16)   // k16 steps per tile
+// Blocks per SM the registers must allow. A/B on v32-16k in one call (benches/RESULTS.md
+// v7): 3 (134 registers) 4.75 ms, 4 (128, no spills) 4.36 ms of logits.
 #ifndef W16_MIN_BLOCKS
-#define W16_MIN_BLOCKS 3
+#define W16_MIN_BLOCKS 4
 #endif
 static_assert(W16_N == 128, "one m64n128 tile per k16 step");
 
