@@ -6,8 +6,8 @@
 #   run: bash benches/gpu.sh [tests] [bench] [ab] [torch]         # there, carry .gpu
 #
 # With no arguments it runs all four parts. Variants are compiled per process from
-# $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS,
-# W16_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS).
+# $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
+# WGR_MIN_BLOCKS, W16_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -27,6 +27,9 @@ if has tests; then
   # The mma.sync logits kernel where wgmma is the default (H = 32 exact class).
   DSA_CUDA_DEFINES="WGMMA=0" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/WGMMA=0: /' | tee -a "$OUT/summary.txt"
+  # The exact class with its keys in registers (mqa_logits_wgr).
+  DSA_CUDA_DEFINES="WG_RS=1" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden same_bits >> "$OUT/tests.txt" 2>&1
+  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/WG_RS=1: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
@@ -45,12 +48,12 @@ if has bench; then
 fi
 
 if has ab; then
-  for defs in "WGMMA=0" "SCALE_FOLD=0" "TK_SAMPLED=0" "WG_GROUPS=2"; do
+  for defs in "WGMMA=0" "SCALE_FOLD=0" "TK_SAMPLED=0" "WG_RS=1" "WG_RS=1 WGR_MIN_BLOCKS=3" "WG_RS=1 SCALE_FOLD=0"; do
     log "A/B: $defs"
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench v41-chunk --reps 5 >> "$OUT/summary.txt" 2>&1
   done
   # v32 (E4M3 x E4M3, H = 64): mqa_logits_w16 against mma.sync, and its blocks per SM.
-  for defs in "WGMMA=0" "W16_MIN_BLOCKS=4" "W16_MIN_BLOCKS=2"; do
+  for defs in "WGMMA=0" "W16_MIN_BLOCKS=3"; do
     log "A/B v32-16k: $defs"
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench v32-16k --reps 5 >> "$OUT/summary.txt" 2>&1
   done

@@ -216,6 +216,16 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], u64 da, u64
       : "l"(da), "l"(db), "r"(0));
 }
 
+// D = A(64x32 e4m3, registers: the mma.sync m16n8k32 A fragment of each warp's 16 rows)
+// * B(32x64 e4m3, smem, K-major), D overwritten (scale-d = 0). Layout of D as in
+// wgmma_m64n64k32_e4m3.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const u32 (&a)[4], u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(0));
+}
 // D (+)= A(64x16 f16, registers: the mma.sync m16n8k16 A fragment of each warp's 16
 // rows) * B(16x128 f16, smem, K-major); scale_d = 0 overwrites D. Accumulator layout as
 // in wgmma_m64n64k32_e4m3, with j = 0..15.

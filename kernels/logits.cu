@@ -786,6 +786,187 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
     }
   }
 }
+
+// ---- mqa_logits_wgr: mqa_logits_wg with the keys in registers (WG_RS=1) --------------
+// The same rows (2 per warpgroup, one warpgroup per block), 64-key tiles, scale
+// folding and epilogue as mqa_logits_wg; the keys go from global memory straight into
+// each warp's A fragments (fp8 wgmma takes A from registers), so the key loop has no
+// shared memory and no barrier. Dims are permuted as in mqa_logits_w16: in group g,
+// thread tig of a quad takes dims 32 g + 8 tig + e (one u32 of 8 codes) as k = 4 tig + e
+// (e < 4) and k = 12 + 4 tig + e (e >= 4) of the group's k32 step, and B is staged in
+// the same order. The folding window is the warp's (its 16 keys): C_g multiplies only
+// that warp's accumulator rows, so no block-wide reduction is needed.
+
+// The tile's t_g and SPEC 4's pairwise group sum, as wg_group_sums, from A fragments
+// af[g] in registers; esc[kk]: the packed scale bytes of this thread's keys (read only
+// when not folding; 0 for keys past the group's, whose products are 0).
+template <bool FOLD>
+__device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G][4],
+                                               const u8 *sB, const float (&cg)[G],
+                                               const float (*sqs)[G * H],
+                                               const u32 (&esc)[2], const int tig) {
+  auto scaled = [&](float x, int g, int i) -> float {
+    if (FOLD) return __fmul_rn(x, cg[g]);
+    const int j = i >> 2, kk = (i >> 1) & 1, e = i & 1;
+    const int r = j >> 2, h = (j & 3) * 8 + 2 * tig + e;
+    return __fmul_rn(__fmul_rn(x, sqs[r][g * H + h]), ue8m0_pow2((esc[kk] >> (8 * g)) & 0xFFu, 0));
+  };
+  constexpr u32 lbo = (WG_N / 8) * 128;
+  float x0[32], x1[32];
+#pragma unroll
+  for (int g2 = 0; g2 < G; g2 += 2) {
+    wgmma_fence();
+    wgmma_m64n64k32_e4m3_rs(x0, af[g2], wgmma_desc(sB + 2 * g2 * lbo, lbo, 128));
+    wgmma_m64n64k32_e4m3_rs(x1, af[g2 + 1], wgmma_desc(sB + 2 * (g2 + 1) * lbo, lbo, 128));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(x0);
+    fence_regs(x1);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const float p = __fadd_rn(scaled(x0[i], g2, i), scaled(x1[i], g2 + 1, i));
+      a[i] = g2 == 0 ? p : __fadd_rn(a[i], p);
+    }
+  }
+}
+
+#ifndef WGR_MIN_BLOCKS
+#define WGR_MIN_BLOCKS 4
+#endif
+extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr(
+    const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
+    const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
+    const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
+    const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
+    float *__restrict__ logits) {
+  __shared__ __align__(128) u8 sB[WG_N * D];
+  __shared__ __align__(8) float sqs[WG_ROWS][G * H];
+  __shared__ __align__(8) float sw[WG_ROWS][H];
+  __shared__ u32 stab[15][2];
+  __shared__ u32 swq[2][4];
+
+  const uint4 grp = groups[group0 + blockIdx.y];
+  const u32 nchunks = (grp.z + WG_KEYS - 1) / WG_KEYS;
+  if (blockIdx.x >= nchunks) return;
+  const u32 ks = row_ks[grp.x];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
+  auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
+
+  for (int t = tid; t < WG_ROWS * H; t += 128) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  shift_tables<false>(stab, tid);
+  {
+    u32 mx = 0u, mn = 255u;
+    for (int t = tid; t < WG_ROWS * H * G; t += 128) {
+      const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
+      mx = max(mx, e);
+      mn = min(mn, e);
+    }
+    warp_window(mx, mn, swq[0], swq[1], lane, warp);
+  }
+  __syncthreads();
+  int qbase[G], qtop[G];
+  bool fold_q = block_window<4>(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
+#pragma unroll
+  for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
+  for (int t = tid; t < WG_ROWS * H * G; t += 128) {
+    const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
+    sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
+                               : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
+  }
+  // B: column n (row n / H, head n % H), group g: the word of dims 32 g + 8 tt .. + 7
+  // -> bytes 4 tt of chunk 2 g (dims + 0..3) and of chunk 2 g + 1 (dims + 4..7).
+  for (int t = tid; t < WG_N * G * 4; t += 128) {
+    const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
+    const u64 qrow = (u64)row_of(n / H) * H + n % H;
+    const int sh = fold_q ? (int)q_scale[qrow * G + g] - qbase[g] : 0;
+    const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
+    u32 lo, hb;
+    e2m1_word_tab(word, stab[sh + 9][0], stab[sh + 9][1], lo, hb);
+    *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g, WG_N) + 4 * tt]) = lo;
+    *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g + 1, WG_N) + 4 * tt]) = hb;
+  }
+  fence_proxy_async();
+  __syncthreads();
+
+  // This thread's keys in a tile: 16 warp + gid + 8 kk. Codes: one word per group;
+  // scale bytes packed (group g in byte g); `none`: past the group's keys.
+  u32 raw[2][G], rsc[2];
+  bool none[2];
+  auto prefetch = [&](u32 c) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const u32 j = c * WG_KEYS + 16 * warp + gid + 8 * kk;
+      none[kk] = j >= grp.z;
+      rsc[kk] = 0u;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        raw[kk][g] = 0u;
+        if (!none[kk]) {
+          raw[kk][g] = *reinterpret_cast<const u32 *>(k + (u64)(ks + j) * (D / 2) + 16 * g + 4 * tig);
+          rsc[kk] |= (u32)k_scale8[(u64)(ks + j) * G + g] << (8 * g);
+        }
+      }
+    }
+  };
+  prefetch(blockIdx.x);
+  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const u32 j0 = c * WG_KEYS;
+    // The warp's window per group (lanes of a quad hold the same keys: offsets 4, 8, 16).
+    u32 mx = 0u, mn = 0xFFFFFFFFu;
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+      if (!none[kk]) {
+        mx = __vmaxu4(mx, rsc[kk]);
+        mn = __vminu4(mn, rsc[kk]);
+      }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      mx = __vmaxu4(mx, __shfl_xor_sync(FULL_MASK, mx, o));
+      mn = __vminu4(mn, __shfl_xor_sync(FULL_MASK, mn, o));
+    }
+    int kbase[G];
+    float cg[G];
+    const bool fold = key_fold<1>(&mx, &mn, fold_q, qbase, kbase, cg);
+    u32 af[G][4];
+    const u32 esc[2] = {rsc[0], rsc[1]};
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const u32 e = (rsc[kk] >> (8 * g)) & 0xFFu;
+        const int sh = (fold && !none[kk]) ? (int)e - kbase[g] : 0;
+        e2m1_word_tab(raw[kk][g], stab[sh + 9][0], stab[sh + 9][1], af[g][kk], af[g][2 + kk]);
+      }
+    if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
+
+    float a[32];
+    if (fold)
+      wgr_group_sums<true>(a, af, sB, cg, sqs, esc, tig);
+    else
+      wgr_group_sums<false>(a, af, sB, cg, sqs, esc, tig);
+    // The epilogue of mqa_logits_wg.
+    float s[4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
+      const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
+      const int i0 = 4 * nt, i1 = 4 * (4 + nt);
+      const float v0 = head_quad(w0, a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3], odd);
+      const float v1 = head_quad(w1, a[i1], a[i1 + 1], a[i1 + 2], a[i1 + 3], odd);
+      s[nt] = lane_pair_sum(v0, v1, hi);
+    }
+    float logit = pairwise_f32<4>(s);
+    if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+    const u32 r = hi ? 1u : 0u;
+    if (r < grp.y) {
+      const u32 row = grp.x + r;
+      const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
+      if (j < row_n[row]) logits[row_off[row] + j] = logit;
+    }
+  }
+}
 #endif
 
 #if QF == 0 && KF == 0 && H == 64

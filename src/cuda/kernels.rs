@@ -75,6 +75,13 @@ pub fn logits_wg_groups() -> usize {
     define_in("WG_GROUPS", 1..=2).unwrap_or(LOGITS_WG_GROUPS)
 }
 
+/// Whether the `H = 32` exact class takes its keys into registers (`mqa_logits_wgr`, one
+/// warpgroup per block) rather than through shared memory (`mqa_logits_wg`): `WG_RS=1`
+/// in `$DSA_CUDA_DEFINES` (an A/B knob).
+pub fn logits_wg_registers() -> bool {
+    define_in("WG_RS", 0..=1) == Some(1)
+}
+
 /// `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs separated by spaces; tuning knobs for
 /// experiments, prepended to every kernel source as `#define`s), read once per process.
 fn defines() -> &'static [(String, String)] {
@@ -107,6 +114,9 @@ pub fn logits_kernel(v: Variant) -> (&'static str, usize, usize) {
     if logits_wgmma(v) {
         if !exact {
             return ("mqa_logits_w16", LOGITS_W16_ROWS, 128);
+        }
+        if logits_wg_registers() {
+            return ("mqa_logits_wgr", LOGITS_WG_ROWS, 128);
         }
         let groups = logits_wg_groups();
         return ("mqa_logits_wg", LOGITS_WG_ROWS * groups, 128 * groups);
