@@ -48,14 +48,13 @@ if has bench; then
 fi
 
 if has ab; then
-  for defs in "WGMMA=0" "SCALE_FOLD=0" "TK_SAMPLED=0" "WG_RS=1" "WG_RS=1 WGR_MIN_BLOCKS=3" "WG_RS=1 SCALE_FOLD=0"; do
-    log "A/B: $defs"
-    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench v41-chunk --reps 5 >> "$OUT/summary.txt" 2>&1
-  done
-  # v32 (E4M3 x E4M3, H = 64): mqa_logits_w16 against mma.sync, and its blocks per SM.
-  for defs in "WGMMA=0" "W16_MIN_BLOCKS=3"; do
-    log "A/B v32-16k: $defs"
-    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench v32-16k --reps 5 >> "$OUT/summary.txt" 2>&1
+  # workload:defines, each against the same call's default run above.
+  for ab in "v41-chunk:WGMMA=0" "v41-chunk:SCALE_FOLD=0" "v41-chunk:TK_SAMPLED=0" \
+            "v41-chunk:WG_RS=1" "v41-chunk:WG_RS=1 WGR_KFOLD=1" "v41-chunk:WG_RS=1 SCALE_FOLD=0" \
+            "v32-16k:WGMMA=0" "v32-64k:TK_SAMPLE_WIDE=0"; do
+    wl="${ab%%:*}" defs="${ab#*:}"
+    log "A/B $wl: $defs"
+    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
   done
 fi
 

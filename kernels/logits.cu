@@ -798,18 +798,23 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
 // that warp's accumulator rows, so no block-wide reduction is needed.
 
 // The tile's t_g and SPEC 4's pairwise group sum, as wg_group_sums, from A fragments
-// af[g] in registers; esc[kk]: the packed scale bytes of this thread's keys (read only
-// when not folding; 0 for keys past the group's, whose products are 0).
-template <bool FOLD>
+// af[g] in registers. FM 0: the key tile folds (t_g = X_g * cg[g]); 1: only the
+// block's queries fold (t_g = (X_g * qs_g) * kc, with qs_g = 2^(ebq_g - 129) the same for
+// every row and head); 2: neither (t_g = (X_g * qs) * kc, qs per row and head, both from
+// shared memory). kc from esc[kk], the
+// packed scale bytes of this thread's keys (0 for keys past the group's, whose
+// products are 0).
+template <int FM>
 __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G][4],
                                                const u8 *sB, const float (&cg)[G],
                                                const float (*sqs)[G * H],
                                                const u32 (&esc)[2], const int tig) {
   auto scaled = [&](float x, int g, int i) -> float {
-    if (FOLD) return __fmul_rn(x, cg[g]);
+    if (FM == 0) return __fmul_rn(x, cg[g]);
     const int j = i >> 2, kk = (i >> 1) & 1, e = i & 1;
     const int r = j >> 2, h = (j & 3) * 8 + 2 * tig + e;
-    return __fmul_rn(__fmul_rn(x, sqs[r][g * H + h]), ue8m0_pow2((esc[kk] >> (8 * g)) & 0xFFu, 0));
+    const float qs = sqs[FM == 1 ? 0 : r][g * H + (FM == 1 ? 0 : h)];
+    return __fmul_rn(__fmul_rn(x, qs), ue8m0_pow2((esc[kk] >> (8 * g)) & 0xFFu, 0));
   };
   constexpr u32 lbo = (WG_N / 8) * 128;
   float x0[32], x1[32];
@@ -830,6 +835,12 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
   }
 }
 
+// Per-tile key folding in mqa_logits_wgr (1), or only the queries' (0, the default: in
+// one call on v41-chunk the per-warp window and the shifted decode in the key loop cost
+// more than the multiply per group they save, 45.4 vs 40.1 ms; benches/RESULTS.md v8).
+#ifndef WGR_KFOLD
+#define WGR_KFOLD 0
+#endif
 #ifndef WGR_MIN_BLOCKS
 #define WGR_MIN_BLOCKS 4
 #endif
@@ -913,6 +924,9 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
   prefetch(blockIdx.x);
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * WG_KEYS;
+    int kbase[G];
+    float cg[G];
+#if WGR_KFOLD
     // The warp's window per group (lanes of a quad hold the same keys: offsets 4, 8, 16).
     u32 mx = 0u, mn = 0xFFFFFFFFu;
 #pragma unroll
@@ -926,26 +940,35 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
       mx = __vmaxu4(mx, __shfl_xor_sync(FULL_MASK, mx, o));
       mn = __vminu4(mn, __shfl_xor_sync(FULL_MASK, mn, o));
     }
-    int kbase[G];
-    float cg[G];
     const bool fold = key_fold<1>(&mx, &mn, fold_q, qbase, kbase, cg);
+#else
+    const bool fold = false;
+#pragma unroll
+    for (int g = 0; g < G; ++g) kbase[g] = 0, cg[g] = 0.0f;
+#endif
     u32 af[G][4];
     const u32 esc[2] = {rsc[0], rsc[1]};
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        const u32 e = (rsc[kk] >> (8 * g)) & 0xFFu;
-        const int sh = (fold && !none[kk]) ? (int)e - kbase[g] : 0;
-        e2m1_word_tab(raw[kk][g], stab[sh + 9][0], stab[sh + 9][1], af[g][kk], af[g][2 + kk]);
+        if (fold) {
+          const u32 e = (rsc[kk] >> (8 * g)) & 0xFFu;
+          const int sh = none[kk] ? 0 : (int)e - kbase[g];
+          e2m1_word_tab(raw[kk][g], stab[sh + 9][0], stab[sh + 9][1], af[g][kk], af[g][2 + kk]);
+        } else {
+          e2m1_word_tab(raw[kk][g], stab[9][0], stab[9][1], af[g][kk], af[g][2 + kk]);
+        }
       }
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
 
     float a[32];
     if (fold)
-      wgr_group_sums<true>(a, af, sB, cg, sqs, esc, tig);
+      wgr_group_sums<0>(a, af, sB, cg, sqs, esc, tig);
+    else if (fold_q)
+      wgr_group_sums<1>(a, af, sB, cg, sqs, esc, tig);
     else
-      wgr_group_sums<false>(a, af, sB, cg, sqs, esc, tig);
+      wgr_group_sums<2>(a, af, sB, cg, sqs, esc, tig);
     // The epilogue of mqa_logits_wg.
     float s[4];
 #pragma unroll

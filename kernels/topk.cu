@@ -5,7 +5,7 @@
 // Everything ranks by the order-preserving 32-bit key (rank_key); key 0 marks "not a
 // candidate" (a consumer row's keys outside its kept blocks), no score has key 0. Per
 // row, the first that applies:
-// - sampled threshold (long rows, K <= 1024): a sample gives a threshold t, one pass
+// - sampled threshold (long rows, K <= 2048): a sample gives a threshold t, one pass
 //   collects the keys >= t into shared memory, and the exact selection runs there;
 // - two passes: an 11-bit histogram finds the K-th key's bin, a second pass collects
 //   the keys above it (selected) and in it (candidates, resolved in shared memory);
@@ -72,10 +72,17 @@ __device__ __forceinline__ i32 out_id(const RowSrc &s, u32 j) {
 #define TK_CAND_CAP 3072   // candidate keys held for the exact resolution
 static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
 // Sampled threshold (one pass over long rows): a sample of TK_SEL_CAP keys in chunks of
-// 32, its rank-r key t with about TK_CAND_CAP / 2 keys of the row expected at or above
-// it; rows of at least TK_SAMPLE_MIN keys, n > 16 K and 3 K <= TK_CAND_CAP.
+// 32, its rank-r key t with about (K + TK_CAND_CAP) / 2 keys of the row expected at or
+// above it, midway between too few (< K) and too many (> TK_CAND_CAP); rows of at least
+// TK_SAMPLE_MIN keys, n > 16 K and 3 K <= 2 TK_CAND_CAP (K <= 2048). The narrowest margin
+// is K = 2048's, +-20 %: for n <= 64 K that is at least 2.5 standard deviations of the
+// sampled estimate (rank r >= 160), and a miss only costs the two-pass path.
+// TK_SAMPLE_WIDE=0: the v5 rule (target TK_CAND_CAP / 2, 3 K <= TK_CAND_CAP), an A/B knob.
 #ifndef TK_SAMPLED
 #define TK_SAMPLED 1
+#endif
+#ifndef TK_SAMPLE_WIDE
+#define TK_SAMPLE_WIDE 1
 #endif
 #define TK_SAMPLE_MIN 16384
 #ifndef TK_UNROLL
@@ -170,7 +177,8 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   }
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
-  const u32 r = (u32)(((u64)(TK_CAND_CAP / 2) * S + n - 1) / n);  // in 1 .. S
+  const u32 target = TK_SAMPLE_WIDE ? (K + TK_CAND_CAP) / 2 : TK_CAND_CAP / 2;
+  const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
   u32 t, unused;
   radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
   if (sm.misc[7] < r) return false;  // fewer than r candidates sampled (a consumer's bitmap)
@@ -219,7 +227,8 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
-  if (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > 16u * K && 3u * K <= TK_CAND_CAP &&
+  if (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > 16u * K &&
+      3u * K <= (TK_SAMPLE_WIDE ? 2u : 1u) * TK_CAND_CAP &&
       sampled_candidates<MODE>(sm, src, n, K)) {
     need = K;  // every candidate is a key >= t; none selected yet
   } else {
