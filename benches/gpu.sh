@@ -7,7 +7,7 @@
 #
 # With no arguments it runs all four parts. Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
-# WGR_MIN_BLOCKS, W16_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS).
+# WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -27,9 +27,11 @@ if has tests; then
   # The mma.sync logits kernel where wgmma is the default (H = 32 exact class).
   DSA_CUDA_DEFINES="WGMMA=0" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/WGMMA=0: /' | tee -a "$OUT/summary.txt"
-  # The exact class with its keys in registers (mqa_logits_wgr).
-  DSA_CUDA_DEFINES="WG_RS=1" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden same_bits >> "$OUT/tests.txt" 2>&1
-  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/WG_RS=1: /' | tee -a "$OUT/summary.txt"
+  # The exact class through shared memory (mqa_logits_wg), and with per-tile key folding.
+  for defs in "WG_RS=0" "WGR_KFOLD=1"; do
+    DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden same_bits >> "$OUT/tests.txt" 2>&1
+    grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
+  done
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
@@ -49,9 +51,9 @@ fi
 
 if has ab; then
   # workload:defines, each against the same call's default run above.
-  for ab in "v41-chunk:WGMMA=0" "v41-chunk:SCALE_FOLD=0" "v41-chunk:TK_SAMPLED=0" \
-            "v41-chunk:WG_RS=1" "v41-chunk:WG_RS=1 WGR_KFOLD=1" "v41-chunk:WG_RS=1 SCALE_FOLD=0" \
-            "v32-16k:WGMMA=0" "v32-64k:TK_SAMPLE_WIDE=0"; do
+  for ab in "v41-chunk:WGMMA=0" "v41-chunk:WG_RS=0" "v41-chunk:WGR_KFOLD=1" \
+            "v41-chunk:SCALE_FOLD=0" "v41-chunk:TK_SAMPLED=0" \
+            "v32-16k:WGMMA=0" "v32-64k:TK_SAMPLE_WIDE=0" "v41-1m-256m:TK_SAMPLE_WIDE=0"; do
     wl="${ab%%:*}" defs="${ab#*:}"
     log "A/B $wl: $defs"
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1

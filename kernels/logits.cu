@@ -798,24 +798,16 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
 // that warp's accumulator rows, so no block-wide reduction is needed.
 
 // The tile's t_g and SPEC 4's pairwise group sum, as wg_group_sums, from A fragments
-// af[g] in registers. FM 0: the key tile folds (t_g = X_g * cg[g]); 1: only the
-// block's queries fold (t_g = (X_g * qs_g) * kc, with qs_g = 2^(ebq_g - 129) the same for
-// every row and head); 2: neither (t_g = (X_g * qs) * kc, qs per row and head, both from
-// shared memory). kc from esc[kk], the
+// af[g] in registers. `one` (per thread: the MMAs are outside the branch, so warps and
+// lanes may differ): t_g = X_g * cf[kk][g], one multiply by a power of two; else
+// t_g = (X_g * qs) * kc, qs per row and head from shared memory and kc from esc[kk], the
 // packed scale bytes of this thread's keys (0 for keys past the group's, whose
 // products are 0).
-template <int FM>
 __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G][4],
-                                               const u8 *sB, const float (&cg)[G],
+                                               const u8 *sB, const bool one,
+                                               const float (&cf)[2][G],
                                                const float (*sqs)[G * H],
                                                const u32 (&esc)[2], const int tig) {
-  auto scaled = [&](float x, int g, int i) -> float {
-    if (FM == 0) return __fmul_rn(x, cg[g]);
-    const int j = i >> 2, kk = (i >> 1) & 1, e = i & 1;
-    const int r = j >> 2, h = (j & 3) * 8 + 2 * tig + e;
-    const float qs = sqs[FM == 1 ? 0 : r][g * H + (FM == 1 ? 0 : h)];
-    return __fmul_rn(__fmul_rn(x, qs), ue8m0_pow2((esc[kk] >> (8 * g)) & 0xFFu, 0));
-  };
   constexpr u32 lbo = (WG_N / 8) * 128;
   float x0[32], x1[32];
 #pragma unroll
@@ -827,10 +819,25 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
     wgmma_wait<0>();
     fence_regs(x0);
     fence_regs(x1);
+    if (one) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const float p = __fadd_rn(scaled(x0[i], g2, i), scaled(x1[i], g2 + 1, i));
-      a[i] = g2 == 0 ? p : __fadd_rn(a[i], p);
+      for (int i = 0; i < 32; ++i) {
+        const int kk = (i >> 1) & 1;
+        const float p = __fadd_rn(__fmul_rn(x0[i], cf[kk][g2]), __fmul_rn(x1[i], cf[kk][g2 + 1]));
+        a[i] = g2 == 0 ? p : __fadd_rn(a[i], p);
+      }
+    } else {
+      auto scaled = [&](float x, int g, int i) -> float {
+        const int j = i >> 2, kk = (i >> 1) & 1, e = i & 1;
+        const int r = j >> 2, h = (j & 3) * 8 + 2 * tig + e;
+        return __fmul_rn(__fmul_rn(x, sqs[r][g * H + h]),
+                         ue8m0_pow2((esc[kk] >> (8 * g)) & 0xFFu, 0));
+      };
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const float p = __fadd_rn(scaled(x0[i], g2, i), scaled(x1[i], g2 + 1, i));
+        a[i] = g2 == 0 ? p : __fadd_rn(a[i], p);
+      }
     }
   }
 }
@@ -948,6 +955,23 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 #endif
     u32 af[G][4];
     const u32 esc[2] = {rsc[0], rsc[1]};
+    // One multiply per group: by C_g when the key tile folds; else, when the queries
+    // fold, by C = 2^(ebq_g - 129) * 2^(ek - 127), this key's: X_g * 2^(ebq_g - 129) is
+    // exact (qtop <= 244 keeps it finite, and every multiple of 2^-149 with 13
+    // significant bits is an f32), so rounding X_g * C once is rounding the reference's
+    // exact first product times 2^(ek - 127): bitwise. A key whose C is no f32 takes
+    // both multiplies (for the thread's tile).
+    bool one = fold || fold_q;
+    float cf[2][G];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int ce = qbase[g] + (int)((rsc[kk] >> (8 * g)) & 0xFFu) - 256;
+        const bool ok = none[kk] || (ce >= -149 && ce <= 127);
+        one = one && (fold || ok);
+        cf[kk][g] = fold ? cg[g] : (none[kk] || !ok) ? 0.0f : pow2i(ce);
+      }
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
@@ -963,12 +987,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
 
     float a[32];
-    if (fold)
-      wgr_group_sums<0>(a, af, sB, cg, sqs, esc, tig);
-    else if (fold_q)
-      wgr_group_sums<1>(a, af, sB, cg, sqs, esc, tig);
-    else
-      wgr_group_sums<2>(a, af, sB, cg, sqs, esc, tig);
+    wgr_group_sums(a, af, sB, one, cf, sqs, esc, tig);
     // The epilogue of mqa_logits_wg.
     float s[4];
 #pragma unroll

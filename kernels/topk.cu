@@ -72,12 +72,15 @@ __device__ __forceinline__ i32 out_id(const RowSrc &s, u32 j) {
 #define TK_CAND_CAP 3072   // candidate keys held for the exact resolution
 static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
 // Sampled threshold (one pass over long rows): a sample of TK_SEL_CAP keys in chunks of
-// 32, its rank-r key t with about (K + TK_CAND_CAP) / 2 keys of the row expected at or
-// above it, midway between too few (< K) and too many (> TK_CAND_CAP); rows of at least
-// TK_SAMPLE_MIN keys, n > 16 K and 3 K <= 2 TK_CAND_CAP (K <= 2048). The narrowest margin
+// 32, its rank-r key t with about `target` keys of the row expected at or above it:
+// TK_CAND_CAP / 2 when 3 K <= TK_CAND_CAP (K <= 1024), else (K + TK_CAND_CAP) / 2,
+// midway between too few (< K) and too many (> TK_CAND_CAP), for K up to 2048 (3 K <= 2
+// TK_CAND_CAP); rows of at least TK_SAMPLE_MIN keys and n > 16 K. The narrowest margin
 // is K = 2048's, +-20 %: for n <= 64 K that is at least 2.5 standard deviations of the
-// sampled estimate (rank r >= 160), and a miss only costs the two-pass path.
-// TK_SAMPLE_WIDE=0: the v5 rule (target TK_CAND_CAP / 2, 3 K <= TK_CAND_CAP), an A/B knob.
+// sampled estimate (rank r >= 160), and a miss only costs the two-pass path. (The
+// midpoint for every K, tried first, cost v41-1m at 256 MiB 46 -> 62 ms of selection:
+// at K = 512 and n = 1 M the rank is 7, and the narrower upper margin missed often.)
+// TK_SAMPLE_WIDE=0: K <= 1024 only (the v5 rule), an A/B knob.
 #ifndef TK_SAMPLED
 #define TK_SAMPLED 1
 #endif
@@ -177,7 +180,7 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   }
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
-  const u32 target = TK_SAMPLE_WIDE ? (K + TK_CAND_CAP) / 2 : TK_CAND_CAP / 2;
+  const u32 target = 3u * K <= TK_CAND_CAP ? TK_CAND_CAP / 2 : (K + TK_CAND_CAP) / 2;
   const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
   u32 t, unused;
   radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);

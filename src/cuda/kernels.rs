@@ -66,7 +66,7 @@ pub const LOGITS_W16_ROWS: usize = 2;
 /// MMA).
 pub const LOGITS_WG_ROWS: usize = 2;
 /// Warpgroups per `mqa_logits_wg` block (`WG_GROUPS`, sharing a key tile; 2 measured no
-/// faster than 1 on v41-chunk).
+/// faster than 1 on v41-chunk). `mqa_logits_wgr` always has one.
 pub const LOGITS_WG_GROUPS: usize = 1;
 
 /// [`LOGITS_WG_GROUPS`], or a `WG_GROUPS=` override (1 or 2) in `$DSA_CUDA_DEFINES`
@@ -76,10 +76,11 @@ pub fn logits_wg_groups() -> usize {
 }
 
 /// Whether the `H = 32` exact class takes its keys into registers (`mqa_logits_wgr`, one
-/// warpgroup per block) rather than through shared memory (`mqa_logits_wg`): `WG_RS=1`
-/// in `$DSA_CUDA_DEFINES` (an A/B knob).
+/// warpgroup per block; the default) rather than through shared memory
+/// (`mqa_logits_wg`, `WG_RS=0` in `$DSA_CUDA_DEFINES`, an A/B knob). One call on
+/// v41-chunk: 40.2 vs 45.7 ms of logits (benches/RESULTS.md v8).
 pub fn logits_wg_registers() -> bool {
-    define_in("WG_RS", 0..=1) == Some(1)
+    define_in("WG_RS", 0..=1) != Some(0)
 }
 
 /// `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs separated by spaces; tuning knobs for
