@@ -3,9 +3,9 @@
 # its A/B variants, each writing its log under $OUT (default ./gpu-out).
 #
 #   ../shared/gpu/stage && cp -r ../shared/golden .gpu/golden    # here
-#   run: bash benches/gpu.sh [tests] [bench] [ab] [torch]         # there, carry .gpu
+#   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu]   # there, carry .gpu
 #
-# With no arguments it runs all four parts. Variants are compiled per process from
+# With no arguments it runs the first four parts (ncu: hardware counters, on request). Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
 # WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS).
 set -uo pipefail
@@ -32,6 +32,11 @@ if has tests; then
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden same_bits >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   done
+  # Knobs on trial: the w16 epilogue with fma, the sampled top-k on shorter rows.
+  DSA_CUDA_DEFINES="W16_FMA=1" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 tolerance e4m3_h64 >> "$OUT/tests.txt" 2>&1
+  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/W16_FMA=1: /" | tee -a "$OUT/summary.txt"
+  DSA_CUDA_DEFINES="TK_SAMPLE_RATIO=8" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 topk_sampled >> "$OUT/tests.txt" 2>&1
+  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/TK_SAMPLE_RATIO=8: /" | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
@@ -53,10 +58,21 @@ if has ab; then
   # workload:defines, each against the same call's default run above.
   for ab in "v41-chunk:WGMMA=0" "v41-chunk:WG_RS=0" "v41-chunk:WGR_KFOLD=1" \
             "v41-chunk:SCALE_FOLD=0" "v41-chunk:TK_SAMPLED=0" \
-            "v32-16k:WGMMA=0" "v32-64k:TK_SAMPLE_WIDE=0" "v41-1m-256m:TK_SAMPLE_WIDE=0"; do
+            "v32-16k:WGMMA=0" "v32-16k:W16_FMA=1" "v32-64k:W16_FMA=1" \
+            "v32-64k:TK_SAMPLE_WIDE=0" "v32-64k:TK_SAMPLE_RATIO=8"; do
     wl="${ab%%:*}" defs="${ab#*:}"
     log "A/B $wl: $defs"
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
+  done
+fi
+
+if has ncu; then
+  # Hardware counters of the first logits launch of each workload.
+  for wl in v32-16k v41-chunk; do
+    log "ncu $wl"
+    timeout 180 ncu --clock-control none -k regex:mqa_logits -c 1 --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --section Occupancy $B/dsa-cuda-bench $wl --reps 1 > "$OUT/ncu-$wl.txt" 2>&1
   done
 fi
 

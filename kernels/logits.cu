@@ -1040,6 +1040,23 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 #define W16_MIN_BLOCKS 4
 #endif
 static_assert(W16_N == 128, "one m64n128 tile per k16 step");
+// W16_FMA=1 (an A/B knob): head_quad's products and first add as one fma, relu as one
+// max. The tolerance class allows it: one rounding fewer, and max(-0, +0) may keep a -0
+// that ranks as +0.
+#ifndef W16_FMA
+#define W16_FMA 0
+#endif
+__device__ __forceinline__ float w16_head_quad(const float2 wv, const float a0, const float a1,
+                                               const float a2, const float a3, const bool odd) {
+#if W16_FMA
+  const float u0 = __fmaf_rn(wv.y, fmaxf(a1, 0.0f), __fmul_rn(wv.x, fmaxf(a0, 0.0f)));
+  const float u1 = __fmaf_rn(wv.y, fmaxf(a3, 0.0f), __fmul_rn(wv.x, fmaxf(a2, 0.0f)));
+  const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
+  return __fadd_rn(odd ? u1 : u0, r1);
+#else
+  return head_quad(wv, a0, a1, a2, a3, odd);
+#endif
+}
 
 // The W16_S words of one key (or query head) row this thread's fragments take: bytes
 // (D / 4) tig .. + D / 4.
@@ -1142,9 +1159,9 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
     for (int nt = 0; nt < 8; ++nt) {
       const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
       const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
-      const float v0 = head_quad(w0, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3], odd);
+      const float v0 = w16_head_quad(w0, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3], odd);
       const int i = 4 * (8 + nt);
-      const float v1 = head_quad(w1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3], odd);
+      const float v1 = w16_head_quad(w1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3], odd);
       s8[nt] = lane_pair_sum(v0, v1, hi);
     }
     float logit = __fmul_rn(pairwise_f32<8>(s8), kscale);

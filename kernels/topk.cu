@@ -87,6 +87,10 @@ static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
 #ifndef TK_SAMPLE_WIDE
 #define TK_SAMPLE_WIDE 1
 #endif
+// Rows take the sampled path when n > TK_SAMPLE_RATIO * K (an A/B knob).
+#ifndef TK_SAMPLE_RATIO
+#define TK_SAMPLE_RATIO 16
+#endif
 #define TK_SAMPLE_MIN 16384
 #ifndef TK_UNROLL
 #define TK_UNROLL 4  // loads in flight per thread in the collecting pass
@@ -230,7 +234,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
-  if (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > 16u * K &&
+  if (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > (u32)TK_SAMPLE_RATIO * K &&
       3u * K <= (TK_SAMPLE_WIDE ? 2u : 1u) * TK_CAND_CAP &&
       sampled_candidates<MODE>(sm, src, n, K)) {
     need = K;  // every candidate is a key >= t; none selected yet
