@@ -5,9 +5,11 @@
 #   ../shared/gpu/stage && cp -r ../shared/golden .gpu/golden    # here
 #   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu]   # there, carry .gpu
 #
-# With no arguments it runs the first four parts (ncu: hardware counters, on request). Variants are compiled per process from
+# With no arguments it runs the first four parts (ncu: hardware counters, on request).
+# Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
-# WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS).
+# WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W16_FMA, RELU_FMAX, TK_SAMPLE_WIDE,
+# TK_SAMPLE_RATIO, LG_ROWS, LG_MIN_BLOCKS).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -32,11 +34,9 @@ if has tests; then
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden same_bits >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   done
-  # Knobs on trial: the w16 epilogue with fma, the sampled top-k on shorter rows.
-  DSA_CUDA_DEFINES="W16_FMA=1" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 tolerance e4m3_h64 >> "$OUT/tests.txt" 2>&1
-  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/W16_FMA=1: /" | tee -a "$OUT/summary.txt"
-  DSA_CUDA_DEFINES="TK_SAMPLE_RATIO=8" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 topk_sampled >> "$OUT/tests.txt" 2>&1
-  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/TK_SAMPLE_RATIO=8: /" | tee -a "$OUT/summary.txt"
+  # The A/B knobs' other sides: relu as compare-and-select.
+  DSA_CUDA_DEFINES="RELU_FMAX=0" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class special golden tolerance e4m3_h64 >> "$OUT/tests.txt" 2>&1
+  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/RELU_FMAX=0: /" | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
@@ -56,10 +56,10 @@ fi
 
 if has ab; then
   # workload:defines, each against the same call's default run above.
-  for ab in "v41-chunk:WGMMA=0" "v41-chunk:WG_RS=0" "v41-chunk:WGR_KFOLD=1" \
+  for ab in "v41-chunk:RELU_FMAX=0" "v41-chunk:WG_RS=0" "v41-chunk:WGMMA=0" \
             "v41-chunk:SCALE_FOLD=0" "v41-chunk:TK_SAMPLED=0" \
-            "v32-16k:WGMMA=0" "v32-16k:W16_FMA=1" "v32-64k:W16_FMA=1" \
-            "v32-64k:TK_SAMPLE_WIDE=0" "v32-64k:TK_SAMPLE_RATIO=8"; do
+            "v32-16k:RELU_FMAX=0" "v32-16k:W16_FMA=0" "v32-16k:WGMMA=0" \
+            "v32-64k:W16_FMA=0" "v32-64k:TK_SAMPLE_RATIO=16" "v32-64k:TK_SAMPLE_WIDE=0"; do
     wl="${ab%%:*}" defs="${ab#*:}"
     log "A/B $wl: $defs"
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1

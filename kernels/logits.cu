@@ -79,10 +79,14 @@ static_assert(G == 1 || G == 2 || G == 4, "D must be 32, 64 or 128");
 static_assert(LG_KEYS % 32 == 0, "keys per block: whole pairs of 16-key m-tiles");
 static_assert((KSTRIDE / 4) % 8 == 4, "key row stride must rotate banks by 4 words");
 
-// relu as SPEC 4 writes it (a compare and a select), or (RELU_FMAX=1, an experiment)
-// as one max.f32, which returns +0 for NaN; its sign of max(-0, +0) is what the bitwise
-// tests check.
-#if defined(RELU_FMAX) && RELU_FMAX
+// relu as one max.f32 (RELU_FMAX=1, the default): the PTX ISA defines max.f32 without
+// .NaN as "NaN operand -> the other operand, else (x > y) ? x : y, with +0.0 > -0.0",
+// so max(x, +0.0) is SPEC 4's x > 0 ? x : +0.0 for every x: NaN -> +0, -0 -> +0.
+// RELU_FMAX=0 spells it as SPEC 4 writes it (a compare and a select), an A/B knob.
+#ifndef RELU_FMAX
+#define RELU_FMAX 1
+#endif
+#if RELU_FMAX
 #define RELU(x) fmaxf((x), 0.0f)
 #else
 #define RELU(x) relu_f32(x)
@@ -1040,17 +1044,17 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 #define W16_MIN_BLOCKS 4
 #endif
 static_assert(W16_N == 128, "one m64n128 tile per k16 step");
-// W16_FMA=1 (an A/B knob): head_quad's products and first add as one fma, relu as one
-// max. The tolerance class allows it: one rounding fewer, and max(-0, +0) may keep a -0
-// that ranks as +0.
+// W16_FMA=1 (the default; 0 is an A/B knob): head_quad's second product and first add
+// as one fma. The tolerance class allows it (one rounding fewer). One call: v32-64k
+// logits 67.6 ms against 69.6 (benches/RESULTS.md v8).
 #ifndef W16_FMA
-#define W16_FMA 0
+#define W16_FMA 1
 #endif
 __device__ __forceinline__ float w16_head_quad(const float2 wv, const float a0, const float a1,
                                                const float a2, const float a3, const bool odd) {
 #if W16_FMA
-  const float u0 = __fmaf_rn(wv.y, fmaxf(a1, 0.0f), __fmul_rn(wv.x, fmaxf(a0, 0.0f)));
-  const float u1 = __fmaf_rn(wv.y, fmaxf(a3, 0.0f), __fmul_rn(wv.x, fmaxf(a2, 0.0f)));
+  const float u0 = __fmaf_rn(wv.y, RELU(a1), __fmul_rn(wv.x, RELU(a0)));
+  const float u1 = __fmaf_rn(wv.y, RELU(a3), __fmul_rn(wv.x, RELU(a2)));
   const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
   return __fadd_rn(odd ? u1 : u0, r1);
 #else

@@ -75,7 +75,7 @@ static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
 // 32, its rank-r key t with about `target` keys of the row expected at or above it:
 // TK_CAND_CAP / 2 when 3 K <= TK_CAND_CAP (K <= 1024), else (K + TK_CAND_CAP) / 2,
 // midway between too few (< K) and too many (> TK_CAND_CAP), for K up to 2048 (3 K <= 2
-// TK_CAND_CAP); rows of at least TK_SAMPLE_MIN keys and n > 16 K. The narrowest margin
+// TK_CAND_CAP); rows of at least TK_SAMPLE_MIN keys and n > TK_SAMPLE_RATIO K. The narrowest margin
 // is K = 2048's, +-20 %: for n <= 64 K that is at least 2.5 standard deviations of the
 // sampled estimate (rank r >= 160), and a miss only costs the two-pass path. (The
 // midpoint for every K, tried first, cost v41-1m at 256 MiB 46 -> 62 ms of selection:
@@ -87,9 +87,10 @@ static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
 #ifndef TK_SAMPLE_WIDE
 #define TK_SAMPLE_WIDE 1
 #endif
-// Rows take the sampled path when n > TK_SAMPLE_RATIO * K (an A/B knob).
+// Rows take the sampled path when n > TK_SAMPLE_RATIO * K (and n >= TK_SAMPLE_MIN). One
+// call on v32-64k (K = 2048): 8 selects in 11.23 ms, 16 in 12.09 (benches/RESULTS.md v8).
 #ifndef TK_SAMPLE_RATIO
-#define TK_SAMPLE_RATIO 16
+#define TK_SAMPLE_RATIO 8
 #endif
 #define TK_SAMPLE_MIN 16384
 #ifndef TK_UNROLL
