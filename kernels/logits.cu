@@ -852,6 +852,11 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
 #ifndef WGR_KFOLD
 #define WGR_KFOLD 0
 #endif
+// The per-key constants of the one-multiply form as one f32 product of powers of two (1)
+// or from the exponent sum in integers (0, an A/B knob).
+#ifndef WGR_CF
+#define WGR_CF 1
+#endif
 #ifndef WGR_MIN_BLOCKS
 #define WGR_MIN_BLOCKS 4
 #endif
@@ -917,17 +922,19 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
   u32 raw[2][G], rsc[2];
   bool none[2];
   auto prefetch = [&](u32 c) {
+    const u32 j = c * WG_KEYS + 16 * warp + gid;  // key kk = 0; kk = 1 is j + 8
+    const u8 *kp = k + (u64)(ks + j) * (D / 2) + 4 * tig;
+    const u8 *sp = k_scale8 + (u64)(ks + j) * G;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      const u32 j = c * WG_KEYS + 16 * warp + gid + 8 * kk;
-      none[kk] = j >= grp.z;
+      none[kk] = j + 8 * kk >= grp.z;
       rsc[kk] = 0u;
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         raw[kk][g] = 0u;
         if (!none[kk]) {
-          raw[kk][g] = *reinterpret_cast<const u32 *>(k + (u64)(ks + j) * (D / 2) + 16 * g + 4 * tig);
-          rsc[kk] |= (u32)k_scale8[(u64)(ks + j) * G + g] << (8 * g);
+          raw[kk][g] = *reinterpret_cast<const u32 *>(kp + 8 * kk * (D / 2) + 16 * g);
+          rsc[kk] |= (u32)sp[8 * kk * G + g] << (8 * g);
         }
       }
     }
@@ -967,6 +974,21 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     // both multiplies (for the thread's tile).
     bool one = fold || fold_q;
     float cf[2][G];
+#if WGR_CF
+    // C = qf_g * 2^(ek - 127), qf_g = 2^(ebq_g - 129) (sqs's value for every row and head
+    // when the queries fold): a product of two powers of two, exact when C >= 2^-149 and
+    // finite, and 0 or inf exactly when it is not. A key past the group's has ek = 0 and
+    // zero products: it may only send the thread to the two-multiply form.
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const u32 e = (rsc[kk] >> (8 * g)) & 0xFFu;
+        const float c = __fmul_rn(sqs[0][g * H], __uint_as_float(e ? e << 23 : 0x00400000u));
+        one = one && (fold || (c != 0.0f && c < __uint_as_float(0x7F800000u)));
+        cf[kk][g] = fold ? cg[g] : c;
+      }
+#else
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
@@ -976,6 +998,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
         one = one && (fold || ok);
         cf[kk][g] = fold ? cg[g] : (none[kk] || !ok) ? 0.0f : pow2i(ce);
       }
+#endif
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
