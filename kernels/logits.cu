@@ -1,5 +1,10 @@
-// mqa_logits: SPEC 4 on tensor cores (mma.sync); mqa_logits_wg (end of file): the exact
-// class for H = 32, D >= 64 on wgmma, which the host picks for those variants.
+// SPEC 4's logits on tensor cores. Four entry points; the host picks one per variant
+// (cuda::kernels::logits_kernel):
+// - mqa_logits: every variant on mma.sync (the fallback, and WGMMA=0);
+// - mqa_logits_wgr: the exact class for H = 32, D >= 64 on fp8 wgmma with the keys in
+//   registers (the default for those variants);
+// - mqa_logits_wg: the same through shared memory (WG_RS=0, the A/B baseline);
+// - mqa_logits_w16: E4M3 x E4M3 for H = 64 on f16 wgmma.
 // block: one row group (<= LG_ROWS rows of one request, one warp each) x key tiles
 //        c = blockIdx.x, blockIdx.x + gridDim.x, .. of LG_KEYS keys -> logits[row_off[i] + j], j < n_i.
 //
