@@ -857,11 +857,6 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
 #ifndef WGR_KFOLD
 #define WGR_KFOLD 0
 #endif
-// The per-key constants of the one-multiply form as one f32 product of powers of two (1)
-// or from the exponent sum in integers (0, an A/B knob).
-#ifndef WGR_CF
-#define WGR_CF 1
-#endif
 #ifndef WGR_MIN_BLOCKS
 #define WGR_MIN_BLOCKS 4
 #endif
@@ -979,7 +974,6 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     // both multiplies (for the thread's tile).
     bool one = fold || fold_q;
     float cf[2][G];
-#if WGR_CF
     // C = qf_g * 2^(ek - 127), qf_g = 2^(ebq_g - 129) (sqs's value for every row and head
     // when the queries fold): a product of two powers of two, exact when C >= 2^-149 and
     // finite, and 0 or inf exactly when it is not. A key past the group's has ek = 0 and
@@ -993,17 +987,6 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
         one = one && (fold || (c != 0.0f && c < __uint_as_float(0x7F800000u)));
         cf[kk][g] = fold ? cg[g] : c;
       }
-#else
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        const int ce = qbase[g] + (int)((rsc[kk] >> (8 * g)) & 0xFFu) - 256;
-        const bool ok = none[kk] || (ce >= -149 && ce <= 127);
-        one = one && (fold || ok);
-        cf[kk][g] = fold ? cg[g] : (none[kk] || !ok) ? 0.0f : pow2i(ce);
-      }
-#endif
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll

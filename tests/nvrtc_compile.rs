@@ -4,6 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use dsa_indexer::cuda::kernels::{self, compile, nvrtc_present, Variant};
+use dsa_indexer::problem::Format;
 
 #[test]
 fn every_kernel_compiles_for_sm90a() {
@@ -32,11 +33,14 @@ fn every_kernel_compiles_for_sm90a() {
                     v.name()
                 );
                 // Every kernel the backend loads by name is in its module.
-                let wg;
                 let entries: &[&str] = match v {
+                    // The wgmma kernel the host picks, its A/B alternatives, and the
+                    // mma.sync fallback (WGMMA=0).
+                    Variant::Logits {
+                        q: Format::E4m3, ..
+                    } if kernels::logits_wgmma(*v) => &["mqa_logits", "mqa_logits_w16"],
                     Variant::Logits { .. } if kernels::logits_wgmma(*v) => {
-                        wg = ["mqa_logits", kernels::logits_kernel(*v).0];
-                        &wg
+                        &["mqa_logits", "mqa_logits_wgr", "mqa_logits_wg"]
                     }
                     Variant::Logits { .. } => &["mqa_logits"],
                     Variant::Topk => &[

@@ -37,9 +37,10 @@ pub fn logits_rows(heads: usize) -> usize {
     define_in("LG_ROWS", 1..=16).unwrap_or(default)
 }
 /// Whether the logits of this variant run on Hopper `wgmma` rather than `mqa_logits`
-/// (`mma.sync`): `mqa_logits_wg` for the exact class with `H = 32` and `D >= 64`,
-/// `mqa_logits_w16` (f16 operands) for E4M3 x E4M3 with `H = 64`. `WGMMA=0` in
-/// `$DSA_CUDA_DEFINES` turns both off (an A/B knob).
+/// (`mma.sync`): `mqa_logits_wgr` (or `mqa_logits_wg`, [`logits_wg_registers`]) for the
+/// exact class with `H = 32` and `D >= 64`, `mqa_logits_w16` (f16 operands) for
+/// E4M3 x E4M3 with `H = 64`. `WGMMA=0` in `$DSA_CUDA_DEFINES` turns both off (an A/B
+/// knob).
 pub fn logits_wgmma(v: Variant) -> bool {
     let off = defines().iter().any(|(k, v)| k == "WGMMA" && v == "0");
     match v {
