@@ -594,8 +594,14 @@ fn boundary_sizes_from_the_kernel_constants() {
 #[test]
 fn special_values_are_bitwise() {
     let Some(mut b) = gpu() else { return };
+    // mma.sync (H = 16) and the H = 32 wgmma kernel.
+    for (h, d) in [(16, 128), (32, 128)] {
+        special_values_case(&mut b, h, d);
+    }
+}
+
+fn special_values_case(b: &mut CudaBackend, h: usize, d: usize) {
     let batch = Batch::contiguous(&[40, 9], &[0, 3], 1).unwrap();
-    let (h, d) = (16, 128);
     // UE8M0 bytes 0, 1 and 254; subnormal products; overflow to inf and NaN.
     for (name, qe, ke) in [
         ("scales 0 x 0 (subnormal products)", 0u8, 0u8),
@@ -612,11 +618,15 @@ fn special_values_are_bitwise() {
         c.qs.fill(qe);
         c.ks.fill(ke);
         // Mixed-sign weights so that overflowing heads give inf - inf.
-        check_exact(&mut b, name, &c.problem(Params::new(5), Role::Plain));
+        check_exact(
+            b,
+            &format!("H={h}: {name}"),
+            &c.problem(Params::new(5), Role::Plain),
+        );
         c.w.mapv_inplace(|x| -x.abs());
         check_exact(
-            &mut b,
-            &format!("{name}, negative weights"),
+            b,
+            &format!("H={h}: {name}, negative weights"),
             &c.problem(Params::new(5), Role::Plain),
         );
     }
@@ -624,8 +634,8 @@ fn special_values_are_bitwise() {
     let mut c = Case::random(batch.clone(), h, d, 3);
     c.q.fill(0x88); // -0, -0
     check_exact(
-        &mut b,
-        "all-zero queries",
+        b,
+        &format!("H={h}: all-zero queries"),
         &c.problem(Params::new(4), Role::Plain),
     );
     // Repeated keys: exact ties between different j.
@@ -639,13 +649,13 @@ fn special_values_are_bitwise() {
         }
     }
     check_exact(
-        &mut b,
-        "repeated keys",
+        b,
+        &format!("H={h}: repeated keys"),
         &c.problem(Params::new(6), Role::Plain),
     );
     check_exact(
-        &mut b,
-        "repeated keys, source",
+        b,
+        &format!("H={h}: repeated keys, source"),
         &c.problem(
             Params {
                 topk: 6,
