@@ -653,6 +653,41 @@ __device__ __forceinline__ void wg_group_sums(float (&a)[32], const u8 *sA, cons
   }
 }
 
+// The common start of mqa_logits_wg and mqa_logits_wgr for a block of ROWS rows and
+// THREADS threads: the rows' weights into sw, the folding tables into stab, the block's
+// query-scale window (whether its queries fold, the exponents qbase_g their operands are
+// scaled against) and the query scales sqs (2^(ebq_g - 129) when folding, else
+// 2^(eq - 129)). One barrier, after which stab and the window are visible.
+template <int ROWS, int THREADS, class RowOf>
+__device__ __forceinline__ bool wg_prologue(const u8 *q_scale, const float *w, RowOf row_of,
+                                            float (*sw)[H], float (*sqs)[G * H],
+                                            u32 (*stab)[2], u32 *swq_max, u32 *swq_min,
+                                            int (&qbase)[G], const int tid, const int lane,
+                                            const int warp) {
+  for (int t = tid; t < ROWS * H; t += THREADS) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  shift_tables<false>(stab, tid);
+  {
+    u32 mx = 0u, mn = 255u;
+    for (int t = tid; t < ROWS * H * G; t += THREADS) {
+      const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
+      mx = max(mx, e);
+      mn = min(mn, e);
+    }
+    warp_window(mx, mn, swq_max, swq_min, lane, warp);
+  }
+  __syncthreads();
+  int qtop[G];
+  bool fold_q = block_window<THREADS / 32>(swq_max, swq_min, qbase, qtop) && SCALE_FOLD;
+#pragma unroll
+  for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
+  for (int t = tid; t < ROWS * H * G; t += THREADS) {
+    const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
+    sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
+                               : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
+  }
+  return fold_q;
+}
+
 extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logits_wg(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
@@ -678,28 +713,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
   // Row r of the block (a missing row repeats the last present one; it is never stored).
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
-  for (int t = tid; t < WG_BROWS * H; t += WG_THREADS)
-    sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
-  shift_tables<false>(stab, tid);
-  {
-    u32 mx = 0u, mn = 255u;
-    for (int t = tid; t < WG_BROWS * H * G; t += WG_THREADS) {
-      const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
-      mx = max(mx, e);
-      mn = min(mn, e);
-    }
-    warp_window(mx, mn, swq[0], swq[1], lane, warp);
-  }
-  __syncthreads();
-  int qbase[G], qtop[G];
-  bool fold_q = block_window<4 * WG_GROUPS>(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
-#pragma unroll
-  for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
-  for (int t = tid; t < WG_BROWS * H * G; t += WG_THREADS) {
-    const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
-    sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
-                               : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
-  }
+  int qbase[G];
+  const bool fold_q = wg_prologue<WG_BROWS, WG_THREADS>(q_scale, w, row_of, sw, sqs, stab,
+                                                        swq[0], swq[1], qbase, tid, lane, warp);
   // B: the block's query rows as doubled E4M3 (times 2^(eq - ebq_g) when folding).
   for (int t = tid; t < WG_GROUPS * WG_N * (D / 16); t += WG_THREADS) {
     const int b = t / (WG_N * (D / 16)), n = (t / (D / 16)) % WG_N, kc = t % (D / 16);
@@ -881,27 +897,9 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
   const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
-  for (int t = tid; t < WG_ROWS * H; t += 128) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
-  shift_tables<false>(stab, tid);
-  {
-    u32 mx = 0u, mn = 255u;
-    for (int t = tid; t < WG_ROWS * H * G; t += 128) {
-      const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
-      mx = max(mx, e);
-      mn = min(mn, e);
-    }
-    warp_window(mx, mn, swq[0], swq[1], lane, warp);
-  }
-  __syncthreads();
-  int qbase[G], qtop[G];
-  bool fold_q = block_window<4>(swq[0], swq[1], qbase, qtop) && SCALE_FOLD;
-#pragma unroll
-  for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
-  for (int t = tid; t < WG_ROWS * H * G; t += 128) {
-    const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
-    sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
-                               : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
-  }
+  int qbase[G];
+  const bool fold_q = wg_prologue<WG_ROWS, 128>(q_scale, w, row_of, sw, sqs, stab, swq[0],
+                                                swq[1], qbase, tid, lane, warp);
   // B: column n (row n / H, head n % H), group g: the word of dims 32 g + 8 tt .. + 7
   // -> bytes 4 tt of chunk 2 g (dims + 0..3) and of chunk 2 g + 1 (dims + 4..7).
   for (int t = tid; t < WG_N * G * 4; t += 128) {
