@@ -653,6 +653,28 @@ __device__ __forceinline__ void wg_group_sums(float (&a)[32], const u8 *sA, cons
   }
 }
 
+// term_h = w_h * relu(a_h) and SPEC 4's pairwise head sum over a warpgroup's tile of
+// two rows (sw[0], sw[1]) x 32 heads, a[i] for i = 4j + 2kk + e (row j / 4, head
+// 8 (j % 4) + 2 tig + e): heads (2 tig, +1) in the thread, lane offset 1 (even lanes keep
+// key gid, odd gid + 8), lane offset 2 (lanes with tig bit 1 keep row 1), then the four
+// n-tiles pairwise in the thread. NaN as the contract's 0xFFC00000.
+__device__ __forceinline__ float wg_head_sum(const float (&a)[32], const float (*sw)[H],
+                                             const int tig, const bool odd, const bool hi) {
+  float s[4];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+    const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
+    const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
+    const int i0 = 4 * nt, i1 = 4 * (4 + nt);
+    const float v0 = head_quad(w0, a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3], odd);
+    const float v1 = head_quad(w1, a[i1], a[i1 + 1], a[i1 + 2], a[i1 + 3], odd);
+    s[nt] = lane_pair_sum(v0, v1, hi);  // lanes with tig bit 1 clear keep row 0
+  }
+  float logit = pairwise_f32<4>(s);
+  if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+  return logit;
+}
+
 // The common start of mqa_logits_wg and mqa_logits_wgr for a block of ROWS rows and
 // THREADS threads: the rows' weights into sw, the folding tables into stab, the block's
 // query-scale window (whether its queries fold, the exponents qbase_g their operands are
@@ -783,26 +805,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
       wg_group_sums<true>(a, sA, sB[wg], cg, sqs + wg * WG_ROWS, skscale, wwarp, gid, tig);
     else
       wg_group_sums<false>(a, sA, sB[wg], cg, sqs + wg * WG_ROWS, skscale, wwarp, gid, tig);
-    // term_h = w_h * relu(a_h), SPEC 4's pairwise head sum: heads (2 tig, +1) in the
-    // thread, lane offset 1 (even lanes keep key gid, odd gid + 8), lane offset 2 (lanes
-    // with tig bit 1 keep row 1), then the four n-tiles pairwise in the thread.
-    float s[4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float2 w0 = *reinterpret_cast<const float2 *>(&sw[wg * WG_ROWS][nt * 8 + 2 * tig]);
-      const float2 w1 =
-          *reinterpret_cast<const float2 *>(&sw[wg * WG_ROWS + 1][nt * 8 + 2 * tig]);
-      float v[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float2 wv = r ? w1 : w0;
-        const int i = 4 * (4 * r + nt);
-        v[r] = head_quad(wv, a[i], a[i + 1], a[i + 2], a[i + 3], odd);
-      }
-      s[nt] = lane_pair_sum(v[0], v[1], hi);  // lanes with tig bit 1 clear keep row 0
-    }
-    float logit = pairwise_f32<4>(s);
-    if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+    const float logit = wg_head_sum(a, sw + wg * WG_ROWS, tig, odd, hi);
     const u32 r = wg * WG_ROWS + (hi ? 1u : 0u);
     if (r < grp.y) {
       const u32 row = grp.x + r;
@@ -1001,19 +1004,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 
     float a[32];
     wgr_group_sums(a, af, sB, one, cf, sqs, esc, tig);
-    // The epilogue of mqa_logits_wg.
-    float s[4];
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
-      const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
-      const int i0 = 4 * nt, i1 = 4 * (4 + nt);
-      const float v0 = head_quad(w0, a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3], odd);
-      const float v1 = head_quad(w1, a[i1], a[i1 + 1], a[i1 + 2], a[i1 + 3], odd);
-      s[nt] = lane_pair_sum(v0, v1, hi);
-    }
-    float logit = pairwise_f32<4>(s);
-    if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+    const float logit = wg_head_sum(a, sw, tig, odd, hi);
     const u32 r = hi ? 1u : 0u;
     if (r < grp.y) {
       const u32 row = grp.x + r;
