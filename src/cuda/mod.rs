@@ -62,14 +62,19 @@ pub const ROW_ALIGN: usize = 16;
 /// rounding in the subnormal range, where no relative bound can hold (fuzz/FINDINGS.md
 /// F3: a logit of `5.77e-42` one subnormal ulp off, against `2^-16 * M = 3.9e-46`).
 ///
-/// Derivation of the relative part: `mma.sync` e4m3 forms each 32-product group sum with
-/// f32 accumulation. On sm_90 it runs as f16 MMAs (the SASS is `F2FP` unpacks of the E4M3
-/// operands, exact in f16, and two `HMMA.16816.F32`): exact products, f32 sums (seen
-/// exact in a probe; assumed here only to round each step to f32): at most
-/// `G <= 4` roundings of partial sums bounded by the group magnitudes. After that the
-/// GPU and the reference do the same f32 steps (weight, pairwise head sum of <= 6
-/// levels, key scale), each contributing <= 2^-24 relative to `M` on both sides, and
-/// the reference rounds its exact group sum once: in all about 20 * 2^-24 * M < 2^-19 M.
+/// Derivation of the relative part: the tolerance-class kernels form the group sums on
+/// f16 tensor cores with f32 accumulation, from operands exact in f16: `mma.sync` e4m3
+/// (on sm_90 the SASS is `F2FP` unpacks of the E4M3 operands and two
+/// `HMMA.16816.F32`), and `mqa_logits_w16`'s f16 `wgmma` (E4M3 x E4M3, H = 64; the E4M3
+/// bytes converted by `cvt`): exact products, f32 sums (seen exact in a probe; assumed
+/// here only to round each step to f32; the GPU test
+/// `tolerance_fixed_case_448_squared_plus_31_times_14` holds every kernel to the bound
+/// with products an accumulator keeping fewer than 24 bits would drop): at most
+/// `D / 16 <= 8` roundings of partial sums bounded by the group magnitudes (one per k16
+/// step on `wgmma`; `G <= 4` group steps on `mma.sync`). After that the GPU and the
+/// reference do the same f32 steps (weight, pairwise head sum of <= 6 levels, key
+/// scale), each contributing <= 2^-24 relative to `M` on both sides, and the reference
+/// rounds its exact group sum once: in all about 24 * 2^-24 * M < 2^-19 M.
 /// The stated 2^-16 keeps an 8x margin while still catching an accumulator that keeps
 /// only ~13 bits (as Hopper's fp8 `wgmma` does), whose errors are near 2^-13 M.
 pub const TOLERANCE_LOG2: i32 = -16;
