@@ -815,15 +815,17 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
   }
 }
 
-// ---- mqa_logits_wgr: mqa_logits_wg with the keys in registers (WG_RS=1) --------------
-// The same rows (2 per warpgroup, one warpgroup per block), 64-key tiles, scale
+// ---- mqa_logits_wgr: mqa_logits_wg with the keys in registers (the default) ----------
+// The same rows (2 per warpgroup, one warpgroup per block), 64-key tiles, query
 // folding and epilogue as mqa_logits_wg; the keys go from global memory straight into
 // each warp's A fragments (fp8 wgmma takes A from registers), so the key loop has no
 // shared memory and no barrier. Dims are permuted as in mqa_logits_w16: in group g,
 // thread tig of a quad takes dims 32 g + 8 tig + e (one u32 of 8 codes) as k = 4 tig + e
 // (e < 4) and k = 12 + 4 tig + e (e >= 4) of the group's k32 step, and B is staged in
-// the same order. The folding window is the warp's (its 16 keys): C_g multiplies only
-// that warp's accumulator rows, so no block-wide reduction is needed.
+// the same order. Keys are not folded into the operands: where the queries fold, each
+// group takes one multiply by the key's own power of two (below). With WGR_KFOLD=1 the
+// keys fold too, against the warp's window (its 16 keys: C_g multiplies only that
+// warp's accumulator rows, so no block-wide reduction is needed); measured slower.
 
 // The tile's t_g and SPEC 4's pairwise group sum, as wg_group_sums, from A fragments
 // af[g] in registers. `one` (per thread: the MMAs are outside the branch, so warps and
