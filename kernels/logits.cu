@@ -580,6 +580,43 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   }
 }
 
+// term_h = w_h * relu(a_h) and SPEC 4's pairwise head sum over a warpgroup's tile of
+// two rows (sw[0], sw[1]) x 8 NTL heads, a[i] for i = 4j + 2kk + e (row j / NTL, head
+// 8 (j % NTL) + 2 tig + e; key 16 warp + gid + 8 kk): heads (2 tig, +1) in the thread by
+// `quad` (head_quad or its tolerance-class form), lane offset 1 (even lanes keep key gid,
+// odd gid + 8), lane offset 2 (lanes with tig bit 1 keep row 1), then the NTL n-tiles
+// pairwise in the thread. Used by the wgmma kernels (mqa_logits_wg, _wgr, _w16).
+template <int NTL, class Quad>
+__device__ __forceinline__ float two_row_head_sum(const float (&a)[8 * NTL], const float (*sw)[H],
+                                                  const int tig, const bool odd, const bool hi,
+                                                  Quad quad) {
+  float s[NTL];
+#pragma unroll
+  for (int nt = 0; nt < NTL; ++nt) {
+    const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
+    const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
+    const int i0 = 4 * nt, i1 = 4 * (NTL + nt);
+    const float v0 = quad(w0, a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3], odd);
+    const float v1 = quad(w1, a[i1], a[i1 + 1], a[i1 + 2], a[i1 + 3], odd);
+    s[nt] = lane_pair_sum(v0, v1, hi);  // lanes with tig bit 1 clear keep row 0
+  }
+  return pairwise_f32<NTL>(s);
+}
+
+// Stores a wgmma kernel's logit of row r of the group (if the group has it) and key
+// j = jg (+ 8 on odd lanes, after the head sum) if the row sees it, a NaN as the
+// contract's 0xFFC00000.
+__device__ __forceinline__ void store_logit(float *__restrict__ logits, const u64 *row_off,
+                                            const u32 *row_n, const uint4 grp, const u32 r,
+                                            const u32 jg, const bool odd, float logit) {
+  if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+  if (r < grp.y) {
+    const u32 row = grp.x + r;
+    const u32 j = jg + (odd ? 8 : 0);
+    if (j < row_n[row]) logits[row_off[row] + j] = logit;
+  }
+}
+
 // wgmma operands in shared memory (no swizzle, K-major): byte offset of 16-byte chunk kc of row m in a wgmma operand of `rows` rows.
 __device__ __forceinline__ u32 wg_off(u32 m, u32 kc, u32 rows) {
   return kc * (rows / 8) * 128 + (m / 8) * 128 + (m % 8) * 16;
@@ -651,28 +688,6 @@ __device__ __forceinline__ void wg_group_sums(float (&a)[32], const u8 *sA, cons
       a[i] = g2 == 0 ? p : __fadd_rn(a[i], p);  // G = 4: (t0 + t1) + (t2 + t3)
     }
   }
-}
-
-// term_h = w_h * relu(a_h) and SPEC 4's pairwise head sum over a warpgroup's tile of
-// two rows (sw[0], sw[1]) x 32 heads, a[i] for i = 4j + 2kk + e (row j / 4, head
-// 8 (j % 4) + 2 tig + e): heads (2 tig, +1) in the thread, lane offset 1 (even lanes keep
-// key gid, odd gid + 8), lane offset 2 (lanes with tig bit 1 keep row 1), then the four
-// n-tiles pairwise in the thread. NaN as the contract's 0xFFC00000.
-__device__ __forceinline__ float wg_head_sum(const float (&a)[32], const float (*sw)[H],
-                                             const int tig, const bool odd, const bool hi) {
-  float s[4];
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt) {
-    const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
-    const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
-    const int i0 = 4 * nt, i1 = 4 * (4 + nt);
-    const float v0 = head_quad(w0, a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3], odd);
-    const float v1 = head_quad(w1, a[i1], a[i1 + 1], a[i1 + 2], a[i1 + 3], odd);
-    s[nt] = lane_pair_sum(v0, v1, hi);  // lanes with tig bit 1 clear keep row 0
-  }
-  float logit = pairwise_f32<4>(s);
-  if (logit != logit) logit = __uint_as_float(0xFFC00000u);
-  return logit;
 }
 
 // The common start of mqa_logits_wg and mqa_logits_wgr for a block of ROWS rows and
@@ -805,13 +820,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
       wg_group_sums<true>(a, sA, sB[wg], cg, sqs + wg * WG_ROWS, skscale, wwarp, gid, tig);
     else
       wg_group_sums<false>(a, sA, sB[wg], cg, sqs + wg * WG_ROWS, skscale, wwarp, gid, tig);
-    const float logit = wg_head_sum(a, sw + wg * WG_ROWS, tig, odd, hi);
-    const u32 r = wg * WG_ROWS + (hi ? 1u : 0u);
-    if (r < grp.y) {
-      const u32 row = grp.x + r;
-      const u32 j = j0 + 16 * wwarp + gid + (odd ? 8 : 0);
-      if (j < row_n[row]) logits[row_off[row] + j] = logit;
-    }
+    const float logit = two_row_head_sum<4>(a, sw + wg * WG_ROWS, tig, odd, hi, head_quad);
+    store_logit(logits, row_off, row_n, grp, wg * WG_ROWS + (hi ? 1u : 0u), j0 + 16 * wwarp + gid,
+                odd, logit);
   }
 }
 
@@ -1006,13 +1017,8 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 
     float a[32];
     wgr_group_sums(a, af, sB, one, cf, sqs, esc, tig);
-    const float logit = wg_head_sum(a, sw, tig, odd, hi);
-    const u32 r = hi ? 1u : 0u;
-    if (r < grp.y) {
-      const u32 row = grp.x + r;
-      const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
-      if (j < row_n[row]) logits[row_off[row] + j] = logit;
-    }
+    const float logit = two_row_head_sum<4>(a, sw, tig, odd, hi, head_quad);
+    store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, logit);
   }
 }
 #endif
@@ -1156,28 +1162,11 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
     wgmma_wait<0>();
     fence_regs(acc);
 
-    // acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8).
-    // SPEC 4's head sum: heads (2 tig, +1) in the thread, lane offset 1 (even lanes keep
-    // key gid, odd gid + 8), lane offset 2 (lanes with tig bit 1 keep row 1), then the
-    // eight n-tiles pairwise in the thread.
-    float s8[8];
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
-      const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
-      const float v0 = w16_head_quad(w0, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3], odd);
-      const int i = 4 * (8 + nt);
-      const float v1 = w16_head_quad(w1, acc[i], acc[i + 1], acc[i + 2], acc[i + 3], odd);
-      s8[nt] = lane_pair_sum(v0, v1, hi);
-    }
-    float logit = __fmul_rn(pairwise_f32<8>(s8), kscale);
-    if (logit != logit) logit = __uint_as_float(0xFFC00000u);
-    const u32 r = hi ? 1u : 0u;
-    if (r < grp.y) {
-      const u32 row = grp.x + r;
-      const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
-      if (j < row_n[row]) logits[row_off[row] + j] = logit;
-    }
+    // acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8);
+    // SPEC 4's head sum over the eight n-tiles of each row, then the key scale.
+    const float hsum = two_row_head_sum<8>(acc, sw, tig, odd, hi, w16_head_quad);
+    store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
+                __fmul_rn(hsum, kscale));
   }
 }
 #endif
