@@ -26,17 +26,18 @@ if has tests; then
   DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
   echo "rc=$?" >> "$OUT/tests.txt"
   grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
-  # The mma.sync logits kernel where wgmma is the default (H = 32 exact class).
-  DSA_CUDA_DEFINES="WGMMA=0" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden >> "$OUT/tests.txt" 2>&1
-  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/WGMMA=0: /' | tee -a "$OUT/summary.txt"
-  # The exact class through shared memory (mqa_logits_wg), and with per-tile key folding.
-  for defs in "WG_RS=0" "WGR_KFOLD=1"; do
-    DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class boundary special golden same_bits >> "$OUT/tests.txt" 2>&1
+  # Test filters again under a knob's other side: the mma.sync kernel where wgmma is the
+  # default, the exact class through shared memory and with per-tile key folding, relu as
+  # compare-and-select.
+  knob_tests() {
+    local defs="$1"; shift
+    DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
-  done
-  # The A/B knobs' other sides: relu as compare-and-select.
-  DSA_CUDA_DEFINES="RELU_FMAX=0" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 exact_class special golden tolerance e4m3_h64 >> "$OUT/tests.txt" 2>&1
-  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/RELU_FMAX=0: /" | tee -a "$OUT/summary.txt"
+  }
+  knob_tests "WGMMA=0" exact_class boundary special golden
+  knob_tests "WG_RS=0" exact_class boundary special golden same_bits
+  knob_tests "WGR_KFOLD=1" exact_class boundary special golden same_bits
+  knob_tests "RELU_FMAX=0" exact_class special golden tolerance e4m3_h64
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1

@@ -524,27 +524,18 @@ fn boundary_sizes_from_the_kernel_constants() {
             &c.problem(Params::new(k), Role::Plain),
         );
     }
-    // Row groups of the H = 64 kernel (4 rows a block), +-1.
-    // Row groups of the H < 32 kernels (8 rows a block), +-1.
-    let r8 = kernels::logits_rows(8);
-    for rows in [r8 - 1, r8, r8 + 1, 2 * r8 + 1] {
-        let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
-        let c = Case::random(batch, 8, 64, 700 + rows as u64);
-        check_exact(
-            &mut b,
-            &format!("H=8 rows={rows}"),
-            &c.problem(Params::new(5), Role::Plain),
-        );
-    }
-    let r64 = kernels::logits_rows(64);
-    for rows in [r64 - 1, r64, r64 + 1, 2 * r64 + 1] {
-        let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
-        let c = Case::random(batch, 64, 128, 600 + rows as u64);
-        check_exact(
-            &mut b,
-            &format!("H=64 rows={rows}"),
-            &c.problem(Params::new(7), Role::Plain),
-        );
+    // Row groups of the mma.sync kernel, +-1: H < 32 (8 rows a block) and H = 64 (4).
+    for (h, d, k, seed) in [(8usize, 64usize, 5usize, 700u64), (64, 128, 7, 600)] {
+        let rg = kernels::logits_rows(h);
+        for rows in [rg - 1, rg, rg + 1, 2 * rg + 1] {
+            let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
+            let c = Case::random(batch, h, d, seed + rows as u64);
+            check_exact(
+                &mut b,
+                &format!("H={h} rows={rows}"),
+                &c.problem(Params::new(k), Role::Plain),
+            );
+        }
     }
     // Few long rows: the top-k splits each row across blocks (segments + merge).
     let batch = Batch::explicit(&[20000], &[0, 0, 0], &[19999, 10000, 5], 1).unwrap();

@@ -63,6 +63,25 @@ impl Owned {
     fn plain<'a>(&'a self, inputs: Inputs<'a>) -> Result<(), Error> {
         self.problem(inputs, Params::new(4), Role::Plain)
     }
+    /// K = 4 with candidate blocks of 2 keys, 2 kept per row.
+    fn block_params() -> Params {
+        Params {
+            block_size: 2,
+            num_blocks: 2,
+            ..Params::new(4)
+        }
+    }
+    /// What this batch publishes as a source layer with [`Owned::block_params`].
+    fn published(&self) -> Published {
+        let src = Problem::new(
+            &self.batch,
+            self.inputs(),
+            Self::block_params(),
+            Role::Source { tail: None },
+        )
+        .unwrap();
+        run_cpu(&src, 1 << 20).unwrap().0.published.unwrap()
+    }
 }
 
 /// The error's message must name `field` and show `value`.
@@ -335,23 +354,8 @@ fn values() {
 #[test]
 fn consumer_candidates_must_match() {
     let o = owned();
-    let p = Problem::new(
-        &o.batch,
-        o.inputs(),
-        Params {
-            block_size: 2,
-            num_blocks: 2,
-            ..Params::new(4)
-        },
-        Role::Source { tail: None },
-    )
-    .unwrap();
-    let published = run_cpu(&p, 1 << 20).unwrap().0.published.unwrap();
-    let params = Params {
-        block_size: 2,
-        num_blocks: 2,
-        ..Params::new(4)
-    };
+    let published = o.published();
+    let params = Owned::block_params();
     o.problem(o.inputs(), params, Role::Consumer(&published))
         .unwrap();
     // Width.
@@ -511,18 +515,7 @@ fn driver_entry_points_check_what_they_are_given() {
     );
     b.tile(&p, &plan, 0, &mut out).unwrap();
     // Consumer block ids in column-major layout are refused rather than misread.
-    let src = Problem::new(
-        &o.batch,
-        o.inputs(),
-        Params {
-            block_size: 2,
-            num_blocks: 2,
-            ..Params::new(4)
-        },
-        Role::Source { tail: None },
-    )
-    .unwrap();
-    let mut published = run_cpu(&src, 1 << 20).unwrap().0.published.unwrap();
+    let mut published = o.published();
     published.blocks = published
         .blocks
         .t()
@@ -533,11 +526,7 @@ fn driver_entry_points_check_what_they_are_given() {
     names(
         o.problem(
             o.inputs(),
-            Params {
-                block_size: 2,
-                num_blocks: 2,
-                ..Params::new(4)
-            },
+            Owned::block_params(),
             Role::Consumer(&published),
         ),
         "layout",
