@@ -9,7 +9,7 @@
 # Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
 # WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W16_FMA, RELU_FMAX, TK_SAMPLE_WIDE,
-# TK_SAMPLE_RATIO, LG_ROWS, LG_MIN_BLOCKS).
+# TK_SAMPLE_RATIO, TK_SHORT, LG_ROWS, LG_MIN_BLOCKS).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -38,6 +38,8 @@ if has tests; then
   knob_tests "WG_RS=0" exact_class boundary special golden same_bits
   knob_tests "WGR_KFOLD=1" exact_class boundary special golden same_bits
   knob_tests "RELU_FMAX=0" exact_class special golden tolerance e4m3_h64
+  # Short rows through the two-pass and general paths (the shared-memory row off).
+  knob_tests "TK_SHORT=0" boundary topk_ special golden same_bits
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
@@ -57,7 +59,7 @@ fi
 
 if has ab; then
   # workload:defines, each against the same call's default run above ($AB: a shorter list).
-  AB="${AB:-v41-chunk:RELU_FMAX=0;v41-chunk:WG_RS=0;v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:RELU_FMAX=0;v32-16k:W16_FMA=0;v32-16k:WGMMA=0;v32-64k:W16_FMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-64k:TK_SAMPLE_WIDE=0}"
+  AB="${AB:-v41-chunk:RELU_FMAX=0;v41-chunk:WG_RS=0;v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:RELU_FMAX=0;v32-16k:W16_FMA=0;v32-16k:WGMMA=0;v32-64k:W16_FMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-64k:TK_SAMPLE_WIDE=0;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="${ab#*:}"

@@ -5,6 +5,9 @@
 // Everything ranks by the order-preserving 32-bit key (rank_key); key 0 marks "not a
 // candidate" (a consumer row's keys outside its kept blocks), no score has key 0. Per
 // row, the first that applies:
+// - shared-memory row (rows of at most the launch's row_cap keys): one pass loads the
+//   row's keys into shared memory with an 11-bit histogram, two more digit passes there
+//   give the exact K-th key, and the ordered pass below reads the keys from there;
 // - sampled threshold (long rows, K <= 2048): a sample gives a threshold t, one pass
 //   collects the keys >= t into shared memory, and the exact selection runs there;
 // - two passes: an 11-bit histogram finds the K-th key's bin, a second pass collects
@@ -20,12 +23,20 @@
 #define TK_ITEMS 8  // consecutive ids per thread in the ordered pass
 static_assert(TK_THREADS % 32 == 0 && TK_THREADS <= 1024, "block size");
 static_assert(TK_THREADS * TK_ITEMS <= 65535, "per-chunk counts are packed in 16 bits");
+static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thread");
 
-struct TopkRow {
-  u32 n;        // scores in the row
-  u32 k;        // entries to select
-  u32 pinned;   // block mode: the pinned block's index (ranks first); else ~0u
-};
+// Which path selected a row, counted per launch in `paths[TK_PATH_*]` when the caller
+// passes a counter array (src/cuda/kernels.rs mirrors these ids).
+#define TK_PATH_ALL 0      // at most K candidates: all taken (m <= K, SPEC 5)
+#define TK_PATH_SHORT 1    // the row in shared memory
+#define TK_PATH_SAMPLED 2  // sampled threshold, one pass
+#define TK_PATH_TWO 3      // two passes, the threshold bin resolved in shared memory
+#define TK_PATH_GENERAL 4  // four digit passes over the row
+#define TK_PATHS 5
+// TK_SHORT=0: never take the shared-memory row path (an A/B knob).
+#ifndef TK_SHORT
+#define TK_SHORT 1
+#endif
 
 // Where a row's keys come from. Index j is local to the row (or segment): 0 .. n-1.
 // MODE 0: f32 logits at scores[lo + j] (ranking key computed here), optional consumer
@@ -71,6 +82,7 @@ __device__ __forceinline__ i32 out_id(const RowSrc &s, u32 j) {
 #define TK_SEL_CAP 4096    // selected ids held for the final sort (K <= this)
 #define TK_CAND_CAP 3072   // candidate keys held for the exact resolution
 static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
+static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits a thread");
 // Sampled threshold (one pass over long rows): a sample of TK_SEL_CAP keys in chunks of
 // 32, its rank-r key t with about `target` keys of the row expected at or above it:
 // TK_CAND_CAP / 2 when 3 K <= TK_CAND_CAP (K <= 1024), else (K + TK_CAND_CAP) / 2,
@@ -170,6 +182,84 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
   return true;
 }
 
+// The shared-memory row: buf (capacity at least ceil8(n), 16-byte aligned) receives the
+// row's n keys, and three digit passes of 11, 11 and 10 bits find the K-th key T and
+// how many keys equal to T are taken (the caller takes the lowest ids among them). The
+// first pass histograms the keys as they arrive from global memory; the other two read
+// buf, counting only the keys that match the digits found so far. Each pass ends in one
+// block scan of the histogram from its top digit. False when at most K keys are
+// candidates (every one is selected; T and take unset). Uses hist, scan and misc[0..1].
+template <int MODE>
+__device__ bool short_row_threshold(TopkSmem &sm, u32 *buf, const RowSrc &src, const u32 n,
+                                    const u32 K, u32 &T, u32 &take) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
+  __syncthreads();
+  constexpr int U = 8;  // independent loads in flight per thread
+  for (u32 base = 0; base < n; base += U * TK_THREADS) {
+    u32 key[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const u32 j = base + u * TK_THREADS + tid;
+      key[u] = j < n ? load_key<MODE>(src, j) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const u32 j = base + u * TK_THREADS + tid;
+      if (j < n) buf[j] = key[u];
+      if (key[u] != 0u) atomicAdd(&sm.hist[key[u] >> 21], 1u);
+    }
+  }
+  __syncthreads();
+  u32 prefix = 0, need = K;
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;  // the digit's lowest bit
+    const u32 bins = pass == 2 ? 1024u : 2048u;
+    if (pass > 0) {
+      // Keys whose bits above this digit are the digits found so far.
+      const int above = shift + (pass == 2 ? 10 : 11);
+      for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
+      __syncthreads();
+      for (u32 j = tid; j < n; j += TK_THREADS) {
+        const u32 k = buf[j];
+        if (k != 0u && (k >> above) == (prefix >> above))
+          atomicAdd(&sm.hist[(k >> shift) & (bins - 1u)], 1u);
+      }
+      __syncthreads();
+    }
+    // Thread t owns digits bins-1-4t .. bins-4-4t (descending).
+    u32 c[4], local = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 idx = 4u * tid + i;
+      c[i] = idx < bins ? sm.hist[bins - 1u - idx] : 0u;
+      local += c[i];
+    }
+    u32 total;
+    const u32 before = block_exclusive_scan(local, sm.scan, &total);
+    if (pass == 0 && total <= K) return false;  // m <= K: every candidate
+    if (before < need && before + local >= need) {
+      u32 cum = before;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (cum + c[i] >= need) {
+          sm.misc[0] = prefix | ((bins - 1u - (4u * tid + i)) << shift);
+          sm.misc[1] = need - cum;
+          break;
+        }
+        cum += c[i];
+      }
+    }
+    __syncthreads();
+    prefix = sm.misc[0];
+    need = sm.misc[1];
+    // misc is next written after the next pass's histogram barrier.
+  }
+  T = prefix;
+  take = need;
+  return true;
+}
+
 // The sampled threshold: a sample of the row into sm.sel, its rank-r key t, then one pass
 // that appends every key >= t (and its id) to ckey / cid. True, with misc[4] = count
 // and misc[3] = 0, when K <= count <= TK_CAND_CAP: then the K-th key of the row is >= t,
@@ -231,7 +321,7 @@ template <int MODE>
 __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const u32 K,
                              i32 *out_ids, const u32 out_cols, i32 *out_page,
                              const u32 page_cols, const i32 *k_slots, const u32 ks,
-                             u32 *T_out, u32 *take_out) {
+                             u32 *T_out, u32 *take_out, int *path) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
@@ -239,7 +329,9 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
       3u * K <= (TK_SAMPLE_WIDE ? 2u : 1u) * TK_CAND_CAP &&
       sampled_candidates<MODE>(sm, src, n, K)) {
     need = K;  // every candidate is a key >= t; none selected yet
+    *path = TK_PATH_SAMPLED;
   } else {
+  *path = TK_PATH_TWO;
   // Pass 1: histogram of the top 11 bits.
   for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
   if (tid < 8) sm.misc[tid] = 0;
@@ -356,20 +448,33 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   return TK_DONE;
 }
 
-template <int MODE>
+// One row's selection. SHORT: buf is shared memory for the row's keys (capacity at
+// least ceil8(n), 16-byte aligned), the shared-memory row path (a template parameter so
+// that the other kernels carry none of its registers); else buf is null. paths: null, or
+// the launch's path counters (one count per row).
+template <int MODE, bool SHORT = false>
 __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_ids,
                          const u32 out_cols, i32 *out_page, const u32 page_cols,
-                         const i32 *k_slots, const u32 ks) {
+                         const i32 *k_slots, const u32 ks, u32 *buf, u32 *paths) {
   __shared__ TopkSmem fast;
   u32 fT = 0, ftake = 0;
-  int status = TK_FALLBACK;
+  int status = TK_FALLBACK, path = TK_PATH_ALL;
   if (MODE != 1 && src.bitmap == nullptr && n <= K) {
     // m = n <= K: every key is selected and no score is read (SPEC 5).
     status = TK_THRESHOLD;  // T = 0 selects every candidate
+    buf = nullptr;
+  } else if (SHORT) {
+    status = TK_THRESHOLD;
+    if (short_row_threshold<MODE>(fast, buf, src, n, K, fT, ftake))
+      path = TK_PATH_SHORT;
+    else
+      fT = 0u;  // m <= K
   } else {
     status = topk_row_fast<MODE>(fast, src, n, K, out_ids, out_cols, out_page, page_cols,
-                                 k_slots, ks, &fT, &ftake);
+                                 k_slots, ks, &fT, &ftake, &path);
   }
+  if (paths != nullptr && threadIdx.x == 0 && status != TK_FALLBACK)
+    atomicAdd(&paths[path], 1u);
   if (status == TK_DONE) return;
   __syncthreads();
   u32 *scan = fast.scan;
@@ -377,10 +482,12 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   // Threshold T; `take_eq` keys equal to T are taken, lowest j first. T = 0: every
   // candidate (m <= K, no score compared).
   u32 T = fT, take_eq = ftake;
-  if (status == TK_FALLBACK &&
-      !radix_select<true>(fast.h256, fast.misc, n, K,
-                          [&](u32 j) { return load_key<MODE>(src, j); }, T, take_eq))
-    T = 0u;
+  if (status == TK_FALLBACK) {
+    if (!radix_select<true>(fast.h256, fast.misc, n, K,
+                            [&](u32 j) { return load_key<MODE>(src, j); }, T, take_eq))
+      T = 0u;
+    if (paths != nullptr && tid == 0) atomicAdd(&paths[T == 0u ? TK_PATH_ALL : TK_PATH_GENERAL], 1u);
+  }
   const bool all = T == 0u;  // no real K-th key is 0
   if (all) take_eq = 0u;
 
@@ -389,12 +496,30 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   for (u32 base = 0; base < n; base += chunk) {
     u32 keys[TK_ITEMS];
     u32 ngt = 0, neq = 0;
+    if (SHORT && buf != nullptr) {
+      const u32 j0 = base + tid * TK_ITEMS;
+      if (j0 < n) {  // then j0 + 8 <= ceil8(n): inside buf
+        const uint4 a = *reinterpret_cast<const uint4 *>(buf + j0);
+        const uint4 b = *reinterpret_cast<const uint4 *>(buf + j0 + 4);
+        keys[0] = a.x, keys[1] = a.y, keys[2] = a.z, keys[3] = a.w;
+        keys[4] = b.x, keys[5] = b.y, keys[6] = b.z, keys[7] = b.w;
+      }
 #pragma unroll
-    for (int i = 0; i < TK_ITEMS; ++i) {
-      const u32 j = base + tid * TK_ITEMS + i;
-      keys[i] = j < n ? (all && MODE == 0 && src.bitmap == nullptr ? 1u : load_key<MODE>(src, j)) : 0u;
-      ngt += keys[i] > T;
-      neq += (keys[i] == T && keys[i] != 0u);
+      for (int i = 0; i < TK_ITEMS; ++i)
+        if (j0 + i >= n) keys[i] = 0u;
+#pragma unroll
+      for (int i = 0; i < TK_ITEMS; ++i) {
+        ngt += keys[i] > T;
+        neq += (keys[i] == T && keys[i] != 0u);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < TK_ITEMS; ++i) {
+        const u32 j = base + tid * TK_ITEMS + i;
+        keys[i] = j < n ? (all && MODE == 0 && src.bitmap == nullptr ? 1u : load_key<MODE>(src, j)) : 0u;
+        ngt += keys[i] > T;
+        neq += (keys[i] == T && keys[i] != 0u);
+      }
     }
     u32 tot;
     const u32 ex = block_exclusive_scan((ngt << 16) | neq, scan, &tot);
@@ -435,23 +560,52 @@ __device__ __forceinline__ void consumer_bitmap(u32 *bitmap, const i32 *cblocks,
   __syncthreads();
 }
 
-// Top-k of one tile's rows (row = row0 + blockIdx.x) over their f32 logits.
-// Consumer rows (cblocks != null) build the bitmap of their kept blocks in dynamic
-// shared memory (bitmap_words u32).
+// Top-k of one tile's rows (row = row0 + blockIdx.x) over their f32 logits. The host
+// splits a tile's rows by length: topk_short_f32 takes the rows of n <= row_cap keys,
+// with the row's keys in shared memory; topk_ragged_f32 the rows of n >= n_min, with
+// passes over global memory and more blocks per SM. A block whose row is the other
+// launch's returns at once. Dynamic shared memory: a consumer row's bitmap of kept blocks
+// (bitmap_words u32, when cblocks != null), then, for topk_short_f32, row_cap u32 (a
+// multiple of 8) from the next multiple of 4 words.
+template <bool SHORT>
+__device__ __forceinline__ void topk_tile_row(
+    const float *__restrict__ logits, const u64 *__restrict__ row_off,
+    const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
+    i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
+    const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
+    u32 block_size, u32 bitmap_words, u32 n_min, u32 row_cap, u32 *__restrict__ paths,
+    u32 *smem) {
+  const u32 row = row0 + blockIdx.x;
+  const u32 n = row_n[row];
+  if (SHORT ? n > row_cap : n < n_min) return;
+  if (cblocks) consumer_bitmap(smem, cblocks, row, num_blocks, bitmap_words);
+  const RowSrc src{logits + row_off[row], 0u, cblocks ? smem : nullptr, block_size, ~0u,
+                   nullptr};
+  u32 *buf = SHORT ? smem + ((bitmap_words + 3u) & ~3u) : nullptr;
+  topk_row<0, SHORT && TK_SHORT>(src, n, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols, k_slots,
+              row_ks[row], buf, paths);
+}
+
 extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_ragged_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
     const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
-    u32 block_size, u32 bitmap_words) {
-  extern __shared__ u32 bitmap[];
-  const u32 row = row0 + blockIdx.x;
-  const u32 n = row_n[row];
-  if (cblocks) consumer_bitmap(bitmap, cblocks, row, num_blocks, bitmap_words);
-  const RowSrc src{logits + row_off[row], 0u, cblocks ? bitmap : nullptr, block_size, ~0u,
-                   nullptr};
-  topk_row<0>(src, n, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols, k_slots,
-              row_ks[row]);
+    u32 block_size, u32 bitmap_words, u32 n_min, u32 *__restrict__ paths) {
+  extern __shared__ __align__(16) u32 dsmem[];
+  topk_tile_row<false>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols, k_slots,
+                       cblocks, num_blocks, block_size, bitmap_words, n_min, 0u, paths, dsmem);
+}
+
+extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_short_f32(
+    const float *__restrict__ logits, const u64 *__restrict__ row_off,
+    const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
+    i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
+    const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
+    u32 block_size, u32 bitmap_words, u32 row_cap, u32 *__restrict__ paths) {
+  extern __shared__ __align__(16) u32 dsmem[];
+  topk_tile_row<true>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols, k_slots,
+                      cblocks, num_blocks, block_size, bitmap_words, 0u, row_cap, paths, dsmem);
 }
 
 // Rows split across blocks (tiles with too few rows to fill the GPU): each of S blocks
@@ -459,11 +613,13 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_ragged_f32(
 // [rows, S, K]; a merge block per row then selects the K best of those S*K ids. The
 // row's K best (SPEC 5's total order) are each among their segment's K best, so the
 // merge returns exactly the row's selection. grid: (S, tile rows).
-extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_segments_f32(
+extern "C" __global__ void __launch_bounds__(TK_THREADS, 4) topk_segments_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, u32 row0, u32 K, i32 *__restrict__ scratch,
-    const i32 *__restrict__ cblocks, u32 num_blocks, u32 block_size, u32 bitmap_words) {
-  extern __shared__ u32 bitmap[];
+    const i32 *__restrict__ cblocks, u32 num_blocks, u32 block_size, u32 bitmap_words,
+    u32 *__restrict__ paths) {
+  extern __shared__ __align__(16) u32 dsmem[];
+  u32 *bitmap = dsmem;
   const u32 row = row0 + blockIdx.y;
   const u32 n = row_n[row];
   if (cblocks) consumer_bitmap(bitmap, cblocks, row, num_blocks, bitmap_words);
@@ -472,7 +628,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_segments_f32(
   const RowSrc src{logits + row_off[row], lo, cblocks ? bitmap : nullptr, block_size, ~0u,
                    nullptr};
   topk_row<0>(src, hi - lo, K, scratch + ((u64)blockIdx.y * S + blockIdx.x) * K, K, nullptr, 0,
-              nullptr, 0);
+              nullptr, 0, nullptr, paths);
 }
 
 // The merge of topk_segments_f32: grid (tile rows), S segments of K ids each.
@@ -480,12 +636,12 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_merge_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_ks, u32 row0, u32 K, u32 S, const i32 *__restrict__ scratch,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
-    const i32 *__restrict__ k_slots) {
+    const i32 *__restrict__ k_slots, u32 *__restrict__ paths) {
   const u32 row = row0 + blockIdx.x;
   const RowSrc src{logits + row_off[row], 0u, nullptr, 1u, ~0u,
                    scratch + (u64)blockIdx.x * S * K};
   topk_row<2>(src, S * K, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols,
-              k_slots, row_ks[row]);
+              k_slots, row_ks[row], nullptr, paths);
 }
 
 // Block keys of the tile's publishing rows: max ranking key over each block of B keys.
@@ -522,7 +678,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) kept_blocks_u32(
   const u32 k = min(num_blocks, nb);
   const RowSrc src{bkeys + row_boff[row], 0u, nullptr, 1u, nb > 0 ? nb - 1 : ~0u, nullptr};
   topk_row<1>(src, nb, k > 0 ? k : 1u, published + (u64)p * num_blocks, num_blocks, nullptr, 0,
-              nullptr, 0);
+              nullptr, 0, nullptr, nullptr);
 }
 
 // Device codec check: decode every code of each format (SPEC 2).

@@ -784,20 +784,159 @@ fn topk_sampled_threshold_matches_a_full_sort() {
         }
         // K = 2048 takes the sampled path on rows of more than 32768 keys (the last 60).
         for k in [1usize, 64, 512, 1024, 1025, 1536, 2048] {
-            let p = c.problem(Params::new(k), Role::Plain);
-            let got = b.select_scores(&p, &scores, usize::MAX).unwrap();
-            let mut off = 0;
-            for (i, &n) in lens.iter().enumerate() {
-                let row = &scores[off..off + n];
-                let all: Vec<usize> = (0..n).collect();
-                let mut want = reference::topk::select_by_sort(row, &all, k);
-                want.resize(k, -1);
-                let got_row: Vec<i32> = got.raw.row(i).to_vec();
-                assert_eq!(got_row, want, "{name}, K={k}, row {i} (n={n})");
-                off += n;
+            let paths = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
+            // Only the random scores promise the sample a spread; the threshold of a
+            // sample of few distinct values admits too many keys (the two-pass path).
+            if *name == "random" {
+                let eligible = lens
+                    .iter()
+                    .filter(|&&n| n > 8 * k && n > short_cap())
+                    .count();
+                assert!(
+                    paths.sampled * 10 >= eligible as u64 * 9,
+                    "random, K={k}: {paths:?} for {eligible} rows eligible for sampling"
+                );
             }
         }
     }
+}
+
+/// The rows' top-k shared-memory capacity (0 under `TK_SHORT=0`).
+fn short_cap() -> usize {
+    let defines = std::env::var("DSA_CUDA_DEFINES").unwrap_or_default();
+    if defines.split([',', ' ', ';']).any(|d| d == "TK_SHORT=0") {
+        0
+    } else {
+        kernels::TOPK_SHORT_CAP
+    }
+}
+
+/// Selects `scores` (one request, row `i` of `lens[i]` keys, rows concatenated) on the
+/// device and checks every row against a full sort; returns the paths the rows took,
+/// after checking that each row took exactly one.
+fn check_select_by_sort(
+    b: &mut CudaBackend,
+    c: &Case,
+    lens: &[usize],
+    scores: &[f32],
+    k: usize,
+    name: &str,
+) -> cuda::TopkPaths {
+    let p = c.problem(Params::new(k), Role::Plain);
+    let got = b.select_scores(&p, scores, usize::MAX).unwrap();
+    let mut off = 0;
+    for (i, &n) in lens.iter().enumerate() {
+        let row = &scores[off..off + n];
+        let all: Vec<usize> = (0..n).collect();
+        let mut want = reference::topk::select_by_sort(row, &all, k);
+        want.resize(k, -1);
+        let got_row: Vec<i32> = got.raw.row(i).to_vec();
+        assert_eq!(got_row, want, "{name}, K={k}, row {i} (n={n})");
+        off += n;
+    }
+    let paths = b.topk_paths();
+    let counted = paths.all + paths.short + paths.sampled + paths.two_pass + paths.general;
+    assert_eq!(counted, lens.len() as u64, "{name}, K={k}: {paths:?}");
+    let all = lens.iter().filter(|&&n| n <= k).count() as u64;
+    assert_eq!(
+        paths.all, all,
+        "{name}, K={k}: rows of at most K keys, {paths:?}"
+    );
+    let short = lens.iter().filter(|&&n| n > k && n <= short_cap()).count() as u64;
+    assert_eq!(paths.short, short, "{name}, K={k}: short rows, {paths:?}");
+    paths
+}
+
+/// Rows of at most `TOPK_SHORT_CAP` keys select with the row in shared memory: rows
+/// around K, the ordered pass's chunk and the cap (cap + 1 goes to the long-row kernel),
+/// scores whose K-th key the first digit pass already isolates or that need all three
+/// (a few units in the last place apart, any bit pattern, ties of NaN, -0 and +0), and
+/// consumer rows, whose bitmap of kept blocks shares the dynamic shared memory.
+#[test]
+fn topk_short_rows_in_shared_memory_match_a_full_sort() {
+    let Some(mut b) = gpu() else { return };
+    use rand::{Rng, SeedableRng};
+    let (cap, chunk) = (kernels::TOPK_SHORT_CAP, kernels::TOPK_CHUNK);
+    let cycle = [
+        1,
+        63,
+        64,
+        65,
+        2047,
+        2048,
+        2049,
+        chunk - 1,
+        chunk,
+        chunk + 1,
+        8191,
+        cap - 1,
+        cap,
+        cap + 1,
+    ];
+    // More rows than the split threshold, so each row is one block's.
+    let lens: Vec<usize> = (0..140).map(|i| cycle[i % cycle.len()]).collect();
+    let seq = *lens.iter().max().unwrap();
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let batch = Batch::explicit(&[seq], &vec![0; lens.len()], &positions, 1).unwrap();
+    let c = Case::random(batch, 8, 32, 6);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+    type Score = Box<dyn Fn(usize, &mut rand_chacha::ChaCha8Rng) -> f32>;
+    let patterns: [(&str, Score); 6] = [
+        ("random", Box::new(|_, r| r.gen_range(-4.0f32..4.0))),
+        ("any bits", Box::new(|_, r| f32::from_bits(r.gen()))),
+        (
+            "units in the last place",
+            Box::new(|j, _| f32::from_bits(0x3f80_0000 + (j as u32 * 7919) % 3001)),
+        ),
+        ("descending", Box::new(|j, _| -(j as f32))),
+        ("five distinct values", Box::new(|j, _| (j % 5) as f32)),
+        (
+            "all equal, NaN and -0 mixed in",
+            Box::new(|j, _| match j % 7 {
+                0 => f32::NAN,
+                1 => -0.0,
+                _ => 0.0,
+            }),
+        ),
+    ];
+    for (name, f) in patterns.iter() {
+        let scores: Vec<f32> = lens
+            .iter()
+            .flat_map(|&n| (0..n).collect::<Vec<_>>())
+            .map(|j| f(j, &mut rng))
+            .collect();
+        for k in [1usize, 64, 2048, 5000] {
+            check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
+        }
+    }
+    // Consumer rows: 5 bitmap words (not a multiple of 4) before the row's keys.
+    let lens: Vec<usize> = (0..140).map(|i| 1000 + 2 * i).collect();
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let batch = Batch::explicit(&[1300], &vec![0; lens.len()], &positions, 1).unwrap();
+    let c = Case::random(batch, 8, 32, 13);
+    let params = Params {
+        topk: 100,
+        page_cols: None,
+        block_size: 8,
+        num_blocks: 40,
+    };
+    let p = c.problem(params, Role::Source { tail: None });
+    check_exact(&mut b, "short rows, source", &p);
+    let published = reference::run(&p).published.unwrap();
+    let pc = c.problem(params, Role::Consumer(&published));
+    check_exact(&mut b, "short rows, consumer", &pc);
+    let _ = run_backend(&mut b, &pc, usize::MAX).unwrap();
+    let want = if short_cap() > 0 {
+        lens.len() as u64
+    } else {
+        0
+    };
+    assert_eq!(
+        b.topk_paths().short,
+        want,
+        "consumer rows: {:?}",
+        b.topk_paths()
+    );
 }
 
 /// One row and one key with E4M3 values: every head has `big * big` at dim 0 plus

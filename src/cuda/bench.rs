@@ -161,6 +161,9 @@ pub struct BenchResult {
     pub planned_peak: usize,
     /// Runs timed.
     pub reps: usize,
+    /// Row selections per run by top-k path (`all`, `short`, `sampled`, `two_pass`,
+    /// `general`): the counters of all runs over the number of runs.
+    pub topk_paths: [u64; 5],
 }
 
 impl BenchResult {
@@ -173,6 +176,11 @@ impl BenchResult {
             "select_ms": self.select_ms, "tflops": self.tflops, "logits_tflops": self.logits_tflops,
             "topk_gbs": self.topk_gbs, "rows_per_s": self.rows_per_s,
             "measured_peak": self.measured_peak, "planned_peak": self.planned_peak, "reps": self.reps,
+            "topk_paths": {
+                "all": self.topk_paths[0], "short": self.topk_paths[1],
+                "sampled": self.topk_paths[2], "two_pass": self.topk_paths[3],
+                "general": self.topk_paths[4],
+            },
         })
         .to_string()
     }
@@ -285,6 +293,10 @@ pub fn run_workload(b: &mut CudaBackend, w: &Workload, reps: usize) -> Result<Be
     let measured_peak = b.peak;
     let mut out = crate::reference::Output::alloc(&p);
     b.end(&p, &mut out)?;
+    // Each rep (and the warm-up) selects every tile twice: end to end, then halves.
+    let runs = 2 * (reps as u64 + 1);
+    let c = b.topk_paths();
+    let topk_paths = [c.all, c.short, c.sampled, c.two_pass, c.general].map(|x| x / runs);
     let pairs = batch.valid_pairs() as f64;
     let flops = 2.0 * pairs * (h * d) as f64;
     let min_ms = total.iter().copied().fold(f64::INFINITY, f64::min);
@@ -307,5 +319,6 @@ pub fn run_workload(b: &mut CudaBackend, w: &Workload, reps: usize) -> Result<Be
         measured_peak,
         planned_peak: plan.peak.total(),
         reps,
+        topk_paths,
     })
 }

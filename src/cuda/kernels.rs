@@ -137,6 +137,11 @@ pub const TOPK_CHUNK: usize = 512 * 8;
 pub const TOPK_SEL_CAP: usize = 4096;
 /// Keys of the threshold bin the fast path resolves in shared memory (`TK_CAND_CAP`).
 pub const TOPK_CAND_CAP: usize = 3072;
+/// Rows of at most this many keys select from shared memory (the row's keys, 4 bytes
+/// each, in the top-k block's dynamic shared memory): `topk.cu`'s shared-memory row.
+pub const TOPK_SHORT_CAP: usize = 16384;
+/// Path counters of the top-k kernels, in `topk.cu`'s `TK_PATH_*` order.
+pub const TOPK_PATHS: [&str; 5] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL"];
 /// Threads of a block-keys block.
 pub const BLOCK_KEYS_THREADS: usize = 256;
 /// Threads of a `validate_inputs` block (`VAL_THREADS`, prepended to `validate.cu`).
@@ -276,4 +281,33 @@ pub fn compile(v: Variant) -> Result<cudarc::nvrtc::Ptx> {
             problem: format!("NVRTC failed on {}: {detail}", v.name()),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host's copies of `topk.cu`'s constants.
+    #[test]
+    fn topk_constants_match_the_kernel() {
+        for (name, v) in [
+            ("TK_THREADS", TOPK_THREADS),
+            ("TK_SEL_CAP", TOPK_SEL_CAP),
+            ("TK_CAND_CAP", TOPK_CAND_CAP),
+            ("TK_PATHS", TOPK_PATHS.len()),
+        ] {
+            assert!(
+                TOPK.contains(&format!("#define {name} {v}")),
+                "{name} is not {v} in topk.cu"
+            );
+        }
+        assert!(TOPK.contains("#define TK_ITEMS 8"));
+        assert_eq!(TOPK_CHUNK, TOPK_THREADS * 8);
+        for (i, name) in TOPK_PATHS.iter().enumerate() {
+            assert!(
+                TOPK.contains(&format!("#define TK_PATH_{name} {i}")),
+                "TK_PATH_{name} is not {i} in topk.cu"
+            );
+        }
+    }
 }

@@ -160,6 +160,27 @@ pub const MAX_TOPK: usize = 1 << 16;
 /// Dynamic shared memory the consumer bitmap may take (bytes).
 const MAX_BITMAP_BYTES: usize = 160 * 1024;
 
+/// Dynamic shared memory a top-k block may take (bytes): the limit of sm_90 (227 KiB)
+/// less the kernels' static 42 KiB.
+const MAX_TOPK_DYNAMIC_SMEM: usize = 184 * 1024;
+
+/// How many row selections each top-k path made in a run (read back by
+/// [`Backend::end`]; a row split into segments counts once per segment and once for
+/// the merge). Tests assert with it which path their rows took.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TopkPaths {
+    /// At most `K` candidates: every one taken, no score compared.
+    pub all: u64,
+    /// The row's keys in shared memory (rows of at most [`kernels::TOPK_SHORT_CAP`] keys).
+    pub short: u64,
+    /// Sampled threshold: one pass over the row.
+    pub sampled: u64,
+    /// Two passes: an 11-bit histogram, then the threshold bin in shared memory.
+    pub two_pass: u64,
+    /// Four digit passes over the row (K above the fast path's cap, or a crowded bin).
+    pub general: u64,
+}
+
 /// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
 /// index (i32), block-key offset (u64), and up to one 16-byte row group per row.
 const META_BYTES_PER_ROW: usize = 4 + 4 + 8 + 4 + 8 + 16;
@@ -412,6 +433,12 @@ struct TileGeom {
     max_blocks: usize,
     rows: std::ops::Range<usize>,
     segments: usize,
+    /// Shared-memory row capacity of the top-k launch for the tile's rows of at most
+    /// [`kernels::TOPK_SHORT_CAP`] keys (the longest such row with more than K keys,
+    /// rounded up to 8; 0: none).
+    short_cap: u32,
+    /// The tile's longest row (keys).
+    max_n: usize,
 }
 
 /// One run's device state.
@@ -433,6 +460,8 @@ struct Run {
     raw: CudaSlice<i32>,
     page: CudaSlice<i32>,
     published: Option<CudaSlice<i32>>,
+    /// Top-k path counters (`kernels::TOPK_PATHS`).
+    paths: CudaSlice<u32>,
     // Host-input uploads kept alive for the run (not transient).
     _owned: Vec<OwnedBuf>,
     transient: usize,
@@ -455,6 +484,7 @@ struct RunAddrs {
     raw: u64,
     page: u64,
     published: u64,
+    paths: u64,
 }
 
 impl Run {
@@ -473,6 +503,7 @@ impl Run {
             raw: ptr(&self.raw, s),
             page: ptr(&self.page, s),
             published: opt(&self.published),
+            paths: ptr(&self.paths, s),
         }
     }
 }
@@ -500,6 +531,8 @@ enum OwnedBuf {
 /// Rows x segments of a tile whose top-k is split across blocks (tiles of fewer than
 /// [`SPLIT_ROWS`] rows): at most this many segment selections of `K` ids each.
 const SPLIT_SEGMENTS: usize = 2 * 132;
+/// The top-k path counters on the device.
+const PATHS_BYTES: usize = kernels::TOPK_PATHS.len() * 4;
 /// Tiles with fewer rows than this split each row's top-k across several blocks.
 const SPLIT_ROWS: usize = 132;
 
@@ -511,7 +544,8 @@ fn footprint(rows: usize, topk: usize) -> RowFootprint {
         workers: 1,
         worker_bytes: rows
             .saturating_mul(META_BYTES_PER_ROW)
-            .saturating_add(SPLIT_SEGMENTS.saturating_mul(topk).saturating_mul(4)),
+            .saturating_add(SPLIT_SEGMENTS.saturating_mul(topk).saturating_mul(4))
+            .saturating_add(PATHS_BYTES),
     }
 }
 
@@ -592,6 +626,15 @@ impl Run {
             row_n.push(r.n as u32);
             row_ks.push(r.ks as u32);
         }
+        // A consumer row's bitmap of kept blocks, then (from a 16-byte boundary) the
+        // shared-memory row: the top-k launch's dynamic shared memory.
+        let longest = rows.iter().map(|r| r.n).max().unwrap_or(0);
+        let bitmap_words = if shape.consumer {
+            longest.div_ceil(shape.block_size).div_ceil(32).max(1) as u32
+        } else {
+            0
+        };
+        let bitmap_bytes = (bitmap_words as usize).next_multiple_of(4) * 4;
         for tile in &plan.tiles {
             let (mut off, mut boff) = (0u64, 0u64);
             let g0 = groups.len() / 4;
@@ -612,6 +655,19 @@ impl Run {
                 max_n = max_n.max(nmax);
                 i = e;
             }
+            let short = kernels::TOPK_SHORT_CAP;
+            let tile_rows = &rows[tile.rows.clone()];
+            let short_n = tile_rows
+                .iter()
+                .map(|r| r.n)
+                .filter(|&n| n > shape.topk && n <= short)
+                .max()
+                .unwrap_or(0);
+            let short_cap = if short_n > 0 && bitmap_bytes + short_n * 4 <= MAX_TOPK_DYNAMIC_SMEM {
+                short_n.next_multiple_of(8) as u32
+            } else {
+                0
+            };
             for i in tile.rows.clone() {
                 row_off[i] = off;
                 off += (fp.row_bytes(rows[i].n) / 4) as u64;
@@ -630,6 +686,8 @@ impl Run {
                 max_blocks,
                 rows: tile.rows.clone(),
                 segments: split_segments(tile.rows.len(), max_n, shape.topk),
+                short_cap,
+                max_n,
             });
         }
         let up = |what: &str, e| drv(what)(e);
@@ -699,12 +757,10 @@ impl Run {
         } else {
             None
         };
-        let max_n = rows.iter().map(|r| r.n).max().unwrap_or(0);
-        let bitmap_words = if shape.consumer {
-            max_n.div_ceil(shape.block_size).div_ceil(32).max(1) as u32
-        } else {
-            0
-        };
+        let paths = s
+            .alloc_zeros::<u32>(kernels::TOPK_PATHS.len())
+            .map_err(drv("alloc path counters"))?;
+        transient += PATHS_BYTES;
         Ok(Run {
             shape,
             ptrs,
@@ -721,6 +777,7 @@ impl Run {
             raw,
             page,
             published,
+            paths,
             _owned: owned,
             transient,
             bitmap_words,
@@ -855,7 +912,6 @@ impl Run {
             .map_err(drv("launch kept_blocks_u32"))?;
         }
         // 3. Top-k and index assembly.
-        let f = dev.function(Variant::Topk, "topk_ragged_f32")?;
         let (raw, page) = (a.raw, a.page);
         let k = sh.topk as u32;
         let pc = sh.page_cols as u32;
@@ -864,7 +920,6 @@ impl Run {
         let bw = self.bitmap_words;
         // A consumer row's bitmap of kept blocks (up to 160 KiB) in dynamic shared memory.
         let smem = if sh.consumer { bw * 4 } else { 0 };
-        allow_dynamic_smem(&f, smem)?;
         if g.segments > 1 && a.split != 0 {
             let scratch = a.split;
             let segs = g.segments as u32;
@@ -880,7 +935,8 @@ impl Run {
                 .arg(&p.cblocks)
                 .arg(&nbk)
                 .arg(&bs)
-                .arg(&bw);
+                .arg(&bw)
+                .arg(&a.paths);
             // SAFETY: block (s, r) reads segment s of row r's logits and writes its K ids
             // to scratch [r, s, :], sized rows * segments * K in begin.
             unsafe {
@@ -903,7 +959,8 @@ impl Run {
                 .arg(&raw)
                 .arg(&page)
                 .arg(&pc)
-                .arg(&p.k_slots);
+                .arg(&p.k_slots)
+                .arg(&a.paths);
             // SAFETY: row r reads its S*K scratch ids (each -1 or a visible key of the
             // row) and their logits, and writes its rows of raw and page.
             unsafe {
@@ -916,31 +973,55 @@ impl Run {
             .map_err(drv("launch topk_merge_f32"))?;
             return Ok(());
         }
-        let mut l = s.launch_builder(&f);
-        l.arg(&a.logits)
-            .arg(&a.row_off)
-            .arg(&a.row_n)
-            .arg(&a.row_ks)
-            .arg(&row0)
-            .arg(&k)
-            .arg(&raw)
-            .arg(&page)
-            .arg(&pc)
-            .arg(&p.k_slots)
-            .arg(&p.cblocks)
-            .arg(&nbk)
-            .arg(&bs)
-            .arg(&bw);
-        // SAFETY: each block reads its row's n logits (written by step 1, same stream)
-        // and writes its row of raw [T, K] and page [T, page_cols].
-        unsafe {
-            l.launch(LaunchConfig {
-                grid_dim: (rows, 1, 1),
-                block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
-                shared_mem_bytes: smem,
-            })
+        // The tile's rows of at most short_cap keys select with the row in shared memory
+        // (topk_short_f32); the longer ones with passes over global memory and more
+        // blocks per SM (topk_ragged_f32, rows of at least n_min keys).
+        let row_cap = g.short_cap;
+        let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
+        let mut launches = Vec::with_capacity(2);
+        if row_cap > 0 {
+            launches.push((
+                "topk_short_f32",
+                row_cap,
+                bw.next_multiple_of(4) * 4 + row_cap * 4,
+            ));
         }
-        .map_err(drv("launch topk_ragged_f32"))?;
+        if g.max_n >= n_min as usize {
+            launches.push(("topk_ragged_f32", n_min, smem));
+        }
+        for (name, bound, dyn_smem) in launches {
+            let f = dev.function(Variant::Topk, name)?;
+            allow_dynamic_smem(&f, dyn_smem)?;
+            let mut l = s.launch_builder(&f);
+            l.arg(&a.logits)
+                .arg(&a.row_off)
+                .arg(&a.row_n)
+                .arg(&a.row_ks)
+                .arg(&row0)
+                .arg(&k)
+                .arg(&raw)
+                .arg(&page)
+                .arg(&pc)
+                .arg(&p.k_slots)
+                .arg(&p.cblocks)
+                .arg(&nbk)
+                .arg(&bs)
+                .arg(&bw)
+                .arg(&bound)
+                .arg(&a.paths);
+            // SAFETY: each block reads its row's n logits (written by step 1, same
+            // stream) and writes its row of raw [T, K] and page [T, page_cols];
+            // topk_short_f32 takes only rows of n <= row_cap, whose keys fit the
+            // shared memory this launch sizes.
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (rows, 1, 1),
+                    block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+                    shared_mem_bytes: dyn_smem,
+                })
+            }
+            .map_err(drv(name))?;
+        }
         Ok(())
     }
 }
@@ -955,6 +1036,7 @@ pub struct CudaBackend {
     dev: Arc<Device>,
     run: Option<Run>,
     peak: usize,
+    paths: TopkPaths,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -978,6 +1060,7 @@ impl CudaBackend {
             dev,
             run: None,
             peak: 0,
+            paths: TopkPaths::default(),
         }
     }
 
@@ -990,6 +1073,11 @@ impl CudaBackend {
     /// top-k scratch).
     pub fn measured_peak(&self) -> usize {
         self.peak
+    }
+
+    /// How many row selections each top-k path made in the last run that ended.
+    pub fn topk_paths(&self) -> TopkPaths {
+        self.paths
     }
 
     /// Every row's logits over its visible keys, rows concatenated (the layout of
@@ -1128,6 +1216,7 @@ impl Backend for CudaBackend {
         check_shape(&shape, p.batch)?;
         self.run = None;
         self.peak = 0;
+        self.paths = TopkPaths::default();
         if p.batch.num_rows() == 0 {
             // No rows: no tiles, empty outputs, nothing on the device (a zero-byte
             // allocation is an error there).
@@ -1206,6 +1295,16 @@ impl Backend for CudaBackend {
         if let (Some(d), Some(pb)) = (run.published.as_ref(), out.published.as_mut()) {
             copy(d, &mut pb.blocks, "copy published back")?;
         }
+        let c = s
+            .clone_dtoh(&run.paths)
+            .map_err(drv("copy path counters back"))?;
+        self.paths = TopkPaths {
+            all: c[0].into(),
+            short: c[1].into(),
+            sampled: c[2].into(),
+            two_pass: c[3].into(),
+            general: c[4].into(),
+        };
         s.synchronize().map_err(drv("synchronize"))?;
         Ok(())
     }
@@ -1731,7 +1830,7 @@ mod tests {
         assert_eq!(fp.align, ROW_ALIGN);
         assert_eq!(
             fp.worker_bytes,
-            1000 * META_BYTES_PER_ROW + SPLIT_SEGMENTS * 512 * 4
+            1000 * META_BYTES_PER_ROW + SPLIT_SEGMENTS * 512 * 4 + PATHS_BYTES
         );
         assert_eq!(fp.row_bytes(17), 32 * 4);
     }
