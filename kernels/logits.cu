@@ -71,6 +71,27 @@
 #ifndef SCALE_FOLD
 #define SCALE_FOLD 1
 #endif
+
+// Exact-class path counters, when the host passes them (src/cuda/kernels.rs mirrors the
+// ids): blocks whose queries fold and blocks whose do not, once per block; threads whose
+// key tiles all ran one multiply per group (folded tiles, or mqa_logits_wgr's
+// one-multiply form) and threads of which some tile ran the reference's two. A flag per
+// thread (a predicate, no register taken from the key loop), counted per warp at the
+// end of the kernel; every thread of the block calls this.
+#define LG_PATH_QFOLD 0
+#define LG_PATH_QPLAIN 1
+#define LG_PATH_ONE 2
+#define LG_PATH_TWO 3
+#define LG_PATHS 4
+__device__ __forceinline__ void count_fold_paths(u32 *paths, const bool fold_q, const bool two_mul) {
+  if (paths == nullptr) return;
+  const u32 t = __popc(__ballot_sync(0xFFFFFFFFu, two_mul)), o = 32u - t;
+  if ((threadIdx.x & 31) == 0) {
+    if (o) atomicAdd(&paths[LG_PATH_ONE], o);
+    if (t) atomicAdd(&paths[LG_PATH_TWO], t);
+  }
+  if (threadIdx.x == 0) atomicAdd(&paths[fold_q ? LG_PATH_QFOLD : LG_PATH_QPLAIN], 1u);
+}
 // The exact class runs f16 MMAs (m16n8k16, two per group): native on sm_90, where the
 // e4m3 mma.sync is emulated by per-use F2FP unpacks to f16; doubled E2M1 values (and
 // with folding, times 2^s) are exact f16. KW: k16 steps per 32-dim group in the
@@ -347,7 +368,8 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
     const u32 *__restrict__ row_ks,  // flat key offset per row
     const u64 *__restrict__ row_off, // row's offset (floats) in the tile buffer
     const uint4 *__restrict__ groups,  // (row0, rows, nmax, 0) per row group
-    u32 group0, float *__restrict__ logits) {
+    u32 group0, float *__restrict__ logits,
+    u32 *__restrict__ paths) {  // exact-class folding counters (LG_PATH_*), or null
   // E4M3 keys arrive by cp.async into two buffers (the next tile lands while this one
   // is computed); E2M1 keys are prefetched into registers and decoded into buffer 0.
   constexpr int NBUF = (KF == 1) ? 1 : 2;
@@ -498,6 +520,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
   int buf = 0;
   // Folding state of the current tile (always off outside the exact class).
   bool fold = false;
+  bool two_mul = false;  // some tile of this thread's ran unfolded
   float cg[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) cg[g] = 0.0f;
@@ -568,6 +591,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
       __syncthreads();
     }
     if (active && j0 < n) {
+      two_mul = two_mul || !fold;
       if (fold)
         compute_tile<true>(j0, n, logits + row_off[row], skey[buf], skscale[buf], sqs[warp],
                            sw[warp], bq, cg, lane, gid, tig, odd, hi);
@@ -578,6 +602,9 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
     __syncthreads();
     if (KF == 0) buf ^= 1;
   }
+#if EXACT
+  count_fold_paths(paths, fold_q, two_mul);
+#endif
 }
 
 // term_h = w_h * relu(a_h) and SPEC 4's pairwise head sum over a warpgroup's tile of
@@ -730,7 +757,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits) {
+    float *__restrict__ logits, u32 *__restrict__ paths) {
   __shared__ __align__(128) u8 sA[WG_KEYS * D];
   __shared__ __align__(128) u8 sB[WG_GROUPS][WG_N * D];
   __shared__ __align__(16) float skscale[WG_KEYS * G];
@@ -788,11 +815,13 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
   prefetch(blockIdx.x);
   float cg[G];
   int kbase[G];
+  bool two_mul = false;  // some tile ran unfolded
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * WG_KEYS;
     key_window(pre_s, swk[0], swk[1], lane, warp);
     __syncthreads();  // also: every warp is done with the previous tile's operands
     const bool fold = key_fold<4 * WG_GROUPS>(swk[0], swk[1], fold_q, qbase, kbase, cg);
+    two_mul = two_mul || !fold;
     // A: this tile's keys, 32 codes (one group) per piece -> chunks 2g, 2g + 1.
 #pragma unroll
     for (int i = 0; i < PRE; ++i) {
@@ -824,6 +853,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
     store_logit(logits, row_off, row_n, grp, wg * WG_ROWS + (hi ? 1u : 0u), j0 + 16 * wwarp + gid,
                 odd, logit);
   }
+  count_fold_paths(paths, fold_q, two_mul);
 }
 
 // ---- mqa_logits_wgr: mqa_logits_wg with the keys in registers (the default) ----------
@@ -897,7 +927,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits) {
+    float *__restrict__ logits, u32 *__restrict__ paths) {
   __shared__ __align__(128) u8 sB[WG_N * D];
   __shared__ __align__(8) float sqs[WG_ROWS][G * H];
   __shared__ __align__(8) float sw[WG_ROWS][H];
@@ -954,6 +984,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     }
   };
   prefetch(blockIdx.x);
+  bool two_mul = false;  // some tile ran the two multiplies
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * WG_KEYS;
     int kbase[G];
@@ -1001,6 +1032,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
         one = one && (fold || (c != 0.0f && c < __uint_as_float(0x7F800000u)));
         cf[kk][g] = fold ? cg[g] : c;
       }
+    two_mul = two_mul || !one;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
@@ -1020,6 +1052,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     const float logit = two_row_head_sum<4>(a, sw, tig, odd, hi, head_quad);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, logit);
   }
+  count_fold_paths(paths, fold_q, two_mul);
 }
 #endif
 
@@ -1091,7 +1124,7 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits) {
+    float *__restrict__ logits, u32 *__restrict__ paths) {
   __shared__ __align__(128) u8 sB[W16_N * D * 2];
   __shared__ __align__(8) float sw[W16_ROWS][H];
 

@@ -182,6 +182,13 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
   return true;
 }
 
+// The shared-memory row's static shared memory (TopkSmem's fields of the same names).
+struct ShortSmem {
+  u32 hist[TK_BINS];
+  u32 scan[33];
+  u32 misc[8];
+};
+
 // The shared-memory row: buf (capacity at least ceil8(n), 16-byte aligned) receives the
 // row's n keys, and three digit passes of 11, 11 and 10 bits find the K-th key T and
 // how many keys equal to T are taken (the caller takes the lowest ids among them). The
@@ -189,8 +196,8 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
 // buf, counting only the keys that match the digits found so far. Each pass ends in one
 // block scan of the histogram from its top digit. False when at most K keys are
 // candidates (every one is selected; T and take unset). Uses hist, scan and misc[0..1].
-template <int MODE>
-__device__ bool short_row_threshold(TopkSmem &sm, u32 *buf, const RowSrc &src, const u32 n,
+template <int MODE, class Smem>
+__device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const u32 n,
                                     const u32 K, u32 &T, u32 &take) {
   const int tid = threadIdx.x;
   for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
@@ -456,39 +463,45 @@ template <int MODE, bool SHORT = false>
 __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_ids,
                          const u32 out_cols, i32 *out_page, const u32 page_cols,
                          const i32 *k_slots, const u32 ks, u32 *buf, u32 *paths) {
-  __shared__ TopkSmem fast;
-  u32 fT = 0, ftake = 0;
-  int status = TK_FALLBACK, path = TK_PATH_ALL;
-  if (MODE != 1 && src.bitmap == nullptr && n <= K) {
-    // m = n <= K: every key is selected and no score is read (SPEC 5).
-    status = TK_THRESHOLD;  // T = 0 selects every candidate
-    buf = nullptr;
-  } else if (SHORT) {
-    status = TK_THRESHOLD;
-    if (short_row_threshold<MODE>(fast, buf, src, n, K, fT, ftake))
-      path = TK_PATH_SHORT;
-    else
-      fT = 0u;  // m <= K
-  } else {
-    status = topk_row_fast<MODE>(fast, src, n, K, out_ids, out_cols, out_page, page_cols,
-                                 k_slots, ks, &fT, &ftake, &path);
-  }
-  if (paths != nullptr && threadIdx.x == 0 && status != TK_FALLBACK)
-    atomicAdd(&paths[path], 1u);
-  if (status == TK_DONE) return;
-  __syncthreads();
-  u32 *scan = fast.scan;
   const int tid = threadIdx.x;
+  // m = n <= K: every key is selected and no score is read (SPEC 5).
+  const bool every = MODE != 1 && src.bitmap == nullptr && n <= K;
   // Threshold T; `take_eq` keys equal to T are taken, lowest j first. T = 0: every
-  // candidate (m <= K, no score compared).
-  u32 T = fT, take_eq = ftake;
-  if (status == TK_FALLBACK) {
-    if (!radix_select<true>(fast.h256, fast.misc, n, K,
-                            [&](u32 j) { return load_key<MODE>(src, j); }, T, take_eq))
-      T = 0u;
-    if (paths != nullptr && tid == 0) atomicAdd(&paths[T == 0u ? TK_PATH_ALL : TK_PATH_GENERAL], 1u);
+  // candidate (m <= K, no score compared; no real K-th key is 0).
+  u32 T = 0u, take_eq = 0u;
+  int path = TK_PATH_ALL;
+  u32 *scan;
+  if constexpr (SHORT) {
+    // Its own small static shared memory (the row takes the dynamic): three blocks per SM.
+    __shared__ ShortSmem sm;
+    scan = sm.scan;
+    if (every)
+      buf = nullptr;
+    else if (short_row_threshold<MODE>(sm, buf, src, n, K, T, take_eq))
+      path = TK_PATH_SHORT;
+  } else {
+    __shared__ TopkSmem fast;
+    scan = fast.scan;
+    if (!every) {
+      const int status = topk_row_fast<MODE>(fast, src, n, K, out_ids, out_cols, out_page,
+                                             page_cols, k_slots, ks, &T, &take_eq, &path);
+      if (status == TK_DONE) {
+        if (paths != nullptr && tid == 0) atomicAdd(&paths[path], 1u);
+        return;
+      }
+      if (status == TK_FALLBACK) {
+        __syncthreads();
+        const bool some = radix_select<true>(fast.h256, fast.misc, n, K,
+                                             [&](u32 j) { return load_key<MODE>(src, j); }, T,
+                                             take_eq);
+        path = some ? TK_PATH_GENERAL : TK_PATH_ALL;
+        if (!some) T = 0u;
+      }
+    }
   }
-  const bool all = T == 0u;  // no real K-th key is 0
+  if (paths != nullptr && tid == 0) atomicAdd(&paths[path], 1u);
+  __syncthreads();
+  const bool all = T == 0u;
   if (all) take_eq = 0u;
 
   u32 gt_before = 0, eq_before = 0;

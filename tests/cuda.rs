@@ -663,7 +663,8 @@ fn special_values_case(b: &mut CudaBackend, h: usize, d: usize) {
 /// and a key tile's scales each span at most 15 binades per group, every query scale is
 /// <= 244 and each per-tile constant `2^(ebq + ebk - 256)` is an f32 (kernels/logits.cu).
 /// Both sides of every one of those edges, within one launch where they can differ by
-/// block or by key tile, are bitwise the reference.
+/// block or by key tile, are bitwise the reference, and the kernels' fold counters say
+/// that each case took the side it names.
 #[test]
 fn exact_class_scale_folding_edges_are_bitwise() {
     let Some(mut b) = gpu() else { return };
@@ -672,25 +673,42 @@ fn exact_class_scale_folding_edges_are_bitwise() {
     let rows = kernels::logits_rows(32) + 3; // two blocks of either H = 32 kernel
     let s = 3 * kc + 5;
     let batch = Batch::contiguous(&[s, kc + 2], &[s - rows, kc - 1], 1).unwrap();
-    // (name, query scale of (row, head, group), key scale of (key, group)).
+    // Which side of the edges a case is on, as the fold counters see it.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Side {
+        /// Every block's queries fold; every tile runs one multiply per group.
+        Folded,
+        /// Some block's queries do not fold (its tiles run the two multiplies).
+        QueriesPlain,
+        /// The queries fold; a key tile's window does not hold: that tile runs the two
+        /// multiplies, except in mqa_logits_wgr, whose one multiply is by each key's C.
+        KeyWindow,
+        /// The queries fold; C is not an f32: the two multiplies.
+        CNotF32,
+    }
+    // (name, side, query scale of (row, head, group), key scale of (key, group)).
     type Pattern = (
         &'static str,
+        Side,
         fn(usize, usize, usize) -> u8,
         fn(usize, usize) -> u8,
     );
     let patterns: [Pattern; 9] = [
         (
             "spans of 15 (folded)",
+            Side::Folded,
             |i, h, g| (110 + (i + h + g) % 15) as u8,
             |x, g| (120 + (x * 7 + g) % 15) as u8,
         ),
         (
             "query span 16 across a block's rows",
+            Side::QueriesPlain,
             |i, h, _| (110 + (i % 2) + h % 15) as u8,
             |x, g| (120 + (x + g) % 15) as u8,
         ),
         (
             "key span 16 in the second tile only",
+            Side::KeyWindow,
             |_, h, g| (120 + (h + g) % 15) as u8,
             |x, g| {
                 if (64..128).contains(&x) {
@@ -702,30 +720,73 @@ fn exact_class_scale_folding_edges_are_bitwise() {
         ),
         (
             "C = 2^-149 (folded, subnormal results)",
+            Side::Folded,
             |_, _, _| 50,
             |_, _| 57,
         ),
-        ("C = 2^-150 (not folded)", |_, _, _| 50, |_, _| 56),
-        ("C = 2^127 (folded, overflow)", |_, _, _| 200, |_, _| 183),
-        ("C = 2^128 (not folded)", |_, _, _| 200, |_, _| 184),
+        (
+            "C = 2^-150 (not folded)",
+            Side::CNotF32,
+            |_, _, _| 50,
+            |_, _| 56,
+        ),
+        (
+            "C = 2^127 (folded, overflow)",
+            Side::Folded,
+            |_, _, _| 200,
+            |_, _| 183,
+        ),
+        (
+            "C = 2^128 (not folded)",
+            Side::CNotF32,
+            |_, _, _| 200,
+            |_, _| 184,
+        ),
         (
             "query scales up to 244 (folded)",
+            Side::Folded,
             |i, h, g| (230 + (i + h + g) % 15) as u8,
             |x, g| ((x + g) % 15) as u8,
         ),
         (
             "query scales up to 245 (not folded)",
+            Side::QueriesPlain,
             |i, h, g| (231 + (i + h + g) % 15) as u8,
             |x, g| ((x + g) % 15) as u8,
         ),
     ];
     for (h, d) in [(32, 128), (64, 128), (8, 32), (16, 64)] {
-        for (name, qe, ke) in patterns {
+        let (kernel, _, _) = kernels::logits_kernel(Variant::Logits {
+            heads: h,
+            groups: d / 32,
+            q: Format::E2m1,
+            k: Format::E2m1,
+        });
+        for (name, side, qe, ke) in patterns {
             let mut c = Case::random(batch.clone(), h, d, (h * d) as u64);
             c.qs = Array3::from_shape_fn(c.qs.dim(), |(i, hh, g)| qe(i, hh, g));
             c.ks = Array2::from_shape_fn(c.ks.dim(), |(x, g)| ke(x, g));
-            let tag = format!("H={h} D={d}: {name}");
+            let tag = format!("H={h} D={d} ({kernel}): {name}");
             check_exact(&mut b, &tag, &c.problem(Params::new(9), Role::Plain));
+            // The last run of check_exact (budget usize::MAX): one tile.
+            let f = b.fold_counts();
+            let plain = f.query_blocks_plain > 0;
+            let two = f.threads_two_multiplies > 0;
+            let (want_plain, want_two) = match side {
+                Side::Folded => (false, false),
+                Side::QueriesPlain => (true, true),
+                Side::KeyWindow => (false, kernel != "mqa_logits_wgr"),
+                Side::CNotF32 => (false, true),
+            };
+            assert!(
+                f.query_blocks_folded + f.query_blocks_plain > 0,
+                "{tag}: no block counted, {f:?}"
+            );
+            assert_eq!(
+                (plain, two),
+                (want_plain, want_two),
+                "{tag}: (blocks with plain queries, threads on two multiplies) {f:?}"
+            );
         }
     }
 }
@@ -803,12 +864,7 @@ fn topk_sampled_threshold_matches_a_full_sort() {
 
 /// The rows' top-k shared-memory capacity (0 under `TK_SHORT=0`).
 fn short_cap() -> usize {
-    let defines = std::env::var("DSA_CUDA_DEFINES").unwrap_or_default();
-    if defines.split([',', ' ', ';']).any(|d| d == "TK_SHORT=0") {
-        0
-    } else {
-        kernels::TOPK_SHORT_CAP
-    }
+    kernels::topk_short_cap()
 }
 
 /// Selects `scores` (one request, row `i` of `lens[i]` keys, rows concatenated) on the

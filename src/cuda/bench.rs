@@ -164,6 +164,9 @@ pub struct BenchResult {
     /// Row selections per run by top-k path (`all`, `short`, `sampled`, `two_pass`,
     /// `general`): the counters of all runs over the number of runs.
     pub topk_paths: [u64; 5],
+    /// Exact-class fold counters per run (`query_blocks_folded`, `query_blocks_plain`,
+    /// `threads_one_multiply`, `threads_two_multiplies`; zero outside the exact class).
+    pub fold_counts: [u64; 4],
 }
 
 impl BenchResult {
@@ -180,6 +183,12 @@ impl BenchResult {
                 "all": self.topk_paths[0], "short": self.topk_paths[1],
                 "sampled": self.topk_paths[2], "two_pass": self.topk_paths[3],
                 "general": self.topk_paths[4],
+            },
+            "fold_counts": {
+                "query_blocks_folded": self.fold_counts[0],
+                "query_blocks_plain": self.fold_counts[1],
+                "threads_one_multiply": self.fold_counts[2],
+                "threads_two_multiplies": self.fold_counts[3],
             },
         })
         .to_string()
@@ -297,6 +306,14 @@ pub fn run_workload(b: &mut CudaBackend, w: &Workload, reps: usize) -> Result<Be
     let runs = 2 * (reps as u64 + 1);
     let c = b.topk_paths();
     let topk_paths = [c.all, c.short, c.sampled, c.two_pass, c.general].map(|x| x / runs);
+    let f = b.fold_counts();
+    let fold_counts = [
+        f.query_blocks_folded,
+        f.query_blocks_plain,
+        f.threads_one_multiply,
+        f.threads_two_multiplies,
+    ]
+    .map(|x| x / runs);
     let pairs = batch.valid_pairs() as f64;
     let flops = 2.0 * pairs * (h * d) as f64;
     let min_ms = total.iter().copied().fold(f64::INFINITY, f64::min);
@@ -320,5 +337,6 @@ pub fn run_workload(b: &mut CudaBackend, w: &Workload, reps: usize) -> Result<Be
         planned_peak: plan.peak.total(),
         reps,
         topk_paths,
+        fold_counts,
     })
 }

@@ -140,8 +140,21 @@ pub const TOPK_CAND_CAP: usize = 3072;
 /// Rows of at most this many keys select from shared memory (the row's keys, 4 bytes
 /// each, in the top-k block's dynamic shared memory): `topk.cu`'s shared-memory row.
 pub const TOPK_SHORT_CAP: usize = 16384;
+
+/// [`TOPK_SHORT_CAP`], or 0 under `TK_SHORT=0` in `$DSA_CUDA_DEFINES` (an A/B knob: every
+/// row through the two-pass and general paths, launched as before the shared-memory row).
+pub fn topk_short_cap() -> usize {
+    if define_in("TK_SHORT", 0..=1) == Some(0) {
+        0
+    } else {
+        TOPK_SHORT_CAP
+    }
+}
 /// Path counters of the top-k kernels, in `topk.cu`'s `TK_PATH_*` order.
 pub const TOPK_PATHS: [&str; 5] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL"];
+/// Exact-class folding counters of the logits kernels, in `logits.cu`'s `LG_PATH_*`
+/// order.
+pub const LOGITS_PATHS: [&str; 4] = ["QFOLD", "QPLAIN", "ONE", "TWO"];
 /// Threads of a block-keys block.
 pub const BLOCK_KEYS_THREADS: usize = 256;
 /// Threads of a `validate_inputs` block (`VAL_THREADS`, prepended to `validate.cu`).
@@ -287,7 +300,7 @@ pub fn compile(v: Variant) -> Result<cudarc::nvrtc::Ptx> {
 mod tests {
     use super::*;
 
-    /// The host's copies of `topk.cu`'s constants.
+    /// The host's copies of `topk.cu`'s constants and of both path-counter orders.
     #[test]
     fn topk_constants_match_the_kernel() {
         for (name, v) in [
@@ -302,6 +315,13 @@ mod tests {
             );
         }
         assert!(TOPK.contains("#define TK_ITEMS 8"));
+        assert!(LOGITS.contains(&format!("#define LG_PATHS {}", LOGITS_PATHS.len())));
+        for (i, name) in LOGITS_PATHS.iter().enumerate() {
+            assert!(
+                LOGITS.contains(&format!("#define LG_PATH_{name} {i}")),
+                "LG_PATH_{name} is not {i} in logits.cu"
+            );
+        }
         assert_eq!(TOPK_CHUNK, TOPK_THREADS * 8);
         for (i, name) in TOPK_PATHS.iter().enumerate() {
             assert!(

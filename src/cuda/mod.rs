@@ -181,6 +181,22 @@ pub struct TopkPaths {
     pub general: u64,
 }
 
+/// What the exact-class logits kernels did in a run (read back by [`Backend::end`];
+/// zero outside the exact class). Tests assert with it on which side of the scale-folding
+/// edges a launch fell (kernels/logits.cu).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FoldCounts {
+    /// Blocks whose queries folded their scales into the MMA operands.
+    pub query_blocks_folded: u64,
+    /// Blocks whose queries did not.
+    pub query_blocks_plain: u64,
+    /// Threads whose key tiles all ran one multiply per group: folded key tiles, or, in
+    /// `mqa_logits_wgr`, each key's `C = 2^(ebq_g - 129) * 2^(ek - 127)`.
+    pub threads_one_multiply: u64,
+    /// Threads of which some key tile ran the reference's two multiplies.
+    pub threads_two_multiplies: u64,
+}
+
 /// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
 /// index (i32), block-key offset (u64), and up to one 16-byte row group per row.
 const META_BYTES_PER_ROW: usize = 4 + 4 + 8 + 4 + 8 + 16;
@@ -460,7 +476,8 @@ struct Run {
     raw: CudaSlice<i32>,
     page: CudaSlice<i32>,
     published: Option<CudaSlice<i32>>,
-    /// Top-k path counters (`kernels::TOPK_PATHS`).
+    /// Path counters: the top-k's (`kernels::TOPK_PATHS`), then the logits kernels'
+    /// (`kernels::LOGITS_PATHS`).
     paths: CudaSlice<u32>,
     // Host-input uploads kept alive for the run (not transient).
     _owned: Vec<OwnedBuf>,
@@ -531,8 +548,8 @@ enum OwnedBuf {
 /// Rows x segments of a tile whose top-k is split across blocks (tiles of fewer than
 /// [`SPLIT_ROWS`] rows): at most this many segment selections of `K` ids each.
 const SPLIT_SEGMENTS: usize = 2 * 132;
-/// The top-k path counters on the device.
-const PATHS_BYTES: usize = kernels::TOPK_PATHS.len() * 4;
+/// The path counters on the device: the top-k's, then the logits kernels'.
+const PATHS_BYTES: usize = (kernels::TOPK_PATHS.len() + kernels::LOGITS_PATHS.len()) * 4;
 /// Tiles with fewer rows than this split each row's top-k across several blocks.
 const SPLIT_ROWS: usize = 132;
 
@@ -655,7 +672,7 @@ impl Run {
                 max_n = max_n.max(nmax);
                 i = e;
             }
-            let short = kernels::TOPK_SHORT_CAP;
+            let short = kernels::topk_short_cap();
             let tile_rows = &rows[tile.rows.clone()];
             let short_n = tile_rows
                 .iter()
@@ -758,7 +775,7 @@ impl Run {
             None
         };
         let paths = s
-            .alloc_zeros::<u32>(kernels::TOPK_PATHS.len())
+            .alloc_zeros::<u32>(PATHS_BYTES / 4)
             .map_err(drv("alloc path counters"))?;
         transient += PATHS_BYTES;
         Ok(Run {
@@ -809,6 +826,7 @@ impl Run {
             let ngroups = g.groups.len().max(1);
             let per_block = (g.chunks as usize * ngroups / (8 * 132)).clamp(1, 16);
             let gx = (g.chunks as usize).div_ceil(per_block) as u32;
+            let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
             let mut start = g.groups.start;
             while start < g.groups.end {
                 let count = (g.groups.end - start).min(65535);
@@ -825,7 +843,8 @@ impl Run {
                     .arg(&a.row_off)
                     .arg(&a.groups)
                     .arg(&group0)
-                    .arg(&a.logits);
+                    .arg(&a.logits)
+                    .arg(&lpaths);
                 // SAFETY: every pointer addresses a live device buffer of the shape the
                 // kernel reads (validated problem); writes stay inside each row's
                 // footprint in the logits tile, which the plan sized.
@@ -1037,6 +1056,7 @@ pub struct CudaBackend {
     run: Option<Run>,
     peak: usize,
     paths: TopkPaths,
+    folds: FoldCounts,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -1061,6 +1081,7 @@ impl CudaBackend {
             run: None,
             peak: 0,
             paths: TopkPaths::default(),
+            folds: FoldCounts::default(),
         }
     }
 
@@ -1078,6 +1099,11 @@ impl CudaBackend {
     /// How many row selections each top-k path made in the last run that ended.
     pub fn topk_paths(&self) -> TopkPaths {
         self.paths
+    }
+
+    /// What the exact-class logits kernels did in the last run that ended.
+    pub fn fold_counts(&self) -> FoldCounts {
+        self.folds
     }
 
     /// Every row's logits over its visible keys, rows concatenated (the layout of
@@ -1217,6 +1243,7 @@ impl Backend for CudaBackend {
         self.run = None;
         self.peak = 0;
         self.paths = TopkPaths::default();
+        self.folds = FoldCounts::default();
         if p.batch.num_rows() == 0 {
             // No rows: no tiles, empty outputs, nothing on the device (a zero-byte
             // allocation is an error there).
@@ -1304,6 +1331,13 @@ impl Backend for CudaBackend {
             sampled: c[2].into(),
             two_pass: c[3].into(),
             general: c[4].into(),
+        };
+        let f = &c[kernels::TOPK_PATHS.len()..];
+        self.folds = FoldCounts {
+            query_blocks_folded: f[0].into(),
+            query_blocks_plain: f[1].into(),
+            threads_one_multiply: f[2].into(),
+            threads_two_multiplies: f[3].into(),
         };
         s.synchronize().map_err(drv("synchronize"))?;
         Ok(())
