@@ -979,6 +979,8 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
         if (!none[kk]) {
           raw[kk][g] = *reinterpret_cast<const u32 *>(kp + 8 * kk * (D / 2) + 16 * g);
           rsc[kk] |= (u32)sp[8 * kk * G + g] << (8 * g);
+        } else {
+          rsc[kk] |= 127u << (8 * g);  // 2^0: see the one-multiply form below
         }
       }
     }
@@ -1021,8 +1023,9 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     float cf[2][G];
     // C = qf_g * 2^(ek - 127), qf_g = 2^(ebq_g - 129) (sqs's value for every row and head
     // when the queries fold): a product of two powers of two, exact when C >= 2^-149 and
-    // finite, and 0 or inf exactly when it is not. A key past the group's has ek = 0 and
-    // zero products: it may only send the thread to the two-multiply form.
+    // finite, and 0 or inf exactly when it is not. A key past the group's has zero
+    // products and is never stored; its scale bytes are 127 (C = qf_g, an f32), so that
+    // it does not send the thread to the two-multiply form.
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll

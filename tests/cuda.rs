@@ -703,7 +703,7 @@ fn exact_class_scale_folding_edges_are_bitwise() {
         (
             "query span 16 across a block's rows",
             Side::QueriesPlain,
-            |i, h, _| (110 + (i % 2) + h % 15) as u8,
+            |i, h, _| (110 + (i % 2) + (h % 2) * 14) as u8,
             |x, g| (120 + (x + g) % 15) as u8,
         ),
         (

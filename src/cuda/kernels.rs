@@ -308,6 +308,7 @@ mod tests {
             ("TK_SEL_CAP", TOPK_SEL_CAP),
             ("TK_CAND_CAP", TOPK_CAND_CAP),
             ("TK_PATHS", TOPK_PATHS.len()),
+            ("TK_SHORT_CAP", TOPK_SHORT_CAP),
         ] {
             assert!(
                 TOPK.contains(&format!("#define {name} {v}")),
