@@ -40,11 +40,12 @@ static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thr
 #endif
 // Longest row the host sends to the shared-memory row (kernels::TOPK_SHORT_CAP).
 #define TK_SHORT_CAP 16384
-static_assert(TK_SHORT_CAP < 65536, "the one-scan ordered pass packs counts in 16 bits");
-// TK_SHORT_SCAN=0: the shared-memory row's ordered pass in chunks of TK_THREADS *
-// TK_ITEMS keys, one block scan each, as for the other paths (an A/B knob); 1: one scan.
-#ifndef TK_SHORT_SCAN
-#define TK_SHORT_SCAN 1
+
+// TK_SHORT_STAGE=0: the shared-memory row writes each selected id straight to global
+// memory at its output position, as the other paths' ordered pass does (an A/B knob);
+// 1: staged in shared memory, then copied out coalesced.
+#ifndef TK_SHORT_STAGE
+#define TK_SHORT_STAGE 1
 #endif
 
 // Where a row's keys come from. Index j is local to the row (or segment): 0 .. n-1.
@@ -514,55 +515,12 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   if (all) take_eq = 0u;
 
   u32 gt_before = 0, eq_before = 0;
-  bool done = false;
-  if constexpr (SHORT && TK_SHORT_SCAN) {
-    if (buf != nullptr) {
-      // The whole row in one block scan: thread t takes `per` consecutive keys of buf,
-      // per = 4 mod 8 words so that a quarter warp's 16-byte reads hit distinct banks;
-      // counts first, then the writes. n <= TK_SHORT_CAP keeps both packed counts below
-      // 2^16.
-      u32 per = (n + TK_THREADS - 1) / TK_THREADS;
-      per = ((per + 3u) & ~7u) + 4u;
-      const u32 lo = min(n, tid * per), hi = min(n, lo + per);
-      u32 ngt = 0, neq = 0;
-      for (u32 j = lo; j < hi; j += 4) {  // j < n: j + 4 <= ceil4(n), inside buf
-        const uint4 v = *reinterpret_cast<const uint4 *>(buf + j);
-        const u32 kv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const bool in = j + i < hi;
-          ngt += in && kv[i] > T;
-          neq += in && kv[i] == T && kv[i] != 0u;
-        }
-      }
-      u32 tot;
-      const u32 ex = block_exclusive_scan((ngt << 16) | neq, scan, &tot);
-      u32 g = ex >> 16, e = ex & 0xFFFFu;
-      for (u32 j = lo; j < hi; j += 4) {
-        const uint4 v = *reinterpret_cast<const uint4 *>(buf + j);
-        const u32 kv[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const bool in = j + i < hi;
-          const bool is_gt = in && kv[i] > T;
-          const bool is_eq = in && kv[i] == T && kv[i] != 0u;
-          if (is_gt || (is_eq && e < take_eq)) {
-            const u32 pos = g + min(e, take_eq);
-            const i32 id = out_id<MODE>(src, j + i);
-            out_ids[pos] = id;
-            if (out_page) out_page[pos] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
-          }
-          g += is_gt;
-          e += is_eq;
-        }
-      }
-      gt_before = tot >> 16;
-      eq_before = tot & 0xFFFFu;
-      done = true;
-    }
-  }
   const u32 chunk = TK_THREADS * TK_ITEMS;
-  for (u32 base = 0; !done && base < n; base += chunk) {
+  // The shared-memory row stages its selected ids in buf (in place: output position
+  // <= key index, and a chunk's keys are in registers before its writes) and copies them
+  // out in order at the end, instead of one scattered 4-byte store per id.
+  constexpr bool STAGE = SHORT && TK_SHORT_STAGE;
+  for (u32 base = 0; base < n; base += chunk) {
     u32 keys[TK_ITEMS];
     u32 ngt = 0, neq = 0;
     if (SHORT && buf != nullptr) {
@@ -600,15 +558,28 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
       const bool is_eq = keys[i] == T && keys[i] != 0u;
       if (is_gt || (is_eq && e < take_eq)) {
         const u32 pos = g + min(e, take_eq);
-        const i32 id = out_id<MODE>(src, j);
-        out_ids[pos] = id;
-        if (out_page) out_page[pos] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
+        if (STAGE && buf != nullptr) {
+          buf[pos] = j;
+        } else {
+          const i32 id = out_id<MODE>(src, j);
+          out_ids[pos] = id;
+          if (out_page) out_page[pos] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
+        }
       }
       g += is_gt;
       e += is_eq;
     }
     gt_before += tot >> 16;
     eq_before += tot & 0xFFFFu;
+  }
+  if (STAGE && buf != nullptr) {
+    const u32 count = gt_before + min(eq_before, take_eq);
+    __syncthreads();
+    for (u32 c = tid; c < count; c += TK_THREADS) {
+      const i32 id = out_id<MODE>(src, buf[c]);
+      out_ids[c] = id;
+      if (out_page) out_page[c] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
+    }
   }
   const u32 count = gt_before + min(eq_before, take_eq);
   for (u32 c = count + tid; c < out_cols; c += TK_THREADS) out_ids[c] = -1;
