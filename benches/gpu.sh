@@ -9,7 +9,7 @@
 # Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
 # WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W16_FMA, RELU_FMAX, TK_SAMPLE_WIDE,
-# TK_SAMPLE_RATIO, TK_SHORT, TK_SHORT_STAGE, LG_ROWS, LG_MIN_BLOCKS).
+# TK_SAMPLE_RATIO, TK_SHORT, TK_SHORT_STAGE, WGR_QSAFE, WGR_SC32, LG_ROWS, LG_MIN_BLOCKS).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -41,6 +41,8 @@ if has tests; then
   # Short rows through the two-pass and general paths (the shared-memory row off).
   knob_tests "TK_SHORT=0" boundary topk_ special golden same_bits
   knob_tests "TK_SHORT_STAGE=0" topk_short boundary
+  # mqa_logits_wgr's per-key check of C in every block, and its scale bytes byte by byte.
+  knob_tests "WGR_QSAFE=0 WGR_SC32=0" exact_class boundary special golden same_bits engine_api_accepts
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1

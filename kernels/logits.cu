@@ -922,6 +922,17 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
 #ifndef WGR_MIN_BLOCKS
 #define WGR_MIN_BLOCKS 4
 #endif
+// WGR_QSAFE=1 (the default): a block whose folded query bases all lie in [107, 129]
+// skips the per-key check that C is an f32 (it is, for every scale byte 0..254: see the
+// one-multiply form below). WGR_SC32=1 (the default): a key's G scale bytes in one load
+// when k_scale is G-byte aligned (always for the host backend's uploads; the engine's
+// device inputs may not be). Both 0: A/B knobs.
+#ifndef WGR_QSAFE
+#define WGR_QSAFE 1
+#endif
+#ifndef WGR_SC32
+#define WGR_SC32 1
+#endif
 extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
@@ -946,6 +957,10 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
   int qbase[G];
   const bool fold_q = wg_prologue<WG_ROWS, 128>(q_scale, w, row_of, sw, sqs, stab, swq[0],
                                                 swq[1], qbase, tid, lane, warp);
+  // Every key's C is an f32 (the one-multiply form below): no per-key check.
+  bool qsafe = WGR_QSAFE && fold_q;
+#pragma unroll
+  for (int g = 0; g < G; ++g) qsafe = qsafe && qbase[g] >= 107 && qbase[g] <= 129;
   // B: column n (row n / H, head n % H), group g: the word of dims 32 g + 8 tt .. + 7
   // -> bytes 4 tt of chunk 2 g (dims + 0..3) and of chunk 2 g + 1 (dims + 4..7).
   for (int t = tid; t < WG_N * G * 4; t += 128) {
@@ -965,6 +980,11 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
   // scale bytes packed (group g in byte g); `none`: past the group's keys.
   u32 raw[2][G], rsc[2];
   bool none[2];
+  // The scale bytes of a key in one load (G = 4: u32, G = 2: u16) when k_scale8 is
+  // G-byte aligned (a uniform branch), else byte by byte.
+  const bool sc_word = WGR_SC32 && (G == 4 || G == 2) &&
+                       (reinterpret_cast<size_t>(k_scale8) & (size_t)(G - 1)) == 0;
+  constexpr u32 none_sc = G == 4 ? 0x7F7F7F7Fu : G == 2 ? 0x7F7Fu : 0x7Fu;
   auto prefetch = [&](u32 c) {
     const u32 j = c * WG_KEYS + 16 * warp + gid;  // key kk = 0; kk = 1 is j + 8
     const u8 *kp = k + (u64)(ks + j) * (D / 2) + 4 * tig;
@@ -972,17 +992,21 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
       none[kk] = j + 8 * kk >= grp.z;
-      rsc[kk] = 0u;
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        raw[kk][g] = 0u;
-        if (!none[kk]) {
-          raw[kk][g] = *reinterpret_cast<const u32 *>(kp + 8 * kk * (D / 2) + 16 * g);
-          rsc[kk] |= (u32)sp[8 * kk * G + g] << (8 * g);
+      // A key past the group's: scale bytes 127 (2^0; see the one-multiply form below).
+      rsc[kk] = none_sc;
+      if (!none[kk]) {
+        if (sc_word) {
+          rsc[kk] = G == 4 ? *reinterpret_cast<const u32 *>(sp + 8 * kk * G)
+                           : (u32)*reinterpret_cast<const unsigned short *>(sp + 8 * kk * G);
         } else {
-          rsc[kk] |= 127u << (8 * g);  // 2^0: see the one-multiply form below
+          rsc[kk] = 0u;
+#pragma unroll
+          for (int g = 0; g < G; ++g) rsc[kk] |= (u32)sp[8 * kk * G + g] << (8 * g);
         }
       }
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+        raw[kk][g] = none[kk] ? 0u : *reinterpret_cast<const u32 *>(kp + 8 * kk * (D / 2) + 16 * g);
     }
   };
   prefetch(blockIdx.x);
@@ -1025,16 +1049,24 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     // when the queries fold): a product of two powers of two, exact when C >= 2^-149 and
     // finite, and 0 or inf exactly when it is not. A key past the group's has zero
     // products and is never stored; its scale bytes are 127 (C = qf_g, an f32), so that
-    // it does not send the thread to the two-multiply form.
+    // it does not send the thread to the two-multiply form. C = 2^(ebq_g + ek - 256)
+    // (ek = 0 too: 2^-127), an f32 for every ek in 0..254 when 107 <= ebq_g <= 129: such
+    // a block (qsafe) skips the check.
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
       for (int g = 0; g < G; ++g) {
         const u32 e = (rsc[kk] >> (8 * g)) & 0xFFu;
         const float c = __fmul_rn(sqs[0][g * H], __uint_as_float(e ? e << 23 : 0x00400000u));
-        one = one && (fold || (c != 0.0f && c < __uint_as_float(0x7F800000u)));
         cf[kk][g] = fold ? cg[g] : c;
       }
+    if (!qsafe) {
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+        for (int g = 0; g < G; ++g)  // cf is C wherever fold is false
+          one = one && (fold || (cf[kk][g] != 0.0f && cf[kk][g] < __uint_as_float(0x7F800000u)));
+    }
     two_mul = two_mul || !one;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)

@@ -693,7 +693,7 @@ fn exact_class_scale_folding_edges_are_bitwise() {
         fn(usize, usize, usize) -> u8,
         fn(usize, usize) -> u8,
     );
-    let patterns: [Pattern; 9] = [
+    let patterns: [Pattern; 13] = [
         (
             "spans of 15 (folded)",
             Side::Folded,
@@ -753,6 +753,33 @@ fn exact_class_scale_folding_edges_are_bitwise() {
             Side::QueriesPlain,
             |i, h, g| (231 + (i + h + g) % 15) as u8,
             |x, g| ((x + g) % 15) as u8,
+        ),
+        // mqa_logits_wgr skips the per-key check of C when every query base lies in
+        // [107, 129]: key scales 0 and 254 (C = 2^-149 and 2^127 at the two ends) on
+        // both sides of both ends. The other kernels see a key window of span 255.
+        (
+            "query base 107, key scales 0 and 254 (C an f32 for every key)",
+            Side::KeyWindow,
+            |i, h, g| (107 + (i + h + g) % 6) as u8,
+            |x, g| [0u8, 254][(x + g) % 2],
+        ),
+        (
+            "query base 106, key scales 0 and 254 (C = 2^-150)",
+            Side::CNotF32,
+            |i, h, g| (106 + (i + h + g) % 6) as u8,
+            |x, g| [0u8, 254][(x + g) % 2],
+        ),
+        (
+            "query base 129, key scales 0 and 254 (C an f32 for every key)",
+            Side::KeyWindow,
+            |i, h, g| (129 + (i + h + g) % 6) as u8,
+            |x, g| [0u8, 254][(x + g) % 2],
+        ),
+        (
+            "query base 130, key scales 0 and 254 (C = 2^128)",
+            Side::CNotF32,
+            |i, h, g| (130 + (i + h + g) % 6) as u8,
+            |x, g| [0u8, 254][(x + g) % 2],
         ),
     ];
     for (h, d) in [(32, 128), (64, 128), (8, 32), (16, 64)] {
@@ -1337,6 +1364,17 @@ impl EngineCase {
         engine: &cuda::Engine,
         lead: usize,
     ) -> dsa_indexer::Result<cuda::DeviceOutput> {
+        self.device_at(stream, engine, lead, lead)
+    }
+
+    /// [`EngineCase::device`] with the key scales `scale_lead` elements into their buffer.
+    fn device_at(
+        &self,
+        stream: &Arc<CudaStream>,
+        engine: &cuda::Engine,
+        lead: usize,
+        scale_lead: usize,
+    ) -> dsa_indexer::Result<cuda::DeviceOutput> {
         fn up<T: cudarc::driver::DeviceRepr + Copy>(
             s: &Arc<CudaStream>,
             v: &[T],
@@ -1352,7 +1390,7 @@ impl EngineCase {
         let q = up(stream, &self.q, lead, 0xFFu8);
         let qs = self.qs.as_ref().map(|v| up(stream, v, lead, 255u8));
         let k = up(stream, &self.k, lead, 0x7Fu8);
-        let ks8 = self.ks8.as_ref().map(|v| up(stream, v, lead, 255u8));
+        let ks8 = self.ks8.as_ref().map(|v| up(stream, v, scale_lead, 255u8));
         let ks32 = self.ks32.as_ref().map(|v| up(stream, v, lead, nan));
         let w = up(stream, &self.w, lead, nan);
         let slots = self.slots.as_ref().map(|v| up(stream, v, lead, -1i32));
@@ -1370,7 +1408,7 @@ impl EngineCase {
             k: match (&ks8, &ks32) {
                 (Some(s), _) => cuda::DeviceKeys::E2m1 {
                     packed: k.slice(view(self.k.len())),
-                    scale: s.slice(view(s.len() - lead - 1)),
+                    scale: s.slice(scale_lead..s.len() - 1),
                 },
                 (None, Some(s)) => cuda::DeviceKeys::E4m3 {
                     codes: k.slice(view(self.k.len())),
@@ -1685,6 +1723,21 @@ fn engine_api_accepts_every_valid_value_and_runs() {
         let tag = format!("engine, valid, lead {lead}");
         check_eq(&tag, "raw", &raw, want.raw.as_slice().unwrap());
         check_eq(&tag, "page", &page, want.page.as_slice().unwrap());
+    }
+    // H = 32 (mqa_logits_wgr): key scales at every offset modulo 4, read a word per key
+    // when aligned and byte by byte otherwise.
+    for d in [64, 128] {
+        let batch = Batch::contiguous(&[150, 70], &[20, 0], 1).unwrap();
+        let fp4 = EngineCase::random(batch, 32, d, true, true, 11 + d as u64);
+        let want = reference::run(&fp4.problem().unwrap());
+        for scale_lead in 0..4 {
+            let out = fp4.device_at(stream, engine, 16, scale_lead).unwrap();
+            let raw = stream.clone_dtoh(&out.raw).unwrap();
+            let page = stream.clone_dtoh(&out.page).unwrap();
+            let tag = format!("engine, H=32 D={d}, key scales {scale_lead} bytes in");
+            check_eq(&tag, "raw", &raw, want.raw.as_slice().unwrap());
+            check_eq(&tag, "page", &page, want.page.as_slice().unwrap());
+        }
     }
 }
 
