@@ -7,7 +7,8 @@
 // row, the first that applies:
 // - shared-memory row (rows of at most the launch's row_cap keys): one pass loads the
 //   row's keys into shared memory with an 11-bit histogram, two more digit passes there
-//   give the exact K-th key, and the ordered pass below reads the keys from there;
+//   give the exact K-th key, and the ordered pass below reads the keys from there and
+//   stages the selected ids there before one coalesced copy out;
 // - sampled threshold (long rows, K <= 2048): a sample gives a threshold t, one pass
 //   collects the keys >= t into shared memory, and the exact selection runs there;
 // - two passes: an 11-bit histogram finds the K-th key's bin, a second pass collects
@@ -622,8 +623,8 @@ __device__ __forceinline__ void topk_tile_row(
   const RowSrc src{logits + row_off[row], 0u, cblocks ? smem : nullptr, block_size, ~0u,
                    nullptr};
   u32 *buf = SHORT ? smem + ((bitmap_words + 3u) & ~3u) : nullptr;
-  topk_row<0, SHORT && TK_SHORT>(src, n, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols, k_slots,
-              row_ks[row], buf, paths);
+  topk_row<0, SHORT && TK_SHORT>(src, n, K, raw + (u64)row * K, K, page + (u64)row * page_cols,
+                                 page_cols, k_slots, row_ks[row], buf, paths);
 }
 
 extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_ragged_f32(
@@ -652,7 +653,8 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_short_f32(
 // selects the K best of one segment of its row (ids sorted, -1 padded) into scratch
 // [rows, S, K]; a merge block per row then selects the K best of those S*K ids. The
 // row's K best (SPEC 5's total order) are each among their segment's K best, so the
-// merge returns exactly the row's selection. grid: (S, tile rows).
+// merge returns exactly the row's selection. grid: (S, tile rows). Four blocks per SM
+// (32 registers, no spills), as before the path counters' argument.
 extern "C" __global__ void __launch_bounds__(TK_THREADS, 4) topk_segments_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, u32 row0, u32 K, i32 *__restrict__ scratch,
