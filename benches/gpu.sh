@@ -62,7 +62,7 @@ fi
 
 if has ab; then
   # workload:defines, each against the same call's default run above ($AB: a shorter list).
-  AB="${AB:-v41-chunk:RELU_FMAX=0;v41-chunk:WG_RS=0;v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:RELU_FMAX=0;v32-16k:W16_FMA=0;v32-16k:WGMMA=0;v32-64k:W16_FMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-64k:TK_SAMPLE_WIDE=0;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0}"
+  AB="${AB:-v41-chunk:RELU_FMAX=0;v41-chunk:WG_RS=0;v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:RELU_FMAX=0;v32-16k:W16_FMA=0;v32-16k:WGMMA=0;v32-64k:W16_FMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-64k:TK_SAMPLE_WIDE=0;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0;v32-16k:TK_SHORT_STAGE=0;v41-chunk:WGR_QSAFE=0;v41-chunk:WGR_SC32=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="${ab#*:}"
