@@ -578,6 +578,26 @@ fn split_segments(rows: usize, max_n: usize, topk: usize) -> usize {
         .max(1)
 }
 
+/// The shared-memory row capacity (keys) of a tile's short-row top-k launch: the longest
+/// of the tile's rows `ns` with `topk < n <= short` keys, rounded up to 8 (the kernel
+/// reads the row 8 keys at a time), or 0 when there is none or when it would not fit the
+/// dynamic shared memory beside a consumer's bitmap of `bitmap_bytes`. The tile's rows of
+/// at most this many keys take `topk_short_f32`, the others `topk_ragged_f32`.
+fn short_row_cap(
+    ns: impl Iterator<Item = usize>,
+    topk: usize,
+    short: usize,
+    bitmap_bytes: usize,
+) -> u32 {
+    let longest = ns.filter(|&n| n > topk && n <= short).max().unwrap_or(0);
+    let cap = longest.next_multiple_of(8);
+    if longest > 0 && bitmap_bytes + cap * 4 <= MAX_TOPK_DYNAMIC_SMEM {
+        cap as u32
+    } else {
+        0
+    }
+}
+
 /// Check what the kernels support, before any allocation.
 fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
     if s.topk > MAX_TOPK {
@@ -672,19 +692,12 @@ impl Run {
                 max_n = max_n.max(nmax);
                 i = e;
             }
-            let short = kernels::topk_short_cap();
-            let tile_rows = &rows[tile.rows.clone()];
-            let short_n = tile_rows
-                .iter()
-                .map(|r| r.n)
-                .filter(|&n| n > shape.topk && n <= short)
-                .max()
-                .unwrap_or(0);
-            let short_cap = if short_n > 0 && bitmap_bytes + short_n * 4 <= MAX_TOPK_DYNAMIC_SMEM {
-                short_n.next_multiple_of(8) as u32
-            } else {
-                0
-            };
+            let short_cap = short_row_cap(
+                rows[tile.rows.clone()].iter().map(|r| r.n),
+                shape.topk,
+                kernels::topk_short_cap(),
+                bitmap_bytes,
+            );
             for i in tile.rows.clone() {
                 row_off[i] = off;
                 off += (fp.row_bytes(rows[i].n) / 4) as u64;
@@ -1856,6 +1869,36 @@ mod tests {
         }
         assert!(split_segments(64, 1 << 20, 512) > 1);
         assert_eq!(split_segments(SPLIT_ROWS, 1 << 20, 512), 1);
+    }
+
+    #[test]
+    fn short_row_cap_takes_the_longest_short_row_that_fits() {
+        let cap = kernels::TOPK_SHORT_CAP;
+        let k = 2048;
+        // Rows of at most K keys need no row buffer; rows above the cap are long.
+        assert_eq!(short_row_cap([1, 100, k].into_iter(), k, cap, 0), 0);
+        assert_eq!(short_row_cap([cap + 1, 1 << 20].into_iter(), k, cap, 0), 0);
+        assert_eq!(
+            short_row_cap([k + 1].into_iter(), k, cap, 0),
+            (k + 8) as u32
+        );
+        assert_eq!(
+            short_row_cap([5, k + 1, 9000, cap + 1].into_iter(), k, cap, 0),
+            9000
+        );
+        assert_eq!(
+            short_row_cap([cap - 1, cap].into_iter(), k, cap, 0),
+            cap as u32
+        );
+        // A rounded-up capacity: every row of the launch fits, read 8 keys at a time.
+        let c = short_row_cap([9001].into_iter(), k, cap, 0);
+        assert!(c as usize >= 9001 && c % 8 == 0 && c < 9001 + 8);
+        // With a consumer's bitmap the row buffer must still fit: else no short launch.
+        let room = MAX_TOPK_DYNAMIC_SMEM - 4 * 9008;
+        assert_eq!(short_row_cap([9001].into_iter(), k, cap, room), 9008);
+        assert_eq!(short_row_cap([9001].into_iter(), k, cap, room + 4), 0);
+        // TK_SHORT=0 (short = 0): never.
+        assert_eq!(short_row_cap([k + 1].into_iter(), k, 0, 0), 0);
     }
 
     #[test]
