@@ -88,6 +88,18 @@ __device__ __forceinline__ i32 out_id(const RowSrc &s, u32 j) {
   return (i32)(s.lo + j);
 }
 
+// U keys of the row, j = base + u * TK_THREADS + threadIdx.x for u < U (0 past n), every
+// load issued before any is used: the loads in flight of a pass over global memory.
+template <int MODE, int U>
+__device__ __forceinline__ void load_keys(u32 (&key)[U], const RowSrc &src, const u32 base,
+                                          const u32 n) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const u32 j = base + u * TK_THREADS + threadIdx.x;
+    key[u] = j < n ? load_key<MODE>(src, j) : 0u;
+  }
+}
+
 // ---- fast path: two passes over the row, the rest in shared memory ----------------
 #define TK_BINS 2048       // pass-1 histogram on the key's top 11 bits
 #define TK_SEL_CAP 4096    // selected ids held for the final sort (K <= this)
@@ -216,11 +228,7 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
   constexpr int U = 8;  // independent loads in flight per thread
   for (u32 base = 0; base < n; base += U * TK_THREADS) {
     u32 key[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const u32 j = base + u * TK_THREADS + tid;
-      key[u] = j < n ? load_key<MODE>(src, j) : 0u;
-    }
+    load_keys<MODE>(key, src, base, n);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const u32 j = base + u * TK_THREADS + tid;
@@ -301,11 +309,7 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   constexpr int U = TK_UNROLL;  // independent loads in flight per thread
   for (u32 base = 0; base < n; base += U * TK_THREADS) {
     u32 key[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const u32 j = base + u * TK_THREADS + tid;
-      key[u] = j < n ? load_key<MODE>(src, j) : 0u;
-    }
+    load_keys<MODE>(key, src, base, n);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const bool hit = key[u] >= t;
