@@ -878,7 +878,7 @@ fn topk_sampled_threshold_matches_a_full_sort() {
             if *name == "random" {
                 let eligible = lens
                     .iter()
-                    .filter(|&&n| n > 8 * k && n > short_cap())
+                    .filter(|&&n| n > 8 * k && n > kernels::topk_short_cap())
                     .count();
                 assert!(
                     paths.sampled * 10 >= eligible as u64 * 9,
@@ -887,11 +887,6 @@ fn topk_sampled_threshold_matches_a_full_sort() {
             }
         }
     }
-}
-
-/// The rows' top-k shared-memory capacity (0 under `TK_SHORT=0`).
-fn short_cap() -> usize {
-    kernels::topk_short_cap()
 }
 
 /// Selects `scores` (one request, row `i` of `lens[i]` keys, rows concatenated) on the
@@ -925,7 +920,10 @@ fn check_select_by_sort(
         paths.all, all,
         "{name}, K={k}: rows of at most K keys, {paths:?}"
     );
-    let short = lens.iter().filter(|&&n| n > k && n <= short_cap()).count() as u64;
+    let short = lens
+        .iter()
+        .filter(|&&n| n > k && n <= kernels::topk_short_cap())
+        .count() as u64;
     assert_eq!(paths.short, short, "{name}, K={k}: short rows, {paths:?}");
     paths
 }
@@ -1009,7 +1007,7 @@ fn topk_short_rows_in_shared_memory_match_a_full_sort() {
     let pc = c.problem(params, Role::Consumer(&published));
     check_exact(&mut b, "short rows, consumer", &pc);
     let _ = run_backend(&mut b, &pc, usize::MAX).unwrap();
-    let want = if short_cap() > 0 {
+    let want = if kernels::topk_short_cap() > 0 {
         lens.len() as u64
     } else {
         0
