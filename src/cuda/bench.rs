@@ -8,7 +8,7 @@
 
 use rand::{Rng, SeedableRng};
 
-use super::{drv, CudaBackend};
+use super::{drv, CudaBackend, FoldCounts, TopkPaths};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::indexer::Backend;
@@ -161,12 +161,11 @@ pub struct BenchResult {
     pub planned_peak: usize,
     /// Runs timed.
     pub reps: usize,
-    /// Row selections per run by top-k path (`all`, `short`, `sampled`, `two_pass`,
-    /// `general`): the counters of all runs over the number of runs.
-    pub topk_paths: [u64; 5],
-    /// Exact-class fold counters per run (`query_blocks_folded`, `query_blocks_plain`,
-    /// `threads_one_multiply`, `threads_two_multiplies`; zero outside the exact class).
-    pub fold_counts: [u64; 4],
+    /// Row selections per run by top-k path: the counters of all runs over the number of
+    /// runs.
+    pub topk_paths: TopkPaths,
+    /// Exact-class fold counters per run (zero outside the exact class).
+    pub fold_counts: FoldCounts,
 }
 
 impl BenchResult {
@@ -180,15 +179,15 @@ impl BenchResult {
             "topk_gbs": self.topk_gbs, "rows_per_s": self.rows_per_s,
             "measured_peak": self.measured_peak, "planned_peak": self.planned_peak, "reps": self.reps,
             "topk_paths": {
-                "all": self.topk_paths[0], "short": self.topk_paths[1],
-                "sampled": self.topk_paths[2], "two_pass": self.topk_paths[3],
-                "general": self.topk_paths[4],
+                "all": self.topk_paths.all, "short": self.topk_paths.short,
+                "sampled": self.topk_paths.sampled, "two_pass": self.topk_paths.two_pass,
+                "general": self.topk_paths.general,
             },
             "fold_counts": {
-                "query_blocks_folded": self.fold_counts[0],
-                "query_blocks_plain": self.fold_counts[1],
-                "threads_one_multiply": self.fold_counts[2],
-                "threads_two_multiplies": self.fold_counts[3],
+                "query_blocks_folded": self.fold_counts.query_blocks_folded,
+                "query_blocks_plain": self.fold_counts.query_blocks_plain,
+                "threads_one_multiply": self.fold_counts.threads_one_multiply,
+                "threads_two_multiplies": self.fold_counts.threads_two_multiplies,
             },
         })
         .to_string()
@@ -304,16 +303,8 @@ pub fn run_workload(b: &mut CudaBackend, w: &Workload, reps: usize) -> Result<Be
     b.end(&p, &mut out)?;
     // Each rep (and the warm-up) selects every tile twice: end to end, then halves.
     let runs = 2 * (reps as u64 + 1);
-    let c = b.topk_paths();
-    let topk_paths = [c.all, c.short, c.sampled, c.two_pass, c.general].map(|x| x / runs);
-    let f = b.fold_counts();
-    let fold_counts = [
-        f.query_blocks_folded,
-        f.query_blocks_plain,
-        f.threads_one_multiply,
-        f.threads_two_multiplies,
-    ]
-    .map(|x| x / runs);
+    let topk_paths = b.topk_paths().per_run(runs);
+    let fold_counts = b.fold_counts().per_run(runs);
     let pairs = batch.valid_pairs() as f64;
     let flops = 2.0 * pairs * (h * d) as f64;
     let min_ms = total.iter().copied().fold(f64::INFINITY, f64::min);
@@ -339,4 +330,62 @@ pub fn run_workload(b: &mut CudaBackend, w: &Workload, reps: usize) -> Result<Be
         topk_paths,
         fold_counts,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The JSON line `dsa-cuda-bench` prints names every path counter, per run.
+    #[test]
+    fn json_has_the_path_counters_per_run() {
+        let runs = 12;
+        let r = BenchResult {
+            name: "v32-16k".into(),
+            device: "none".into(),
+            rows: 1,
+            valid_pairs: 1,
+            tiles: 1,
+            budget: 1,
+            median_ms: 1.0,
+            min_ms: 1.0,
+            logits_ms: 1.0,
+            select_ms: 1.0,
+            tflops: 1.0,
+            logits_tflops: 1.0,
+            topk_gbs: 1.0,
+            rows_per_s: 1.0,
+            measured_peak: 1,
+            planned_peak: 1,
+            reps: 5,
+            topk_paths: TopkPaths {
+                all: 12,
+                short: 24,
+                sampled: 36,
+                two_pass: 48,
+                general: 60,
+            }
+            .per_run(runs),
+            fold_counts: FoldCounts {
+                query_blocks_folded: 120,
+                query_blocks_plain: 0,
+                threads_one_multiply: 1200,
+                threads_two_multiplies: 12,
+            }
+            .per_run(runs),
+        };
+        let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        let p = &v["topk_paths"];
+        let got = ["all", "short", "sampled", "two_pass", "general"].map(|k| p[k].as_u64());
+        assert_eq!(got, [1, 2, 3, 4, 5].map(Some));
+        let f = &v["fold_counts"];
+        let got = [
+            "query_blocks_folded",
+            "query_blocks_plain",
+            "threads_one_multiply",
+            "threads_two_multiplies",
+        ]
+        .map(|k| f[k].as_u64());
+        assert_eq!(got, [10, 0, 100, 1].map(Some));
+    }
 }

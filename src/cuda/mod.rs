@@ -181,6 +181,20 @@ pub struct TopkPaths {
     pub general: u64,
 }
 
+impl TopkPaths {
+    /// Each count over `runs` (counters summed over repeated runs of one problem).
+    pub fn per_run(self, runs: u64) -> TopkPaths {
+        let d = |x: u64| x / runs.max(1);
+        TopkPaths {
+            all: d(self.all),
+            short: d(self.short),
+            sampled: d(self.sampled),
+            two_pass: d(self.two_pass),
+            general: d(self.general),
+        }
+    }
+}
+
 /// What the exact-class logits kernels did in a run (read back by [`Backend::end`];
 /// zero outside the exact class). Tests assert with it on which side of the scale-folding
 /// edges a launch fell (kernels/logits.cu).
@@ -195,6 +209,19 @@ pub struct FoldCounts {
     pub threads_one_multiply: u64,
     /// Threads of which some key tile ran the reference's two multiplies.
     pub threads_two_multiplies: u64,
+}
+
+impl FoldCounts {
+    /// Each count over `runs` (counters summed over repeated runs of one problem).
+    pub fn per_run(self, runs: u64) -> FoldCounts {
+        let d = |x: u64| x / runs.max(1);
+        FoldCounts {
+            query_blocks_folded: d(self.query_blocks_folded),
+            query_blocks_plain: d(self.query_blocks_plain),
+            threads_one_multiply: d(self.threads_one_multiply),
+            threads_two_multiplies: d(self.threads_two_multiplies),
+        }
+    }
 }
 
 /// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
@@ -581,21 +608,27 @@ fn split_segments(rows: usize, max_n: usize, topk: usize) -> usize {
 /// The shared-memory row capacity (keys) of a tile's short-row top-k launch: the longest
 /// of the tile's rows `ns` with `topk < n <= short` keys, rounded up to 8 (the kernel
 /// reads the row 8 keys at a time), or 0 when there is none or when it would not fit the
-/// dynamic shared memory beside a consumer's bitmap of `bitmap_bytes`. The tile's rows of
+/// dynamic shared memory beside a consumer's bitmap of `bitmap_words`. The tile's rows of
 /// at most this many keys take `topk_short_f32`, the others `topk_ragged_f32`.
 fn short_row_cap(
     ns: impl Iterator<Item = usize>,
     topk: usize,
     short: usize,
-    bitmap_bytes: usize,
+    bitmap_words: u32,
 ) -> u32 {
     let longest = ns.filter(|&n| n > topk && n <= short).max().unwrap_or(0);
     let cap = longest.next_multiple_of(8);
-    if longest > 0 && bitmap_bytes + cap * 4 <= MAX_TOPK_DYNAMIC_SMEM {
+    if longest > 0 && short_launch_smem(bitmap_words, cap) <= MAX_TOPK_DYNAMIC_SMEM {
         cap as u32
     } else {
         0
     }
+}
+
+/// Dynamic shared memory (bytes) of a `topk_short_f32` launch: the consumer bitmap's
+/// `bitmap_words`, rounded up to 16 bytes, then `row_cap` keys (`topk.cu`'s layout).
+fn short_launch_smem(bitmap_words: u32, row_cap: usize) -> usize {
+    (bitmap_words as usize).next_multiple_of(4) * 4 + row_cap * 4
 }
 
 /// Check what the kernels support, before any allocation.
@@ -671,7 +704,6 @@ impl Run {
         } else {
             0
         };
-        let bitmap_bytes = (bitmap_words as usize).next_multiple_of(4) * 4;
         for tile in &plan.tiles {
             let (mut off, mut boff) = (0u64, 0u64);
             let g0 = groups.len() / 4;
@@ -696,7 +728,7 @@ impl Run {
                 rows[tile.rows.clone()].iter().map(|r| r.n),
                 shape.topk,
                 kernels::topk_short_cap(),
-                bitmap_bytes,
+                bitmap_words,
             );
             for i in tile.rows.clone() {
                 row_off[i] = off;
@@ -1010,18 +1042,12 @@ impl Run {
         // blocks per SM (topk_ragged_f32, rows of at least n_min keys).
         let row_cap = g.short_cap;
         let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
-        let mut launches = Vec::with_capacity(2);
-        if row_cap > 0 {
-            launches.push((
-                "topk_short_f32",
-                row_cap,
-                bw.next_multiple_of(4) * 4 + row_cap * 4,
-            ));
-        }
-        if g.max_n >= n_min as usize {
-            launches.push(("topk_ragged_f32", n_min, smem));
-        }
-        for (name, bound, dyn_smem) in launches {
+        let short = (row_cap > 0).then(|| {
+            let bytes = short_launch_smem(bw, row_cap as usize) as u32;
+            ("topk_short_f32", row_cap, bytes)
+        });
+        let long = (g.max_n >= n_min as usize).then_some(("topk_ragged_f32", n_min, smem));
+        for (name, bound, dyn_smem) in [short, long].into_iter().flatten() {
             let f = dev.function(Variant::Topk, name)?;
             allow_dynamic_smem(&f, dyn_smem)?;
             let mut l = s.launch_builder(&f);
@@ -1894,9 +1920,15 @@ mod tests {
         let c = short_row_cap([9001].into_iter(), k, cap, 0);
         assert!(c as usize >= 9001 && c % 8 == 0 && c < 9001 + 8);
         // With a consumer's bitmap the row buffer must still fit: else no short launch.
-        let room = MAX_TOPK_DYNAMIC_SMEM - 4 * 9008;
+        let room = ((MAX_TOPK_DYNAMIC_SMEM - 4 * 9008) / 4) as u32; // bitmap words
+        assert_eq!(room % 4, 0);
         assert_eq!(short_row_cap([9001].into_iter(), k, cap, room), 9008);
-        assert_eq!(short_row_cap([9001].into_iter(), k, cap, room + 4), 0);
+        assert_eq!(short_row_cap([9001].into_iter(), k, cap, room + 1), 0);
+        assert_eq!(short_launch_smem(room, 9008), MAX_TOPK_DYNAMIC_SMEM);
+        assert_eq!(
+            short_launch_smem(room + 1, 9008),
+            MAX_TOPK_DYNAMIC_SMEM + 16
+        );
         // TK_SHORT=0 (short = 0): never.
         assert_eq!(short_row_cap([k + 1].into_iter(), k, 0, 0), 0);
     }
