@@ -42,7 +42,7 @@ pub fn logits_rows(heads: usize) -> usize {
 /// E4M3 x E4M3 with `H = 64`. `WGMMA=0` in `$DSA_CUDA_DEFINES` turns both off (an A/B
 /// knob).
 pub fn logits_wgmma(v: Variant) -> bool {
-    let off = defines().iter().any(|(k, v)| k == "WGMMA" && v == "0");
+    let off = define_in("WGMMA", 0..=1) == Some(0);
     match v {
         Variant::Logits {
             heads,
