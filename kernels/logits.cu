@@ -4,7 +4,9 @@
 // - mqa_logits_wgr: the exact class for H = 32, D >= 64 on fp8 wgmma with the keys in
 //   registers (the default for those variants);
 // - mqa_logits_wg: the same through shared memory (WG_RS=0, the A/B baseline);
-// - mqa_logits_w16: E4M3 x E4M3 for H = 64 on f16 wgmma.
+// - mqa_logits_w16: E4M3 x E4M3 for H = 64 on f16 wgmma (f32 accumulation);
+// - mqa_logits_w8: the same on fp8 wgmma (W8=1, an A/B knob: it misses SPEC 4's bound
+//   on subnormal operands, see there).
 // block: one row group (<= LG_ROWS rows of one request, one warp each) x key tiles
 //        c = blockIdx.x, blockIdx.x + gridDim.x, .. of LG_KEYS keys -> logits[row_off[i] + j], j < n_i.
 //
@@ -1097,10 +1099,11 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 // at column 64 r + h) x key tiles of 64 (M) keys: c = blockIdx.x, blockIdx.x +
 // gridDim.x, ... Per tile, D / 16 chained m64n128k16 f16 wgmmas with f32 accumulation.
 //
-// Why f16 and not fp8 wgmma: every E4M3 value is exact in f16 and every product exact
-// in f32, so the error is that of f32 accumulation, as on the mma.sync path (the stated
-// 2^-16 M bound, cuda::TOLERANCE_LOG2); fp8 wgmma keeps about 13 bits per addition
-// (../shared/GPU.md's probe), which no bound near 2^-16 M survives.
+// Why f16 here: every E4M3 value is exact in f16 and every product exact in f32, so the
+// error is that of f32 accumulation, as on the mma.sync path (the stated 2^-16 M bound,
+// cuda::TOLERANCE_LOG2); fp8 wgmma keeps about 13 bits per addition (../shared/GPU.md's
+// probe), which no bound near 2^-16 M survives, and on subnormal operands not even SPEC
+// 4's 2^-8 M (mqa_logits_w8, the W8=1 knob).
 //
 // A (keys) comes from registers, in the mma.sync m16n8k16 A fragment of each warp's 16
 // keys: no shared memory and no barrier for keys. The dot product does not care in which
@@ -1137,6 +1140,44 @@ __device__ __forceinline__ float w16_head_quad(const float2 wv, const float a0, 
   return head_quad(wv, a0, a1, a2, a3, odd);
 #endif
 }
+
+// The tolerance class's head sum for H = 64 on wgmma (mqa_logits_w16 with W16_EPI=1,
+// mqa_logits_w8), in the cheapest order its bound allows (cuda::TOLERANCE_LOG2's
+// derivation): this lane's 16 heads of row r
+// (columns 8 nt + 2 tig + e of sums a[4 nt + 2 kk + e]) summed in the thread, one fma
+// per term, for its two keys kk = 0, 1; then tol_quad_sum adds the quad's four lanes.
+__device__ __forceinline__ void tol_lane_heads(const float *a, const float *swr, const int tig,
+                                              float &p0, float &p1) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const float2 wv = *reinterpret_cast<const float2 *>(&swr[nt * 8 + 2 * tig]);
+    if (nt == 0) {
+      p0 = __fmul_rn(wv.x, RELU(a[0]));
+      p1 = __fmul_rn(wv.x, RELU(a[2]));
+    } else {
+      p0 = __fmaf_rn(wv.x, RELU(a[4 * nt]), p0);
+      p1 = __fmaf_rn(wv.x, RELU(a[4 * nt + 2]), p1);
+    }
+    p0 = __fmaf_rn(wv.y, RELU(a[4 * nt + 1]), p0);
+    p1 = __fmaf_rn(wv.y, RELU(a[4 * nt + 3]), p1);
+  }
+}
+// The quad's sum of the lane partials p[r][kk], transposed: after lane offset 1 a lane
+// holds key kk = odd of both rows, after offset 2 row hi: the lane's logit is row hi,
+// key gid + 8 kk (store_logit's).
+__device__ __forceinline__ float tol_quad_sum(const float p00, const float p01, const float p10,
+                                             const float p11, const bool odd, const bool hi) {
+  const float q0 = __fadd_rn(odd ? p01 : p00, __shfl_xor_sync(FULL_MASK, odd ? p00 : p01, 1));
+  const float q1 = __fadd_rn(odd ? p11 : p10, __shfl_xor_sync(FULL_MASK, odd ? p10 : p11, 1));
+  return __fadd_rn(hi ? q1 : q0, __shfl_xor_sync(FULL_MASK, hi ? q0 : q1, 2));
+}
+
+// W16_EPI=1 (the default; 0 is an A/B knob): the head sum as tol_lane_heads and
+// tol_quad_sum (one fma per term in the thread, then two transposed shuffle steps)
+// instead of two_row_head_sum's SPEC 4 order (about 90 fewer instructions per tile).
+#ifndef W16_EPI
+#define W16_EPI 1
+#endif
 
 // The W16_S words of one key (or query head) row this thread's fragments take: bytes
 // (D / 4) tig .. + D / 4.
@@ -1231,8 +1272,173 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
     fence_regs(acc);
 
     // acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8);
-    // SPEC 4's head sum over the eight n-tiles of each row, then the key scale.
+    // the head sum over the eight n-tiles of each row, then the key scale.
+#if W16_EPI
+    float p[2][2];
+    tol_lane_heads(&acc[0], sw[0], tig, p[0][0], p[0][1]);
+    tol_lane_heads(&acc[32], sw[1], tig, p[1][0], p[1][1]);
+    const float hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
+#else
     const float hsum = two_row_head_sum<8>(acc, sw, tig, odd, hi, w16_head_quad);
+#endif
+    store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
+                __fmul_rn(hsum, kscale));
+  }
+}
+// ---- mqa_logits_w8: E4M3 x E4M3 with H = 64 on fp8 wgmma ------------------------------
+// mqa_logits_w16's block and tile, with the operands left in E4M3: D / 32
+// e4m3 k32 steps per 64-key tile instead of D / 16 f16 k16 ones (half the tensor steps
+// and half the shared-memory bytes of B per tile, no cvt of the keys), the keys' bytes
+// straight from global memory into the A fragments (the mma.sync m16n8k32 A layout of
+// each warp's 16 keys: a0/a1 dims 4 tig .. + 3 of keys gid / gid + 8, a2/a3 the same at
+// + 16). Permuted dim order as in w16: thread tig of a quad reads D / 4 contiguous bytes
+// of each key (words w = 0 .. D / 16 - 1); word 2 s is k = 4 tig + 0..3 of k32 step s,
+// word 2 s + 1 is k = 16 + 4 tig + 0..3; B (the queries, staged once per block) uses the
+// same order: word 2 s of column n's thread tg -> bytes 4 tg of chunk 2 s, word 2 s + 1 ->
+// bytes 4 tg of chunk 2 s + 1.
+//
+// Accuracy: fp8 wgmma adds products with about 13 bits kept, aligned to the largest
+// exponent-field sum of the step (cuda::FP8_WGMMA_TOLERANCE_LOG2 has what the H200
+// showed). W8_SPLIT=1 (the default form) starts a fresh accumulator for every k32 step
+// and adds the steps in f32 on the CUDA cores (no step cut to the unit of a running
+// sum: the fp8 recipe of promoting partial sums), per row as m64n64k32; W8_SPLIT=0
+// chains the D / 32 steps in the tensor core's accumulator. Neither meets SPEC 4's
+// 2^-8 M when a subnormal operand is in a step's product of largest exponent fields,
+// so this kernel is an A/B knob (W8=1), not the default.
+#define W8_S (D / 32)  // k32 steps per tile
+#ifndef W8_SPLIT
+#define W8_SPLIT 1
+#endif
+// k32 jobs in flight in the split form (1 or 2: one temporary of 32 sums each).
+#ifndef W8_PIPE
+#define W8_PIPE 1
+#endif
+static_assert(W8_PIPE == 1 || W8_PIPE == 2, "W8_PIPE: 1 or 2");
+// Blocks per SM the registers must allow: at D = 128 the split form takes 127 registers
+// with one job in flight (the default: v32-16k 4.87 against 5.12 ms with two, in one
+// call, benches/RESULTS.md v11), 161 with two (3 blocks; at 4 ptxas serializes the
+// wgmmas and spills), the chained form 123.
+#ifndef W8_MIN_BLOCKS
+#define W8_MIN_BLOCKS (W8_SPLIT && W8_PIPE == 2 ? 3 : 4)
+#endif
+
+extern "C" __global__ void __launch_bounds__(128, W8_MIN_BLOCKS) mqa_logits_w8(
+    const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
+    const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
+    const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
+    const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
+    float *__restrict__ logits, u32 *__restrict__ paths) {
+  __shared__ __align__(128) u8 sB[W16_N * D];
+  __shared__ __align__(8) float sw[W16_ROWS][H];
+
+  const uint4 grp = groups[group0 + blockIdx.y];
+  const u32 nchunks = (grp.z + W16_KEYS - 1) / W16_KEYS;
+  if (blockIdx.x >= nchunks) return;
+  const u32 ks = row_ks[grp.x];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
+  auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
+
+  for (int t = tid; t < W16_ROWS * H; t += 128) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  for (int t = tid; t < W16_N * 4; t += 128) {
+    const int n = t / 4, tg = t % 4;
+    u32 x[W16_S];
+    w16_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
+#pragma unroll
+    for (int s = 0; s < W8_S; ++s) {
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s, W16_N) + 4 * tg]) = x[2 * s];
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s + 1, W16_N) + 4 * tg]) = x[2 * s + 1];
+    }
+  }
+  fence_proxy_async();
+  __syncthreads();
+
+  // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
+  // tile's bytes and scales are loaded while this one is computed.
+  u32 raw[2][W16_S];
+  float ksc[2];
+  auto prefetch = [&](u32 c) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const u32 j = c * W16_KEYS + 16 * warp + gid + 8 * kk;
+      if (j < grp.z) {
+        w16_load(raw[kk], k + (u64)(ks + j) * D, tig);
+        ksc[kk] = k_scale32[ks + j];
+      } else {
+#pragma unroll
+        for (int s = 0; s < W16_S; ++s) raw[kk][s] = 0u;
+        ksc[kk] = 0.0f;
+      }
+    }
+  };
+  prefetch(blockIdx.x);
+  constexpr u32 lbo = (W16_N / 8) * 128;  // chunk to chunk
+  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const u32 j0 = c * W16_KEYS;
+    // A fragment of k32 step s: words 2 s and 2 s + 1 of the thread's two keys.
+    u32 a[W8_S][4];
+#pragma unroll
+    for (int s = 0; s < W8_S; ++s) {
+      a[s][0] = raw[0][2 * s];
+      a[s][1] = raw[1][2 * s];
+      a[s][2] = raw[0][2 * s + 1];
+      a[s][3] = raw[1][2 * s + 1];
+    }
+    const float kscale = odd ? ksc[1] : ksc[0];  // this lane's key after the head sum
+
+#if W8_SPLIT
+    // Jobs i = 0 .. 2 W8_S - 1: row r = i / W8_S, k32 step s = i % W8_S (row r's columns
+    // start 8 core matrices, 8 * 128 bytes, into each chunk), each an m64n64k32 from a
+    // zero accumulator into temporary t[i % W8_PIPE], W8_PIPE in flight: with 2, the
+    // tensor core runs job i + 1 while the CUDA cores add job i into the row's sum. A
+    // row's sums, once whole, go through the lane's part of the head sum (tol_lane_heads)
+    // at once, so only one row's 32 sums are live.
+    constexpr int jobs = 2 * W8_S;
+    float t[W8_PIPE][32], acc[32], p[2][2];
+    auto issue = [&](int i) {
+      const int r = i / W8_S, s = i % W8_S;
+      wgmma_fence();
+      wgmma_m64n64k32_e4m3_rs(t[i % W8_PIPE], a[s],
+                              wgmma_desc(sB + 2 * s * lbo + r * 8 * 128, lbo, 128));
+      wgmma_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < W8_PIPE; ++i) issue(i);
+#pragma unroll
+    for (int i = 0; i < jobs; ++i) {
+      const int r = i / W8_S, s = i % W8_S;
+      if (W8_PIPE == 2 && i + 1 < jobs) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      float(&x)[32] = t[i % W8_PIPE];
+      fence_regs(x);
+#pragma unroll
+      for (int e = 0; e < 32; ++e) acc[e] = s == 0 ? x[e] : __fadd_rn(acc[e], x[e]);
+      if (i + W8_PIPE < jobs) issue(i + W8_PIPE);
+      if (s == W8_S - 1) tol_lane_heads(acc, sw[r], tig, p[r][0], p[r][1]);
+    }
+    // The next tile's keys, loaded while the rest of the epilogue runs (every MMA of
+    // this tile, whose A fragments they replace, has completed).
+    if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
+    const float hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
+#else
+    if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
+    float acc[64];
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < W8_S; ++s)
+      wgmma_m64n128k32_e4m3_rs(acc, a[s], wgmma_desc(sB + 2 * s * lbo, lbo, 128), s > 0 ? 1u : 0u);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+    float p[2][2];
+    tol_lane_heads(&acc[0], sw[0], tig, p[0][0], p[0][1]);
+    tol_lane_heads(&acc[32], sw[1], tig, p[1][0], p[1][1]);
+    const float hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
+#endif
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }

@@ -38,7 +38,9 @@ fn every_kernel_compiles_for_sm90a() {
                     // mma.sync fallback (WGMMA=0).
                     Variant::Logits {
                         q: Format::E4m3, ..
-                    } if kernels::logits_wgmma(*v) => &["mqa_logits", "mqa_logits_w16"],
+                    } if kernels::logits_wgmma(*v) => {
+                        &["mqa_logits", "mqa_logits_w8", "mqa_logits_w16"]
+                    }
                     Variant::Logits { .. } if kernels::logits_wgmma(*v) => {
                         &["mqa_logits", "mqa_logits_wgr", "mqa_logits_wg"]
                     }

@@ -60,7 +60,23 @@ pub fn logits_wgmma(v: Variant) -> bool {
     }
 }
 
-/// Rows per `mqa_logits_w16` block (`W16_ROWS`: 2 rows x 64 heads = one 128-column MMA).
+/// Whether E4M3 x E4M3 with `H = 64` runs on fp8 `wgmma` (`mqa_logits_w8`, `W8=1` in
+/// `$DSA_CUDA_DEFINES`, an A/B knob) rather than on f16 `wgmma` (`mqa_logits_w16`, the
+/// default). Not the default because fp8 `wgmma` misses SPEC 4's bound when a subnormal
+/// E4M3 operand is in a k32 step's product of largest exponent fields (measured `2^-6
+/// M`; [`crate::cuda::FP8_WGMMA_TOLERANCE_LOG2`]). The two state different bounds:
+/// [`crate::cuda::tolerance_log2`].
+pub fn logits_fp8_wgmma() -> bool {
+    define_in("W8", 0..=1) == Some(1)
+}
+
+/// Whether variant `v`'s logits kernel adds products on fp8 `wgmma`'s accumulator
+/// (about 13 bits kept per addition): `mqa_logits_w8`.
+pub fn logits_on_fp8_accumulator(v: Variant) -> bool {
+    logits_kernel(v).0 == "mqa_logits_w8"
+}
+
+/// Rows per `mqa_logits_w16` (and `mqa_logits_w8`) block (`W16_ROWS`: 2 rows x 64 heads = one 128-column MMA).
 pub const LOGITS_W16_ROWS: usize = 2;
 
 /// Rows per warpgroup of `mqa_logits_wg` (`WG_ROWS`: 2 rows x 32 heads = one 64-column
@@ -115,6 +131,9 @@ pub fn logits_kernel(v: Variant) -> (&'static str, usize, usize) {
     };
     if logits_wgmma(v) {
         if !exact {
+            if logits_fp8_wgmma() {
+                return ("mqa_logits_w8", LOGITS_W16_ROWS, 128);
+            }
             return ("mqa_logits_w16", LOGITS_W16_ROWS, 128);
         }
         if logits_wg_registers() {
