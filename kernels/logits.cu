@@ -1185,11 +1185,25 @@ __device__ __forceinline__ float tol_quad_sum(const float p00, const float p01, 
 #endif
 
 // The W16_S words of one key (or query head) row this thread's fragments take: bytes
-// (D / 4) tig .. + D / 4.
+// (D / 4) tig .. + D / 4; at D = 128 with W16_LD64=1, bytes 16 tig .. + 16 and 64 + 16 tig
+// .. + 16 instead, so that each of the quad's two 16-byte loads reads whole 32-byte
+// sectors of the row (64 contiguous bytes), not half of each of its four. Keys and
+// queries take the same order, so every dim still meets its own in the MMA. An A/B knob
+// (0: the layout before it).
+#ifndef W16_LD64
+#define W16_LD64 0
+#endif
 __device__ __forceinline__ void w16_load(u32 (&x)[W16_S], const u8 *row, const int tig) {
+#if G == 4 && W16_LD64
+  const u8 *p = row + 16 * tig;
+  const uint4 a = *reinterpret_cast<const uint4 *>(p), b = *reinterpret_cast<const uint4 *>(p + 64);
+#elif G == 4
   const u8 *p = row + (D / 4) * tig;
-#if G == 4
   const uint4 a = *reinterpret_cast<const uint4 *>(p), b = *reinterpret_cast<const uint4 *>(p + 16);
+#else
+  const u8 *p = row + (D / 4) * tig;
+#endif
+#if G == 4
   x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
 #elif G == 2
   const uint4 a = *reinterpret_cast<const uint4 *>(p);
