@@ -1119,8 +1119,8 @@ fn e4m3_dot_case(b: &mut CudaBackend, tag: &str, heads: usize, q: &[u8], k: &[u8
 /// unit. `mqa_logits_w8` and `mqa_logits_w16` put dim `(D / 4) t + 8 s + e` (t, e the
 /// thread and byte of a quad) in k32 step `s`, so dim 0 is in the first step and dims
 /// `8 s` start step `s`. Cases: `448^2` in the first step only (a chained accumulator
-/// cuts every later step's pairs to its unit: about `2^-7.7 M` lost, past SPEC 4's
-/// `2^-8 M`); `448^2` at the start of every step; the small products negative; a power
+/// cuts every later step's pairs to its unit: `2^-6.85 M` lost at D = 128 on the H200,
+/// past SPEC 4's `2^-8 M`); `448^2` at the start of every step; the small products negative; a power
 /// of two with pairs just below two of its units in every step; a subnormal operand in
 /// the largest product. Every kernel is held to its bound (`cuda::tolerance_log2`): the
 /// default ones (`mma.sync`, `mqa_logits_w16`) to `2^-16 M`, and `mqa_logits_w8` under

@@ -97,7 +97,7 @@ pub const TOLERANCE_LOG2: i32 = -16;
 /// `200944`; `256 + 31 x 0.0293` came back `256`). Hence:
 ///
 /// - steps chained in the accumulator (`W8_SPLIT=0`) lose later steps' pairs to the
-///   running sum's unit: `2^-7.2 M` measured at D = 128, past SPEC 4's bound;
+///   running sum's unit: `2^-6.85 M` measured at D = 128, past SPEC 4's bound;
 /// - every step from a zero accumulator, the steps added in f32 (`W8_SPLIT=1`, the
 ///   kernel's default form): when the product of largest exponent fields is of two
 ///   normal values, a step loses less than 16 units `= 2^-8 * 2^F <= 2^-8` of the step's
