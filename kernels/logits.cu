@@ -1178,32 +1178,13 @@ __device__ __forceinline__ float tol_quad_sum(const float p00, const float p01, 
 #ifndef W16_EPI
 #define W16_EPI 1
 #endif
-// W16_ROWSPLIT=1 (with W16_EPI=1): each row's MMAs as their own m64n64 group, so that
-// row 0's head sum overlaps row 1's MMAs. 0 (the default): one m64n128 group per tile.
-#ifndef W16_ROWSPLIT
-#define W16_ROWSPLIT 0
-#endif
 
 // The W16_S words of one key (or query head) row this thread's fragments take: bytes
-// (D / 4) tig .. + D / 4; at D = 128 with W16_LD64=1, bytes 16 tig .. + 16 and 64 + 16 tig
-// .. + 16 instead, so that each of the quad's two 16-byte loads reads whole 32-byte
-// sectors of the row (64 contiguous bytes), not half of each of its four. Keys and
-// queries take the same order, so every dim still meets its own in the MMA. An A/B knob
-// (0: the layout before it).
-#ifndef W16_LD64
-#define W16_LD64 0
-#endif
+// (D / 4) tig .. + D / 4.
 __device__ __forceinline__ void w16_load(u32 (&x)[W16_S], const u8 *row, const int tig) {
-#if G == 4 && W16_LD64
-  const u8 *p = row + 16 * tig;
-  const uint4 a = *reinterpret_cast<const uint4 *>(p), b = *reinterpret_cast<const uint4 *>(p + 64);
-#elif G == 4
   const u8 *p = row + (D / 4) * tig;
-  const uint4 a = *reinterpret_cast<const uint4 *>(p), b = *reinterpret_cast<const uint4 *>(p + 16);
-#else
-  const u8 *p = row + (D / 4) * tig;
-#endif
 #if G == 4
+  const uint4 a = *reinterpret_cast<const uint4 *>(p), b = *reinterpret_cast<const uint4 *>(p + 16);
   x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w; x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
 #elif G == 2
   const uint4 a = *reinterpret_cast<const uint4 *>(p);
@@ -1282,30 +1263,6 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
 
     float acc[64];
-#if W16_ROWSPLIT && W16_EPI
-    // Row 0's MMAs (columns 0..63) and row 1's (64..127, 8 core matrices into each chunk)
-    // as two groups: row 0's head sum runs while row 1's MMAs do.
-    float(&acc0)[32] = *reinterpret_cast<float(*)[32]>(&acc[0]);
-    float(&acc1)[32] = *reinterpret_cast<float(*)[32]>(&acc[32]);
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < W16_S; ++s)
-      wgmma_m64n64k16_f16_rs(acc0, a[s], wgmma_desc(sB + 2 * s * lbo, lbo, 128), s > 0 ? 1u : 0u);
-    wgmma_commit();
-#pragma unroll
-    for (int s = 0; s < W16_S; ++s)
-      wgmma_m64n64k16_f16_rs(acc1, a[s], wgmma_desc(sB + 2 * s * lbo + 8 * 128, lbo, 128),
-                             s > 0 ? 1u : 0u);
-    wgmma_commit();
-    float p[2][2];
-    wgmma_wait<1>();
-    fence_regs(acc0);
-    tol_lane_heads(&acc[0], sw[0], tig, p[0][0], p[0][1]);
-    wgmma_wait<0>();
-    fence_regs(acc1);
-    tol_lane_heads(&acc[32], sw[1], tig, p[1][0], p[1][1]);
-    const float hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
-#else
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < W16_S; ++s)
@@ -1323,7 +1280,6 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
     const float hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
 #else
     const float hsum = two_row_head_sum<8>(acc, sw, tig, odd, hi, w16_head_quad);
-#endif
 #endif
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));

@@ -205,20 +205,6 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
   return true;
 }
 
-// TK_AGG=1: the shared-memory row's first histogram adds once per distinct bin of a
-// warp (match.any, then one atomic of the count by the lowest lane) instead of once per
-// key: logits of one magnitude share their top 11 bits, and same-address shared atomics
-// replay per lane. An A/B knob (0: one atomic per key).
-#ifndef TK_AGG
-#define TK_AGG 0
-#endif
-// hist[bin] += 1 for every lane with `valid`, one atomic per distinct bin of the warp.
-// Every lane of the warp calls it (bins are below 2^31; invalid lanes share a sentinel).
-__device__ __forceinline__ void hist_add_warp(u32 *hist, const u32 bin, const bool valid) {
-  const u32 peers = __match_any_sync(FULL_MASK, valid ? bin : 0xFFFFFFFFu);
-  if (valid && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-}
-
 // The shared-memory row's static shared memory (TopkSmem's fields of the same names).
 struct ShortSmem {
   u32 hist[TK_BINS];
@@ -247,11 +233,7 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
     for (int u = 0; u < U; ++u) {
       const u32 j = base + u * TK_THREADS + tid;
       if (j < n) buf[j] = key[u];
-#if TK_AGG
-      hist_add_warp(sm.hist, key[u] >> 21, key[u] != 0u);
-#else
       if (key[u] != 0u) atomicAdd(&sm.hist[key[u] >> 21], 1u);
-#endif
     }
   }
   __syncthreads();
