@@ -76,7 +76,8 @@ pub fn logits_on_fp8_accumulator(v: Variant) -> bool {
     logits_kernel(v).0 == "mqa_logits_w8"
 }
 
-/// Rows per `mqa_logits_w16` (and `mqa_logits_w8`) block (`W16_ROWS`: 2 rows x 64 heads = one 128-column MMA).
+/// Rows per `mqa_logits_w16` (and `mqa_logits_w8`) block (`W16_ROWS`: 2 rows x 64 heads
+/// = one 128-column MMA).
 pub const LOGITS_W16_ROWS: usize = 2;
 
 /// Rows per warpgroup of `mqa_logits_wg` (`WG_ROWS`: 2 rows x 32 heads = one 64-column
