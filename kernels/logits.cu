@@ -1195,58 +1195,6 @@ __device__ __forceinline__ void w16_load(u32 (&x)[W16_S], const u8 *row, const i
 #endif
 }
 
-// The start of mqa_logits_w16 and mqa_logits_w8: the block's two rows' weights into sw
-// and their queries into sB as the B operand (F16: f16 k16 steps, chunk 2 s holding k =
-// 0..7 of step s from the low halves of the quad threads' words, chunk 2 s + 1 k = 8..15;
-// else E4M3 k32 steps, word 2 s of thread tg -> bytes 4 tg of chunk 2 s, word 2 s + 1 ->
-// chunk 2 s + 1), then the fence and barrier that make sB visible to the tensor cores.
-template <bool F16, class RowOf>
-__device__ __forceinline__ void w16_stage(u8 *sB, float (*sw)[H], const u8 *q, const float *w,
-                                          RowOf row_of, const int tid) {
-  for (int t = tid; t < W16_ROWS * H; t += 128) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
-  for (int t = tid; t < W16_N * 4; t += 128) {
-    const int n = t / 4, tg = t % 4;
-    u32 x[W16_S];
-    w16_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
-    if (F16) {
-#pragma unroll
-      for (int s = 0; s < W16_S; ++s) {
-        *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s, W16_N) + 4 * tg]) = e4m3x2_f16x2(x[s]);
-        *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s + 1, W16_N) + 4 * tg]) =
-            e4m3x2_f16x2(x[s] >> 16);
-      }
-    } else {
-#pragma unroll
-      for (int s = 0; s < W16_S / 2; ++s) {
-        *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s, W16_N) + 4 * tg]) = x[2 * s];
-        *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s + 1, W16_N) + 4 * tg]) = x[2 * s + 1];
-      }
-    }
-  }
-  fence_proxy_async();
-  __syncthreads();
-}
-
-// This thread's two keys of key tile c (16 warp + gid, + 8), their bytes (w16_load) and
-// scales; zeros past the group's grp.z keys.
-__device__ __forceinline__ void w16_keys(u32 (&raw)[2][W16_S], float (&ksc)[2], const u8 *k,
-                                         const float *k_scale32, const u32 ks, const u32 nkeys,
-                                         const u32 c, const int warp, const int gid,
-                                         const int tig) {
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const u32 j = c * W16_KEYS + 16 * warp + gid + 8 * kk;
-    if (j < nkeys) {
-      w16_load(raw[kk], k + (u64)(ks + j) * D, tig);
-      ksc[kk] = k_scale32[ks + j];
-    } else {
-#pragma unroll
-      for (int s = 0; s < W16_S; ++s) raw[kk][s] = 0u;
-      ksc[kk] = 0.0f;
-    }
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
@@ -1265,13 +1213,40 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
   const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
-  w16_stage<true>(sB, sw, q, w, row_of, tid);
+  for (int t = tid; t < W16_ROWS * H; t += 128) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  // B: column n (row n / H, head n % H), k16 step s: chunk 2s holds k = 0..7 (e = 0, 1 of
+  // the four quad threads' words), chunk 2s + 1 holds k = 8..15 (e = 2, 3).
+  for (int t = tid; t < W16_N * 4; t += 128) {
+    const int n = t / 4, tg = t % 4;
+    u32 x[W16_S];
+    w16_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
+#pragma unroll
+    for (int s = 0; s < W16_S; ++s) {
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s, W16_N) + 4 * tg]) = e4m3x2_f16x2(x[s]);
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s + 1, W16_N) + 4 * tg]) = e4m3x2_f16x2(x[s] >> 16);
+    }
+  }
+  fence_proxy_async();
+  __syncthreads();
 
   // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
   // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][W16_S];
   float ksc[2];
-  auto prefetch = [&](u32 c) { w16_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig); };
+  auto prefetch = [&](u32 c) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const u32 j = c * W16_KEYS + 16 * warp + gid + 8 * kk;
+      if (j < grp.z) {
+        w16_load(raw[kk], k + (u64)(ks + j) * D, tig);
+        ksc[kk] = k_scale32[ks + j];
+      } else {
+#pragma unroll
+        for (int s = 0; s < W16_S; ++s) raw[kk][s] = 0u;
+        ksc[kk] = 0.0f;
+      }
+    }
+  };
   prefetch(blockIdx.x);
   constexpr u32 lbo = (W16_N / 8) * 128;  // chunk to chunk
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
@@ -1365,13 +1340,38 @@ extern "C" __global__ void __launch_bounds__(128, W8_MIN_BLOCKS) mqa_logits_w8(
   const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
-  w16_stage<false>(sB, sw, q, w, row_of, tid);
+  for (int t = tid; t < W16_ROWS * H; t += 128) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  for (int t = tid; t < W16_N * 4; t += 128) {
+    const int n = t / 4, tg = t % 4;
+    u32 x[W16_S];
+    w16_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
+#pragma unroll
+    for (int s = 0; s < W8_S; ++s) {
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s, W16_N) + 4 * tg]) = x[2 * s];
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s + 1, W16_N) + 4 * tg]) = x[2 * s + 1];
+    }
+  }
+  fence_proxy_async();
+  __syncthreads();
 
   // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
   // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][W16_S];
   float ksc[2];
-  auto prefetch = [&](u32 c) { w16_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig); };
+  auto prefetch = [&](u32 c) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const u32 j = c * W16_KEYS + 16 * warp + gid + 8 * kk;
+      if (j < grp.z) {
+        w16_load(raw[kk], k + (u64)(ks + j) * D, tig);
+        ksc[kk] = k_scale32[ks + j];
+      } else {
+#pragma unroll
+        for (int s = 0; s < W16_S; ++s) raw[kk][s] = 0u;
+        ksc[kk] = 0.0f;
+      }
+    }
+  };
   prefetch(blockIdx.x);
   constexpr u32 lbo = (W16_N / 8) * 128;  // chunk to chunk
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
