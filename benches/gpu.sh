@@ -8,7 +8,7 @@
 # With no arguments it runs the first four parts (ncu: hardware counters, on request).
 # Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
-# WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W16_EPI, W8, W8_SPLIT, W8_PIPE, W8_MIN_BLOCKS, W16_FMA, RELU_FMAX, TK_SAMPLE_WIDE,
+# WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W16_EPI, W8, W8_SPLIT, W8_MIN_BLOCKS, W16_FMA, RELU_FMAX, TK_SAMPLE_WIDE,
 # TK_SAMPLE_RATIO, TK_SHORT, TK_SHORT_STAGE, WGR_QSAFE, WGR_SC32, LG_ROWS, LG_MIN_BLOCKS).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -48,7 +48,6 @@ if has tests; then
   # E4M3 x E4M3 at H = 64 on fp8 wgmma (mqa_logits_w8), held to SPEC 4's 2^-8 M: its
   # subnormal accumulator case fails (a finding, logged, not a gate), the others pass.
   knob_tests "W8=1" fp8_wgmma e4m3_h64 tolerance
-  knob_tests "W8=1 W8_PIPE=2" fp8_wgmma e4m3_h64
   # The accumulator cases' errors, |diff| / M per case, on the default kernels and on fp8.
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma --nocapture 2>&1 | grep "/ M =" > "$OUT/acc_cases.txt"
   DSA_CUDA_DEFINES="W8=1" DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/fp8_cases.txt"

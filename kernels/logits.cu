@@ -1309,17 +1309,11 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
 #ifndef W8_SPLIT
 #define W8_SPLIT 1
 #endif
-// k32 jobs in flight in the split form (1 or 2: one temporary of 32 sums each).
-#ifndef W8_PIPE
-#define W8_PIPE 1
-#endif
-static_assert(W8_PIPE == 1 || W8_PIPE == 2, "W8_PIPE: 1 or 2");
 // Blocks per SM the registers must allow: at D = 128 the split form takes 127 registers
-// with one job in flight (the default: v32-16k 4.87 against 5.12 ms with two, in one
-// call, benches/RESULTS.md v11), 161 with two (3 blocks; at 4 ptxas serializes the
-// wgmmas and spills), the chained form 123.
+// (one k32 job in flight; two took 161 registers, 3 blocks, and lost: v32-16k 5.12
+// against 4.87 ms, benches/RESULTS.md v11), the chained form 123.
 #ifndef W8_MIN_BLOCKS
-#define W8_MIN_BLOCKS (W8_SPLIT && W8_PIPE == 2 ? 3 : 4)
+#define W8_MIN_BLOCKS 4
 #endif
 
 extern "C" __global__ void __launch_bounds__(128, W8_MIN_BLOCKS) mqa_logits_w8(
@@ -1390,34 +1384,26 @@ extern "C" __global__ void __launch_bounds__(128, W8_MIN_BLOCKS) mqa_logits_w8(
 #if W8_SPLIT
     // Jobs i = 0 .. 2 W8_S - 1: row r = i / W8_S, k32 step s = i % W8_S (row r's columns
     // start 8 core matrices, 8 * 128 bytes, into each chunk), each an m64n64k32 from a
-    // zero accumulator into temporary t[i % W8_PIPE], W8_PIPE in flight: with 2, the
-    // tensor core runs job i + 1 while the CUDA cores add job i into the row's sum. A
-    // row's sums, once whole, go through the lane's part of the head sum (tol_lane_heads)
-    // at once, so only one row's 32 sums are live.
+    // zero accumulator into the temporary t, one at a time; the CUDA cores add each into
+    // the row's sums. A row's sums, once whole, go through the lane's part of the head
+    // sum (tol_lane_heads) at once, so only one row's 32 sums are live.
     constexpr int jobs = 2 * W8_S;
-    float t[W8_PIPE][32], acc[32], p[2][2];
+    float t[32], acc[32], p[2][2];
     auto issue = [&](int i) {
       const int r = i / W8_S, s = i % W8_S;
       wgmma_fence();
-      wgmma_m64n64k32_e4m3_rs(t[i % W8_PIPE], a[s],
-                              wgmma_desc(sB + 2 * s * lbo + r * 8 * 128, lbo, 128));
+      wgmma_m64n64k32_e4m3_rs(t, a[s], wgmma_desc(sB + 2 * s * lbo + r * 8 * 128, lbo, 128));
       wgmma_commit();
     };
-#pragma unroll
-    for (int i = 0; i < W8_PIPE; ++i) issue(i);
+    issue(0);
 #pragma unroll
     for (int i = 0; i < jobs; ++i) {
       const int r = i / W8_S, s = i % W8_S;
-      if (W8_PIPE == 2 && i + 1 < jobs) {
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait<0>();
-      }
-      float(&x)[32] = t[i % W8_PIPE];
-      fence_regs(x);
+      wgmma_wait<0>();
+      fence_regs(t);
 #pragma unroll
-      for (int e = 0; e < 32; ++e) acc[e] = s == 0 ? x[e] : __fadd_rn(acc[e], x[e]);
-      if (i + W8_PIPE < jobs) issue(i + W8_PIPE);
+      for (int e = 0; e < 32; ++e) acc[e] = s == 0 ? t[e] : __fadd_rn(acc[e], t[e]);
+      if (i + 1 < jobs) issue(i + 1);
       if (s == W8_S - 1) tol_lane_heads(acc, sw[r], tig, p[r][0], p[r][1]);
     }
     // The next tile's keys, loaded while the rest of the epilogue runs (every MMA of
