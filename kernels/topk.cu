@@ -207,7 +207,7 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
 
 // The shared-memory row's static shared memory (TopkSmem's fields of the same names).
 struct ShortSmem {
-  u32 hist[TK_BINS];
+  u32 hist[TK_BINS + 4];  // short_row_threshold_vec counts non-matching keys at TK_BINS
   u32 scan[33];
   u32 misc[8];
 };
@@ -283,6 +283,136 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
   }
   T = prefix;
   take = need;
+  return true;
+}
+
+// TK_SHORT_BALLOT=0: with TK_SHORT_VEC's `ge` rows, the ordered pass one block scan per
+// chunk of TK_THREADS * TK_ITEMS keys (an A/B knob); 1: warp votes, one exchange per row.
+#ifndef TK_SHORT_BALLOT
+#define TK_SHORT_BALLOT 1
+#endif
+// TK_SHORT_VEC=0: the shared-memory row one key per load and per digit-pass step, three
+// digit passes always (the v9 form, an A/B knob); 1: short_row_threshold_vec.
+#ifndef TK_SHORT_VEC
+#define TK_SHORT_VEC 1
+#endif
+
+// The shared-memory row with 16-byte loads (MODE 0: f32 logits, the row 16-byte aligned
+// in global memory: rows start at multiples of ROW_ALIGN floats, and the padding up to
+// the next multiple of 4 is inside the row's footprint). As short_row_threshold, with:
+// - keys that are not candidates (0: past n, or outside a consumer's kept blocks) go to
+//   bin 0 in the first pass, which the scan skips: every real key is >= 0x007FFFFF, bin
+//   3 or above;
+// - the later passes count every key, at min((k - prefix) >> shift, TK_BINS), without a
+//   branch: a key that matches the digits found so far lands on its digit, any other at
+//   or past `bins`, which the scan does not read (k - prefix wraps above 2^23 for
+//   k < prefix, as prefix >= 3 << 21). The increments of one address in a warp are one
+//   shared-memory operation (ATOMS.POPC.INC). A predicated increment instead compiles
+//   to a branch around each atomic, 8 instructions a key against 5;
+// - a pass stops the search when the digit found holds exactly the keys still needed:
+//   then every key >= that digit's lowest key is selected, exactly K of them, with no
+//   tie to break. `ge` says so, with T that lowest key. With continuous scores the
+//   second pass's 22-bit bucket usually holds the K-th key alone, and the third pass
+//   is skipped. The last pass's digit is a single key value: ge also when every key
+//   equal to T is taken.
+template <int MODE, class Smem>
+__device__ bool short_row_threshold_vec(Smem &sm, u32 *buf, const RowSrc &src, const u32 n,
+                                        const u32 K, u32 &T, u32 &take, bool &ge) {
+  static_assert(MODE == 0, "f32 logits");
+  const int tid = threadIdx.x;
+  for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
+  __syncthreads();
+  const float4 *row4 =
+      reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(src.scores) + src.lo);
+  uint4 *buf4 = reinterpret_cast<uint4 *>(buf);
+  const u32 n4 = (n + 3u) / 4u;
+  constexpr int V = 4;  // 16-byte loads in flight per thread
+  for (u32 base = 0; base < n4; base += V * TK_THREADS) {
+    float4 v[V];
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      const u32 q = base + u * TK_THREADS + tid;
+      if (q < n4) v[u] = row4[q];
+    }
+#pragma unroll
+    for (int u = 0; u < V; ++u) {
+      const u32 q = base + u * TK_THREADS + tid;
+      if (q < n4) {
+        u32 k[4] = {rank_key(v[u].x), rank_key(v[u].y), rank_key(v[u].z), rank_key(v[u].w)};
+        if (src.bitmap != nullptr || 4u * q + 4u > n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const u32 j = 4u * q + i;
+            if (j >= n) {
+              k[i] = 0u;
+            } else if (src.bitmap != nullptr) {
+              const u32 c = (src.lo + j) / src.block_size;
+              if (!((src.bitmap[c >> 5] >> (c & 31)) & 1u)) k[i] = 0u;
+            }
+          }
+        }
+        buf4[q] = make_uint4(k[0], k[1], k[2], k[3]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) atomicAdd(&sm.hist[k[i] >> 21], 1u);
+      }
+    }
+  }
+  __syncthreads();
+  u32 prefix = 0, need = K;
+  for (int pass = 0; pass < 3; ++pass) {
+    const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;  // the digit's lowest bit
+    const u32 bins = pass == 2 ? 1024u : 2048u;
+    if (pass > 0) {
+      for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
+      __syncthreads();
+      for (u32 q = tid; q < n4; q += TK_THREADS) {
+        const uint4 k = buf4[q];
+        atomicAdd(&sm.hist[min((k.x - prefix) >> shift, (u32)TK_BINS)], 1u);
+        atomicAdd(&sm.hist[min((k.y - prefix) >> shift, (u32)TK_BINS)], 1u);
+        atomicAdd(&sm.hist[min((k.z - prefix) >> shift, (u32)TK_BINS)], 1u);
+        atomicAdd(&sm.hist[min((k.w - prefix) >> shift, (u32)TK_BINS)], 1u);
+      }
+      __syncthreads();
+    }
+    // Thread t owns digits bins-1-4t .. bins-4-4t (descending); the first pass's bin 0
+    // holds the keys that are not candidates.
+    u32 c[4], local = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 idx = 4u * tid + i;
+      c[i] = idx < bins && (pass > 0 || idx != bins - 1u) ? sm.hist[bins - 1u - idx] : 0u;
+      local += c[i];
+    }
+    u32 total;
+    const u32 before = block_exclusive_scan(local, sm.scan, &total);
+    if (pass == 0 && total <= K) return false;  // m <= K: every candidate
+    if (before < need && before + local >= need) {
+      u32 cum = before;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (cum + c[i] >= need) {
+          sm.misc[0] = prefix | ((bins - 1u - (4u * tid + i)) << shift);
+          sm.misc[1] = need - cum;
+          sm.misc[2] = need - cum == c[i];  // the digit's keys are all taken
+          break;
+        }
+        cum += c[i];
+      }
+    }
+    __syncthreads();
+    prefix = sm.misc[0];
+    need = sm.misc[1];
+    if (sm.misc[2]) {
+      T = prefix;
+      take = need;
+      ge = true;
+      return true;
+    }
+    // misc is next written after the next pass's histogram barrier.
+  }
+  T = prefix;
+  take = need;
+  ge = false;
   return true;
 }
 
@@ -484,15 +614,20 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   // Threshold T; `take_eq` keys equal to T are taken, lowest j first. T = 0: every
   // candidate (m <= K, no score compared; no real K-th key is 0).
   u32 T = 0u, take_eq = 0u;
+  // The shared-memory row's threshold selects exactly the keys >= T (no tie to break).
+  bool ge = false;
   int path = TK_PATH_ALL;
   u32 *scan;
+  u32 *hist = nullptr;  // the shared-memory row's histogram, free after its threshold
   if constexpr (SHORT) {
     // Its own small static shared memory (the row takes the dynamic): three blocks per SM.
     __shared__ ShortSmem sm;
     scan = sm.scan;
+    hist = sm.hist;
     if (every)
       buf = nullptr;
-    else if (short_row_threshold<MODE>(sm, buf, src, n, K, T, take_eq))
+    else if (TK_SHORT_VEC ? short_row_threshold_vec<MODE>(sm, buf, src, n, K, T, take_eq, ge)
+                          : short_row_threshold<MODE>(sm, buf, src, n, K, T, take_eq))
       path = TK_PATH_SHORT;
   } else {
     __shared__ TopkSmem fast;
@@ -525,6 +660,78 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   // <= key index, and a chunk's keys are in registers before its writes) and copies them
   // out in order at the end, instead of one scattered 4-byte store per id.
   constexpr bool STAGE = SHORT && TK_SHORT_STAGE;
+  if (SHORT && ge && !STAGE) take_eq = 0xFFFFFFFFu;  // every key equal to T is taken
+  // The ids staged in the histogram's memory instead of in place (TK_SHORT_BALLOT).
+  bool in_hist = false;
+  if (SHORT && STAGE && ge && TK_SHORT_BALLOT && K <= TK_BINS) {
+    // Keys >= T by warp votes: warp w takes a contiguous run of groups of 128 keys (one
+    // uint4 a lane); one pass counts each warp's keys, one exchange gives each warp the
+    // count before its run, and a second pass writes the ids in order into hist (warps
+    // overtake one another, so not in place). Keys past n are 0 (the vec threshold's
+    // first pass) or unread (q >= n4), and T > 0.
+    const int lane = tid & 31, warp = tid >> 5;
+    constexpr u32 W = TK_THREADS / 32;
+    const u32 n4 = (n + 3u) / 4u, G = (n4 + 31u) / 32u, per = (G + W - 1u) / W;
+    const u32 g0 = min(G, warp * per), g1 = min(G, g0 + per);
+    const uint4 *b4 = reinterpret_cast<const uint4 *>(buf);
+    u32 cnt = 0;
+    for (u32 g = g0; g < g1; ++g) {
+      const u32 q = g * 32u + lane;
+      const uint4 k = q < n4 ? b4[q] : make_uint4(0u, 0u, 0u, 0u);
+      cnt += __popc(__ballot_sync(FULL_MASK, k.x >= T)) + __popc(__ballot_sync(FULL_MASK, k.y >= T)) +
+             __popc(__ballot_sync(FULL_MASK, k.z >= T)) + __popc(__ballot_sync(FULL_MASK, k.w >= T));
+    }
+    if (lane == 0) scan[warp] = cnt;
+    __syncthreads();
+    u32 run = 0, total = 0;
+#pragma unroll
+    for (u32 w = 0; w < W; ++w) {
+      const u32 c = scan[w];
+      run += w < (u32)warp ? c : 0u;
+      total += c;
+    }
+    const u32 lt = (1u << lane) - 1u;
+    for (u32 g = g0; g < g1; ++g) {
+      const u32 q = g * 32u + lane;
+      const uint4 k = q < n4 ? b4[q] : make_uint4(0u, 0u, 0u, 0u);
+      const bool f0 = k.x >= T, f1 = k.y >= T, f2 = k.z >= T, f3 = k.w >= T;
+      const u32 v0 = __ballot_sync(FULL_MASK, f0), v1 = __ballot_sync(FULL_MASK, f1),
+                v2 = __ballot_sync(FULL_MASK, f2), v3 = __ballot_sync(FULL_MASK, f3);
+      u32 pos = run + __popc(v0 & lt) + __popc(v1 & lt) + __popc(v2 & lt) + __popc(v3 & lt);
+      const u32 j = 4u * q;
+      if (f0) hist[pos++] = j;
+      if (f1) hist[pos++] = j + 1u;
+      if (f2) hist[pos++] = j + 2u;
+      if (f3) hist[pos] = j + 3u;
+      run += __popc(v0) + __popc(v1) + __popc(v2) + __popc(v3);
+    }
+    gt_before = total;
+    in_hist = true;
+  } else if (SHORT && STAGE && ge) {
+    // Keys >= T, one compare per key; gt_before counts them.
+    for (u32 base = 0; base < n; base += chunk) {
+      const u32 j0 = base + tid * TK_ITEMS;
+      u32 keys[TK_ITEMS];
+      if (j0 < n) {  // then j0 + 8 <= ceil8(n): inside buf
+        const uint4 a = *reinterpret_cast<const uint4 *>(buf + j0);
+        const uint4 b = *reinterpret_cast<const uint4 *>(buf + j0 + 4);
+        keys[0] = a.x, keys[1] = a.y, keys[2] = a.z, keys[3] = a.w;
+        keys[4] = b.x, keys[5] = b.y, keys[6] = b.z, keys[7] = b.w;
+      }
+      u32 cnt = 0;
+#pragma unroll
+      for (int i = 0; i < TK_ITEMS; ++i) {
+        if (j0 + i >= n) keys[i] = 0u;  // T > 0: never taken
+        cnt += keys[i] >= T;
+      }
+      u32 tot;
+      u32 g = gt_before + block_exclusive_scan(cnt, scan, &tot);
+#pragma unroll
+      for (int i = 0; i < TK_ITEMS; ++i)
+        if (keys[i] >= T) buf[g++] = j0 + i;
+      gt_before += tot;
+    }
+  } else
   for (u32 base = 0; base < n; base += chunk) {
     u32 keys[TK_ITEMS];
     u32 ngt = 0, neq = 0;
@@ -579,9 +786,10 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   }
   if (STAGE && buf != nullptr) {
     const u32 count = gt_before + min(eq_before, take_eq);
+    const u32 *staged = in_hist ? hist : buf;
     __syncthreads();
     for (u32 c = tid; c < count; c += TK_THREADS) {
-      const i32 id = out_id<MODE>(src, buf[c]);
+      const i32 id = out_id<MODE>(src, staged[c]);
       out_ids[c] = id;
       if (out_page) out_page[c] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
     }
