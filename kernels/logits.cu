@@ -877,7 +877,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
 // packed scale bytes of this thread's keys (0 for keys past the group's, whose
 // products are 0).
 __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G][4],
-                                               const u8 *sB, const bool one,
+                                               const u8 *sB, const bool one, const bool fx,
                                                const float (&cf)[2][G],
                                                const float (*sqs)[G * H],
                                                const u32 (&esc)[2], const int tig) {
@@ -892,7 +892,15 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
     wgmma_wait<0>();
     fence_regs(x0);
     fence_regs(x1);
-    if (one) {
+    if (one && fx) {
+      // X_g * C exact for the even groups (fx): t_g + t_(g+1) as one fma.
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int kk = (i >> 1) & 1;
+        const float p = __fmaf_rn(x0[i], cf[kk][g2], __fmul_rn(x1[i], cf[kk][g2 + 1]));
+        a[i] = g2 == 0 ? p : __fadd_rn(a[i], p);
+      }
+    } else if (one) {
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
         const int kk = (i >> 1) & 1;
@@ -934,6 +942,11 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
 #endif
 #ifndef WGR_SC32
 #define WGR_SC32 1
+#endif
+// WGR_FMA=1 (the default): the one-multiply form adds each even group's t_g to the next
+// one's in an fma where X_g * C_g is exact (below); 0: a multiply and an add (A/B knob).
+#ifndef WGR_FMA
+#define WGR_FMA 1
 #endif
 extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
@@ -1070,6 +1083,20 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
           one = one && (fold || (cf[kk][g] != 0.0f && cf[kk][g] < __uint_as_float(0x7F800000u)));
     }
     two_mul = two_mul || !one;
+    // WGR_FMA: t_g + t_(g+1) = fma(X_g, C_g, t_(g+1)) is bitwise the rounded sum of the
+    // rounded products when X_g * C_g is exact. X_g = 4 s_g 2^sq = M 2^sq (the queries
+    // fold: sq in [-9, 5], M an integer below 2^13 in magnitude), so for a power of two
+    // C_g in [2^-140, 2^109] the product M 2^(sq + c) is an f32: a multiple of 2^-149
+    // with at most 13 significant bits, below 2^127. (C_g's full range, [2^-149, 2^127]
+    // or 0 or inf, is wider: a thread whose tile has a key with such a C takes the
+    // multiply and the add.)
+    bool fx = WGR_FMA != 0;
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+      for (int g = 0; g < G; g += 2)
+        fx = fx && cf[kk][g] >= __uint_as_float(0x00000200u) &&  // 2^-140 (subnormal)
+             cf[kk][g] <= __uint_as_float(0x76000000u);           // 2^109
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
@@ -1085,7 +1112,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
 
     float a[32];
-    wgr_group_sums(a, af, sB, one, cf, sqs, esc, tig);
+    wgr_group_sums(a, af, sB, one, fx && !fold, cf, sqs, esc, tig);
     const float logit = two_row_head_sum<4>(a, sw, tig, odd, hi, head_quad);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, logit);
   }

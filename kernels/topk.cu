@@ -131,6 +131,11 @@ static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits
 #ifndef TK_UNROLL
 #define TK_UNROLL 4  // loads in flight per thread in the collecting pass
 #endif
+// TK_SAMPLE_VEC=1 (the default): the collecting pass reads float4 and compares in f32
+// (sampled_candidates); 0: one key per load, each ranked (an A/B knob).
+#ifndef TK_SAMPLE_VEC
+#define TK_SAMPLE_VEC 1
+#endif
 static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunks");
 
 struct TopkSmem {
@@ -286,11 +291,6 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
   return true;
 }
 
-// TK_SHORT_BALLOT=0: with TK_SHORT_VEC's `ge` rows, the ordered pass one block scan per
-// chunk of TK_THREADS * TK_ITEMS keys (an A/B knob); 1: warp votes, one exchange per row.
-#ifndef TK_SHORT_BALLOT
-#define TK_SHORT_BALLOT 1
-#endif
 // TK_SHORT_VEC=0: the shared-memory row one key per load and per digit-pass step, three
 // digit passes always (the v9 form, an A/B knob); 1: short_row_threshold_vec.
 #ifndef TK_SHORT_VEC
@@ -436,6 +436,54 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   u32 t, unused;
   radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
   if (sm.misc[7] < r) return false;  // fewer than r candidates sampled (a consumer's bitmap)
+  if (TK_SAMPLE_VEC && MODE == 0 && src.bitmap == nullptr && (src.lo & 3u) == 0u &&
+      t > 0x007FFFFFu) {
+    // f32 logits, 16-byte aligned from the row's (or segment's) start, read as float4
+    // past n up to the next multiple of 4: inside the row's footprint (rows start at
+    // multiples of ROW_ALIGN floats; a segment's tail is its row's next keys), masked.
+    // rank_key(x) >= t is x >= ft in f32 order, ft the value whose key is t, for every
+    // x but NaN (key of -inf): t > key(-inf) excludes NaN on both sides. -0 == +0 in
+    // f32 order, as in the key. The key is computed only for the hits.
+    const float ft = __uint_as_float((t & 0x80000000u) ? (t & 0x7FFFFFFFu) : ~t);
+    const float4 *row4 =
+        reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(src.scores) + src.lo);
+    const u32 n4 = (n + 3u) / 4u;
+    constexpr int V = TK_UNROLL;  // 16-byte loads in flight per thread
+    for (u32 base = 0; base < n4; base += V * TK_THREADS) {
+      float4 v[V];
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const u32 q = base + u * TK_THREADS + tid;
+        v[u] = q < n4 ? row4[q] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const u32 q = base + u * TK_THREADS + tid;
+        const float x[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+        bool h[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[i] = q < n4 && x[i] >= ft && 4u * q + i < n;
+        if (__ballot_sync(FULL_MASK, h[0] || h[1] || h[2] || h[3]) == 0u) continue;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const u32 m = __ballot_sync(FULL_MASK, h[i]);
+          if (m) {
+            const int leader = __ffs(m) - 1;
+            u32 at = 0;
+            if (lane == leader) at = atomicAdd(&sm.misc[4], (u32)__popc(m));
+            at = __shfl_sync(FULL_MASK, at, leader) + __popc(m & ((1u << lane) - 1u));
+            if (h[i] && at < TK_CAND_CAP) {
+              sm.ckey[at] = rank_key(x[i]);
+              sm.cid[at] = 4u * q + i;
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+    const u32 count = sm.misc[4];
+    return count >= K && count <= TK_CAND_CAP;
+  }
   constexpr int U = TK_UNROLL;  // independent loads in flight per thread
   for (u32 base = 0; base < n; base += U * TK_THREADS) {
     u32 key[U];
@@ -618,12 +666,10 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   bool ge = false;
   int path = TK_PATH_ALL;
   u32 *scan;
-  u32 *hist = nullptr;  // the shared-memory row's histogram, free after its threshold
   if constexpr (SHORT) {
     // Its own small static shared memory (the row takes the dynamic): three blocks per SM.
     __shared__ ShortSmem sm;
     scan = sm.scan;
-    hist = sm.hist;
     if (every)
       buf = nullptr;
     else if (TK_SHORT_VEC ? short_row_threshold_vec<MODE>(sm, buf, src, n, K, T, take_eq, ge)
@@ -661,53 +707,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   // out in order at the end, instead of one scattered 4-byte store per id.
   constexpr bool STAGE = SHORT && TK_SHORT_STAGE;
   if (SHORT && ge && !STAGE) take_eq = 0xFFFFFFFFu;  // every key equal to T is taken
-  // The ids staged in the histogram's memory instead of in place (TK_SHORT_BALLOT).
-  bool in_hist = false;
-  if (SHORT && STAGE && ge && TK_SHORT_BALLOT && K <= TK_BINS) {
-    // Keys >= T by warp votes: warp w takes a contiguous run of groups of 128 keys (one
-    // uint4 a lane); one pass counts each warp's keys, one exchange gives each warp the
-    // count before its run, and a second pass writes the ids in order into hist (warps
-    // overtake one another, so not in place). Keys past n are 0 (the vec threshold's
-    // first pass) or unread (q >= n4), and T > 0.
-    const int lane = tid & 31, warp = tid >> 5;
-    constexpr u32 W = TK_THREADS / 32;
-    const u32 n4 = (n + 3u) / 4u, G = (n4 + 31u) / 32u, per = (G + W - 1u) / W;
-    const u32 g0 = min(G, warp * per), g1 = min(G, g0 + per);
-    const uint4 *b4 = reinterpret_cast<const uint4 *>(buf);
-    u32 cnt = 0;
-    for (u32 g = g0; g < g1; ++g) {
-      const u32 q = g * 32u + lane;
-      const uint4 k = q < n4 ? b4[q] : make_uint4(0u, 0u, 0u, 0u);
-      cnt += __popc(__ballot_sync(FULL_MASK, k.x >= T)) + __popc(__ballot_sync(FULL_MASK, k.y >= T)) +
-             __popc(__ballot_sync(FULL_MASK, k.z >= T)) + __popc(__ballot_sync(FULL_MASK, k.w >= T));
-    }
-    if (lane == 0) scan[warp] = cnt;
-    __syncthreads();
-    u32 run = 0, total = 0;
-#pragma unroll
-    for (u32 w = 0; w < W; ++w) {
-      const u32 c = scan[w];
-      run += w < (u32)warp ? c : 0u;
-      total += c;
-    }
-    const u32 lt = (1u << lane) - 1u;
-    for (u32 g = g0; g < g1; ++g) {
-      const u32 q = g * 32u + lane;
-      const uint4 k = q < n4 ? b4[q] : make_uint4(0u, 0u, 0u, 0u);
-      const bool f0 = k.x >= T, f1 = k.y >= T, f2 = k.z >= T, f3 = k.w >= T;
-      const u32 v0 = __ballot_sync(FULL_MASK, f0), v1 = __ballot_sync(FULL_MASK, f1),
-                v2 = __ballot_sync(FULL_MASK, f2), v3 = __ballot_sync(FULL_MASK, f3);
-      u32 pos = run + __popc(v0 & lt) + __popc(v1 & lt) + __popc(v2 & lt) + __popc(v3 & lt);
-      const u32 j = 4u * q;
-      if (f0) hist[pos++] = j;
-      if (f1) hist[pos++] = j + 1u;
-      if (f2) hist[pos++] = j + 2u;
-      if (f3) hist[pos] = j + 3u;
-      run += __popc(v0) + __popc(v1) + __popc(v2) + __popc(v3);
-    }
-    gt_before = total;
-    in_hist = true;
-  } else if (SHORT && STAGE && ge) {
+  if (SHORT && STAGE && ge) {
     // Keys >= T, one compare per key; gt_before counts them.
     for (u32 base = 0; base < n; base += chunk) {
       const u32 j0 = base + tid * TK_ITEMS;
@@ -786,10 +786,9 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   }
   if (STAGE && buf != nullptr) {
     const u32 count = gt_before + min(eq_before, take_eq);
-    const u32 *staged = in_hist ? hist : buf;
     __syncthreads();
     for (u32 c = tid; c < count; c += TK_THREADS) {
-      const i32 id = out_id<MODE>(src, staged[c]);
+      const i32 id = out_id<MODE>(src, buf[c]);
       out_ids[c] = id;
       if (out_page) out_page[c] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
     }

@@ -837,8 +837,36 @@ fn topk_sampled_threshold_matches_a_full_sort() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
     // Score of (row, key), drawing from the generator where it wants randomness.
     type Score = Box<dyn Fn(usize, usize, &mut rand_chacha::ChaCha8Rng) -> f32>;
-    let patterns: [(&str, Score); 6] = [
+    let patterns: [(&str, Score); 8] = [
         ("random", Box::new(|_, _, r| r.gen_range(-4.0f32..4.0))),
+        // The sampled pass compares in f32 against the threshold's value: NaN must rank
+        // as -inf, -0 as +0, the infinities at the ends, on both signs of the threshold.
+        (
+            "random with NaN, -0 and infinities",
+            Box::new(|_, j, r| {
+                if j % 13 == 0 {
+                    f32::NAN
+                } else if j % 17 == 1 {
+                    -0.0
+                } else if j % 97 == 3 {
+                    f32::NEG_INFINITY
+                } else if j % 89 == 4 {
+                    f32::INFINITY
+                } else {
+                    r.gen_range(-4.0f32..4.0)
+                }
+            }),
+        ),
+        (
+            "negative with NaN",
+            Box::new(|_, j, r| {
+                if j % 7 == 0 {
+                    f32::from_bits(0xFFC0_0000 | j as u32)
+                } else {
+                    r.gen_range(-8.0f32..-1.0)
+                }
+            }),
+        ),
         ("ascending", Box::new(|_, j, _| j as f32)),
         ("descending", Box::new(|_, j, _| -(j as f32))),
         (
@@ -875,14 +903,14 @@ fn topk_sampled_threshold_matches_a_full_sort() {
             let paths = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
             // Only the random scores promise the sample a spread; the threshold of a
             // sample of few distinct values admits too many keys (the two-pass path).
-            if *name == "random" {
+            if name.starts_with("random") || name.starts_with("negative") {
                 let eligible = lens
                     .iter()
                     .filter(|&&n| n > 8 * k && n > kernels::topk_short_cap())
                     .count();
                 assert!(
                     paths.sampled * 10 >= eligible as u64 * 9,
-                    "random, K={k}: {paths:?} for {eligible} rows eligible for sampling"
+                    "{name}, K={k}: {paths:?} for {eligible} rows eligible for sampling"
                 );
             }
         }
