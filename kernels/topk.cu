@@ -838,7 +838,14 @@ __device__ __forceinline__ void topk_tile_row(
                                  page_cols, k_slots, row_ks[row], buf, paths);
 }
 
-extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_ragged_f32(
+// Blocks per SM the ragged top-k's registers must allow: 4 (32 registers) fits four
+// blocks' 42 KiB of shared memory and 2048 threads, so a tile of up to 4 * 132 rows is
+// one wave (3 blocks, ptxas's own choice of 40 registers, left v41-1m's 512-row tiles
+// two waves, the second 30 % full); an A/B knob.
+#ifndef TK_RAGGED_MIN_BLOCKS
+#define TK_RAGGED_MIN_BLOCKS 4
+#endif
+extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_RAGGED_MIN_BLOCKS) topk_ragged_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,

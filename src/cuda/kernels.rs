@@ -157,6 +157,16 @@ pub const TOPK_CHUNK: usize = 512 * 8;
 pub const TOPK_SEL_CAP: usize = 4096;
 /// Keys of the threshold bin the fast path resolves in shared memory (`TK_CAND_CAP`).
 pub const TOPK_CAND_CAP: usize = 3072;
+/// Most key tiles one logits block walks (the launch gives each block up to this many
+/// so that a block's query staging is paid once per that many tiles).
+pub const LOGITS_TILES_PER_BLOCK: usize = 16;
+
+/// [`LOGITS_TILES_PER_BLOCK`], or an `LG_PER_BLOCK=` override (1..=1024) in
+/// `$DSA_CUDA_DEFINES` (a host-side A/B knob).
+pub fn logits_tiles_per_block() -> usize {
+    define_in("LG_PER_BLOCK", 1..=1024).unwrap_or(LOGITS_TILES_PER_BLOCK)
+}
+
 /// Rows of at most this many keys select from shared memory (the row's keys, 4 bytes
 /// each, in the top-k block's dynamic shared memory): `topk.cu`'s shared-memory row.
 pub const TOPK_SHORT_CAP: usize = 16384;

@@ -916,9 +916,11 @@ impl Run {
             let (name, _, threads) = kernels::logits_kernel(sh.logits_variant());
             let f = dev.function(sh.logits_variant(), name)?;
             // Key tiles per block: enough blocks to fill the GPU several times over, and
-            // up to 16 tiles per block so the query fragments are loaded once per 16.
+            // up to kernels::logits_tiles_per_block() tiles per block so the query
+            // fragments are loaded once per that many.
             let ngroups = g.groups.len().max(1);
-            let per_block = (g.chunks as usize * ngroups / (8 * 132)).clamp(1, 16);
+            let per_block = (g.chunks as usize * ngroups / (8 * 132))
+                .clamp(1, kernels::logits_tiles_per_block());
             let gx = (g.chunks as usize).div_ceil(per_block) as u32;
             let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
             let mut start = g.groups.start;
