@@ -158,10 +158,13 @@ pub const TOPK_SEL_CAP: usize = 4096;
 /// Keys of the threshold bin the fast path resolves in shared memory (`TK_CAND_CAP`).
 pub const TOPK_CAND_CAP: usize = 3072;
 /// Most key tiles one logits block walks (the launch gives each block up to this many
-/// so that a block's query staging is paid once per that many tiles). 64: one call at
+/// so that a block's query staging is paid once per that many tiles). 128: one call at
 /// 28c5d16 measured v41-chunk's logits at 34.09 ms with 16 tiles, 32.23 with 32, 31.32
-/// with 64, and v32-16k's at 3.99 with 16, 3.76 with 32 (benches/RESULTS.md v12).
-pub const LOGITS_TILES_PER_BLOCK: usize = 64;
+/// with 64, and v32-16k's at 3.99 with 16, 3.76 with 32; the next, at ca2744a, v41-chunk
+/// end to end at 32.45 with 64 and 32.21 with 128, v32-16k at 4.12 and 4.08
+/// (benches/RESULTS.md v12). The launch takes fewer tiles per block where more would
+/// leave fewer than 8 x 132 blocks.
+pub const LOGITS_TILES_PER_BLOCK: usize = 128;
 
 /// [`LOGITS_TILES_PER_BLOCK`], or an `LG_PER_BLOCK=` override (1..=1024) in
 /// `$DSA_CUDA_DEFINES` (a host-side A/B knob).
