@@ -9,7 +9,8 @@
 # Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
 # WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W16_EPI, W8, W8_SPLIT, W8_MIN_BLOCKS, W16_FMA, RELU_FMAX, TK_SAMPLE_WIDE,
-# TK_SAMPLE_RATIO, TK_SHORT, TK_SHORT_STAGE, TK_SHORT_VEC, TK_RANK_ADD, TK_SAMPLE_VEC, TK_UNROLL, WGR_FMA, WGR_QSAFE, WGR_SC32, LG_ROWS, LG_MIN_BLOCKS).
+# TK_SAMPLE_RATIO, TK_SHORT, TK_SHORT_STAGE, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, WGR_QSAFE, WGR_SC32, LG_ROWS, LG_MIN_BLOCKS;
+# host side: LG_PER_BLOCK).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -41,11 +42,6 @@ if has tests; then
   # Short rows through the two-pass and general paths (the shared-memory row off).
   knob_tests "TK_SHORT=0" boundary topk_ special golden same_bits
   knob_tests "TK_SHORT_STAGE=0" topk_short boundary
-  # The top-k as in v11: the shared-memory row one key per load with three digit passes,
-  # the sampled pass ranking every key, the ranking key by compare and select.
-  knob_tests "TK_SHORT_VEC=0 TK_RANK_ADD=0 TK_SAMPLE_VEC=0" topk_ boundary special golden same_bits
-  # mqa_logits_wgr's one-multiply form without the fma (a multiply and an add).
-  knob_tests "WGR_FMA=0" exact_class boundary special golden same_bits
   # mqa_logits_wgr's per-key check of C in every block, and its scale bytes byte by byte.
   knob_tests "WGR_QSAFE=0 WGR_SC32=0" exact_class boundary special golden same_bits engine_api_accepts
   # mqa_logits_w16's head sum in SPEC 4's order (the epilogue before W16_EPI).
@@ -98,14 +94,12 @@ if has ncu; then
 fi
 
 if has ncutk; then
-  # Hardware counters of the shared-memory row's top-k on v32-16k, the default and v9's.
-  for defs in "" "TK_SHORT_VEC=0 TK_RANK_ADD=0"; do
-    log "ncu topk_short_f32 ${defs:-default}"
-    DSA_CUDA_DEFINES="$defs" timeout 180 ncu --clock-control none -k regex:topk_short -c 1 \
-      --section SpeedOfLight --section WarpStateStats --section InstructionStats \
-      --section SchedulerStats --section Occupancy $B/dsa-cuda-bench v32-16k --reps 1 \
-      > "$OUT/ncu-topk-$([ -n "$defs" ] && echo v9 || echo default).txt" 2>&1
-  done
+  # Hardware counters of the shared-memory row's top-k on v32-16k.
+  log "ncu topk_short_f32"
+  timeout 180 ncu --clock-control none -k regex:topk_short -c 1 \
+    --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+    --section SchedulerStats --section Occupancy $B/dsa-cuda-bench v32-16k --reps 1 \
+    > "$OUT/ncu-topk.txt" 2>&1
 fi
 
 if has torch; then

@@ -87,25 +87,14 @@ __device__ __forceinline__ float e4m3_decode(u32 b) {
 
 // Order-preserving key: NaN as -inf, -0.0 as +0.0, larger = better. Never 0: the
 // smallest key (-inf) is 0x007FFFFF, so 0 is free for "not a candidate".
-// TK_RANK_ADD=0: -0 and NaN replaced by compare and select, then the sign flip by a
-// select (the v9 form, an A/B knob); 1: five instructions, below.
-#ifndef TK_RANK_ADD
-#define TK_RANK_ADD 1
-#endif
 __device__ __forceinline__ u32 rank_key(float x) {
-#if TK_RANK_ADD
   // x + (+0) is x in round to nearest, except -0 + +0 = +0: one add ranks -0 as +0 (no
   // flush to zero: subnormals pass unchanged). Then NaN as -inf, and the sign flip as
   // one xor with (sign mask | 0x80000000): negatives invert, positives gain the top bit.
+  // Five instructions; the compare-and-select form took seven (benches/RESULTS.md v12).
   const float y = __fadd_rn(x, 0.0f);
   const u32 b = y != y ? 0xFF800000u : __float_as_uint(y);
   return b ^ ((u32)((int)b >> 31) | 0x80000000u);
-#else
-  u32 b = __float_as_uint(x);
-  if (x != x) b = 0xFF800000u;
-  else if (x == 0.0f) b = 0u;
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-#endif
 }
 
 // relu(x) = x > 0 ? x : +0.0 (NaN -> +0.0).

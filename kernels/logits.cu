@@ -943,11 +943,6 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
 #ifndef WGR_SC32
 #define WGR_SC32 1
 #endif
-// WGR_FMA=1 (the default): the one-multiply form adds each even group's t_g to the next
-// one's in an fma where X_g * C_g is exact (below); 0: a multiply and an add (A/B knob).
-#ifndef WGR_FMA
-#define WGR_FMA 1
-#endif
 extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
@@ -1083,14 +1078,14 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
           one = one && (fold || (cf[kk][g] != 0.0f && cf[kk][g] < __uint_as_float(0x7F800000u)));
     }
     two_mul = two_mul || !one;
-    // WGR_FMA: t_g + t_(g+1) = fma(X_g, C_g, t_(g+1)) is bitwise the rounded sum of the
+    // fx: t_g + t_(g+1) = fma(X_g, C_g, t_(g+1)) is bitwise the rounded sum of the
     // rounded products when X_g * C_g is exact. X_g = 4 s_g 2^sq = M 2^sq (the queries
     // fold: sq in [-9, 5], M an integer below 2^13 in magnitude), so for a power of two
     // C_g in [2^-140, 2^109] the product M 2^(sq + c) is an f32: a multiple of 2^-149
     // with at most 13 significant bits, below 2^127. (C_g's full range, [2^-149, 2^127]
     // or 0 or inf, is wider: a thread whose tile has a key with such a C takes the
     // multiply and the add.)
-    bool fx = WGR_FMA != 0;
+    bool fx = true;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll

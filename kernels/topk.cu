@@ -6,9 +6,10 @@
 // candidate" (a consumer row's keys outside its kept blocks), no score has key 0. Per
 // row, the first that applies:
 // - shared-memory row (rows of at most the launch's row_cap keys): one pass loads the
-//   row's keys into shared memory with an 11-bit histogram, two more digit passes there
-//   give the exact K-th key, and the ordered pass below reads the keys from there and
-//   stages the selected ids there before one coalesced copy out;
+//   row's keys into shared memory with an 11-bit histogram, up to two more digit passes
+//   there give the exact K-th key (or a threshold that takes exactly K keys), and the
+//   ordered pass below reads the keys from there and stages the selected ids there
+//   before one coalesced copy out;
 // - sampled threshold (long rows, K <= 2048): a sample gives a threshold t, one pass
 //   collects the keys >= t into shared memory, and the exact selection runs there;
 // - two passes: an 11-bit histogram finds the K-th key's bin, a second pass collects
@@ -131,11 +132,6 @@ static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits
 #ifndef TK_UNROLL
 #define TK_UNROLL 4  // loads in flight per thread in the collecting pass
 #endif
-// TK_SAMPLE_VEC=1 (the default): the collecting pass reads float4 and compares in f32
-// (sampled_candidates); 0: one key per load, each ranked (an A/B knob).
-#ifndef TK_SAMPLE_VEC
-#define TK_SAMPLE_VEC 1
-#endif
 static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunks");
 
 struct TopkSmem {
@@ -212,94 +208,20 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
 
 // The shared-memory row's static shared memory (TopkSmem's fields of the same names).
 struct ShortSmem {
-  u32 hist[TK_BINS + 4];  // short_row_threshold_vec counts non-matching keys at TK_BINS
+  u32 hist[TK_BINS + 4];  // short_row_threshold counts non-matching keys at TK_BINS
   u32 scan[33];
   u32 misc[8];
 };
 
 // The shared-memory row: buf (capacity at least ceil8(n), 16-byte aligned) receives the
-// row's n keys, and three digit passes of 11, 11 and 10 bits find the K-th key T and
-// how many keys equal to T are taken (the caller takes the lowest ids among them). The
-// first pass histograms the keys as they arrive from global memory; the other two read
-// buf, counting only the keys that match the digits found so far. Each pass ends in one
-// block scan of the histogram from its top digit. False when at most K keys are
-// candidates (every one is selected; T and take unset). Uses hist, scan and misc[0..1].
-template <int MODE, class Smem>
-__device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const u32 n,
-                                    const u32 K, u32 &T, u32 &take) {
-  const int tid = threadIdx.x;
-  for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
-  __syncthreads();
-  constexpr int U = 8;  // independent loads in flight per thread
-  for (u32 base = 0; base < n; base += U * TK_THREADS) {
-    u32 key[U];
-    load_keys<MODE>(key, src, base, n);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const u32 j = base + u * TK_THREADS + tid;
-      if (j < n) buf[j] = key[u];
-      if (key[u] != 0u) atomicAdd(&sm.hist[key[u] >> 21], 1u);
-    }
-  }
-  __syncthreads();
-  u32 prefix = 0, need = K;
-  for (int pass = 0; pass < 3; ++pass) {
-    const int shift = pass == 0 ? 21 : pass == 1 ? 10 : 0;  // the digit's lowest bit
-    const u32 bins = pass == 2 ? 1024u : 2048u;
-    if (pass > 0) {
-      // Keys whose bits above this digit are the digits found so far.
-      const int above = shift + (pass == 2 ? 10 : 11);
-      for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
-      __syncthreads();
-      for (u32 j = tid; j < n; j += TK_THREADS) {
-        const u32 k = buf[j];
-        if (k != 0u && (k >> above) == (prefix >> above))
-          atomicAdd(&sm.hist[(k >> shift) & (bins - 1u)], 1u);
-      }
-      __syncthreads();
-    }
-    // Thread t owns digits bins-1-4t .. bins-4-4t (descending).
-    u32 c[4], local = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const u32 idx = 4u * tid + i;
-      c[i] = idx < bins ? sm.hist[bins - 1u - idx] : 0u;
-      local += c[i];
-    }
-    u32 total;
-    const u32 before = block_exclusive_scan(local, sm.scan, &total);
-    if (pass == 0 && total <= K) return false;  // m <= K: every candidate
-    if (before < need && before + local >= need) {
-      u32 cum = before;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (cum + c[i] >= need) {
-          sm.misc[0] = prefix | ((bins - 1u - (4u * tid + i)) << shift);
-          sm.misc[1] = need - cum;
-          break;
-        }
-        cum += c[i];
-      }
-    }
-    __syncthreads();
-    prefix = sm.misc[0];
-    need = sm.misc[1];
-    // misc is next written after the next pass's histogram barrier.
-  }
-  T = prefix;
-  take = need;
-  return true;
-}
-
-// TK_SHORT_VEC=0: the shared-memory row one key per load and per digit-pass step, three
-// digit passes always (the v9 form, an A/B knob); 1: short_row_threshold_vec.
-#ifndef TK_SHORT_VEC
-#define TK_SHORT_VEC 1
-#endif
-
-// The shared-memory row with 16-byte loads (MODE 0: f32 logits, the row 16-byte aligned
-// in global memory: rows start at multiples of ROW_ALIGN floats, and the padding up to
-// the next multiple of 4 is inside the row's footprint). As short_row_threshold, with:
+// row's n keys, read with 16-byte loads (MODE 0: f32 logits, the row 16-byte aligned in
+// global memory: rows start at multiples of ROW_ALIGN floats, and the padding up to the
+// next multiple of 4 is inside the row's footprint), and digit passes of 11, 11 and 10
+// bits find the K-th key T and how many keys equal to T are taken (the caller takes the
+// lowest ids among them). The first pass histograms the keys as they arrive from global
+// memory; the others read buf. Each pass ends in one block scan of the histogram from
+// its top digit. False when at most K keys are candidates (every one is selected; T and
+// take unset). Uses hist, scan and misc[0..2]. Further:
 // - keys that are not candidates (0: past n, or outside a consumer's kept blocks) go to
 //   bin 0 in the first pass, which the scan skips: every real key is >= 0x007FFFFF, bin
 //   3 or above;
@@ -316,8 +238,8 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
 //   is skipped. The last pass's digit is a single key value: ge also when every key
 //   equal to T is taken.
 template <int MODE, class Smem>
-__device__ bool short_row_threshold_vec(Smem &sm, u32 *buf, const RowSrc &src, const u32 n,
-                                        const u32 K, u32 &T, u32 &take, bool &ge) {
+__device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const u32 n,
+                                    const u32 K, u32 &T, u32 &take, bool &ge) {
   static_assert(MODE == 0, "f32 logits");
   const int tid = threadIdx.x;
   for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
@@ -436,7 +358,7 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   u32 t, unused;
   radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
   if (sm.misc[7] < r) return false;  // fewer than r candidates sampled (a consumer's bitmap)
-  if (TK_SAMPLE_VEC && MODE == 0 && src.bitmap == nullptr && (src.lo & 3u) == 0u &&
+  if (MODE == 0 && src.bitmap == nullptr && (src.lo & 3u) == 0u &&
       t > 0x007FFFFFu) {
     // f32 logits, 16-byte aligned from the row's (or segment's) start, read as float4
     // past n up to the next multiple of 4: inside the row's footprint (rows start at
@@ -672,8 +594,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     scan = sm.scan;
     if (every)
       buf = nullptr;
-    else if (TK_SHORT_VEC ? short_row_threshold_vec<MODE>(sm, buf, src, n, K, T, take_eq, ge)
-                          : short_row_threshold<MODE>(sm, buf, src, n, K, T, take_eq))
+    else if (short_row_threshold<MODE>(sm, buf, src, n, K, T, take_eq, ge))
       path = TK_PATH_SHORT;
   } else {
     __shared__ TopkSmem fast;
