@@ -1217,6 +1217,26 @@ __device__ __forceinline__ void w16_load(u32 (&x)[W16_S], const u8 *row, const i
 #endif
 }
 
+// This thread's two keys of key tile c (16 warp + gid, + 8) for mqa_logits_w16 and
+// mqa_logits_w8: their bytes (w16_load) and scales, zeros past the group's nkeys keys.
+__device__ __forceinline__ void w16_keys(u32 (&raw)[2][W16_S], float (&ksc)[2], const u8 *k,
+                                         const float *k_scale32, const u32 ks, const u32 nkeys,
+                                         const u32 c, const int warp, const int gid,
+                                         const int tig) {
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const u32 j = c * W16_KEYS + 16 * warp + gid + 8 * kk;
+    if (j < nkeys) {
+      w16_load(raw[kk], k + (u64)(ks + j) * D, tig);
+      ksc[kk] = k_scale32[ks + j];
+    } else {
+#pragma unroll
+      for (int s = 0; s < W16_S; ++s) raw[kk][s] = 0u;
+      ksc[kk] = 0.0f;
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
@@ -1255,20 +1275,7 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
   // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][W16_S];
   float ksc[2];
-  auto prefetch = [&](u32 c) {
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const u32 j = c * W16_KEYS + 16 * warp + gid + 8 * kk;
-      if (j < grp.z) {
-        w16_load(raw[kk], k + (u64)(ks + j) * D, tig);
-        ksc[kk] = k_scale32[ks + j];
-      } else {
-#pragma unroll
-        for (int s = 0; s < W16_S; ++s) raw[kk][s] = 0u;
-        ksc[kk] = 0.0f;
-      }
-    }
-  };
+  auto prefetch = [&](u32 c) { w16_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig); };
   prefetch(blockIdx.x);
   constexpr u32 lbo = (W16_N / 8) * 128;  // chunk to chunk
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
@@ -1374,20 +1381,7 @@ extern "C" __global__ void __launch_bounds__(128, W8_MIN_BLOCKS) mqa_logits_w8(
   // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][W16_S];
   float ksc[2];
-  auto prefetch = [&](u32 c) {
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const u32 j = c * W16_KEYS + 16 * warp + gid + 8 * kk;
-      if (j < grp.z) {
-        w16_load(raw[kk], k + (u64)(ks + j) * D, tig);
-        ksc[kk] = k_scale32[ks + j];
-      } else {
-#pragma unroll
-        for (int s = 0; s < W16_S; ++s) raw[kk][s] = 0u;
-        ksc[kk] = 0.0f;
-      }
-    }
-  };
+  auto prefetch = [&](u32 c) { w16_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig); };
   prefetch(blockIdx.x);
   constexpr u32 lbo = (W16_N / 8) * 128;  // chunk to chunk
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {

@@ -65,14 +65,17 @@ struct RowSrc {
   const i32 *idmap;
 };
 
+// Whether key x (row-relative, lo included) of a consumer row lies in a kept block.
+__device__ __forceinline__ bool in_kept_block(const RowSrc &s, u32 x) {
+  const u32 c = x / s.block_size;
+  return (s.bitmap[c >> 5] >> (c & 31)) & 1u;
+}
+
 template <int MODE>
 __device__ __forceinline__ u32 load_key(const RowSrc &s, u32 j) {
   if (MODE == 0) {
     const u32 x = s.lo + j;
-    if (s.bitmap) {
-      const u32 c = x / s.block_size;
-      if (!((s.bitmap[c >> 5] >> (c & 31)) & 1u)) return 0u;
-    }
+    if (s.bitmap && !in_kept_block(s, x)) return 0u;
     return rank_key(reinterpret_cast<const float *>(s.scores)[x]);
   } else if (MODE == 1) {
     return j == s.pinned ? 0xFFFFFFFFu : reinterpret_cast<const u32 *>(s.scores)[j];
@@ -267,9 +270,8 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
             const u32 j = 4u * q + i;
             if (j >= n) {
               k[i] = 0u;
-            } else if (src.bitmap != nullptr) {
-              const u32 c = (src.lo + j) / src.block_size;
-              if (!((src.bitmap[c >> 5] >> (c & 31)) & 1u)) k[i] = 0u;
+            } else if (src.bitmap != nullptr && !in_kept_block(src, src.lo + j)) {
+              k[i] = 0u;
             }
           }
         }
@@ -324,17 +326,12 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
     __syncthreads();
     prefix = sm.misc[0];
     need = sm.misc[1];
-    if (sm.misc[2]) {
-      T = prefix;
-      take = need;
-      ge = true;
-      return true;
-    }
+    ge = sm.misc[2] != 0u;
+    if (ge) break;
     // misc is next written after the next pass's histogram barrier.
   }
   T = prefix;
   take = need;
-  ge = false;
   return true;
 }
 
@@ -570,6 +567,16 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   return TK_DONE;
 }
 
+// The shared-memory row's keys j0 .. j0 + 7 (a thread's run in the ordered pass), two
+// 16-byte loads; for j0 < n, j0 + 8 <= ceil8(n) is inside buf. Keys at and past n are
+// the caller's to zero.
+__device__ __forceinline__ void buf_load8(u32 (&keys)[TK_ITEMS], const u32 *buf, const u32 j0) {
+  const uint4 a = *reinterpret_cast<const uint4 *>(buf + j0);
+  const uint4 b = *reinterpret_cast<const uint4 *>(buf + j0 + 4);
+  keys[0] = a.x, keys[1] = a.y, keys[2] = a.z, keys[3] = a.w;
+  keys[4] = b.x, keys[5] = b.y, keys[6] = b.z, keys[7] = b.w;
+}
+
 // One row's selection. SHORT: buf is shared memory for the row's keys (capacity at
 // least ceil8(n), 16-byte aligned), the shared-memory row path (a template parameter so
 // that the other kernels carry none of its registers); else buf is null. paths: null, or
@@ -633,12 +640,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     for (u32 base = 0; base < n; base += chunk) {
       const u32 j0 = base + tid * TK_ITEMS;
       u32 keys[TK_ITEMS];
-      if (j0 < n) {  // then j0 + 8 <= ceil8(n): inside buf
-        const uint4 a = *reinterpret_cast<const uint4 *>(buf + j0);
-        const uint4 b = *reinterpret_cast<const uint4 *>(buf + j0 + 4);
-        keys[0] = a.x, keys[1] = a.y, keys[2] = a.z, keys[3] = a.w;
-        keys[4] = b.x, keys[5] = b.y, keys[6] = b.z, keys[7] = b.w;
-      }
+      if (j0 < n) buf_load8(keys, buf, j0);
       u32 cnt = 0;
 #pragma unroll
       for (int i = 0; i < TK_ITEMS; ++i) {
@@ -658,12 +660,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     u32 ngt = 0, neq = 0;
     if (SHORT && buf != nullptr) {
       const u32 j0 = base + tid * TK_ITEMS;
-      if (j0 < n) {  // then j0 + 8 <= ceil8(n): inside buf
-        const uint4 a = *reinterpret_cast<const uint4 *>(buf + j0);
-        const uint4 b = *reinterpret_cast<const uint4 *>(buf + j0 + 4);
-        keys[0] = a.x, keys[1] = a.y, keys[2] = a.z, keys[3] = a.w;
-        keys[4] = b.x, keys[5] = b.y, keys[6] = b.z, keys[7] = b.w;
-      }
+      if (j0 < n) buf_load8(keys, buf, j0);
 #pragma unroll
       for (int i = 0; i < TK_ITEMS; ++i)
         if (j0 + i >= n) keys[i] = 0u;
