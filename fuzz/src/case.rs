@@ -1288,9 +1288,9 @@ mod tests {
             b.extend(x.to_le_bytes());
             out.push((format!("scalar_{i:02}"), b));
         }
-        // The golden quantizer rows (../shared/golden/quantizers.safetensors, x F32 [rows, 128]).
+        // The golden quantizer rows (tests/golden/quantizers.safetensors, x F32 [rows, 128]).
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/golden/quantizers.safetensors");
+            .join("../tests/golden/quantizers.safetensors");
         let buf = std::fs::read(&path).expect("golden quantizers");
         let st = safetensors::SafeTensors::deserialize(&buf).unwrap();
         let x = st.tensor("x").unwrap();

@@ -5,18 +5,19 @@ pub mod strategies;
 
 use std::path::PathBuf;
 
-/// `../shared/golden` beside the repository, or `$DSA_GOLDEN_DIR`.
+/// The repository's `tests/golden`, or `$DSA_GOLDEN_DIR`.
 pub fn golden_dir() -> PathBuf {
     if let Ok(d) = std::env::var("DSA_GOLDEN_DIR") {
         return PathBuf::from(d);
     }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/golden")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
 }
 
-/// Every golden layer-forward file (not the quantizer file), sorted.
+/// Every flat-key golden layer-forward file (not the quantizer file, not the `paged/`
+/// subfolder, which the paged-key decode path reads), sorted.
 pub fn golden_files() -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(golden_dir())
-        .expect("golden directory ../shared/golden")
+        .expect("golden directory tests/golden (or $DSA_GOLDEN_DIR)")
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
         .filter(|p| {
