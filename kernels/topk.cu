@@ -335,6 +335,19 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
   return true;
 }
 
+// The end of the sampled threshold's collecting pass: whether its count of keys >= t
+// (misc[4]) lies in K .. TK_CAND_CAP. Every thread reads the count after the pass's
+// barrier; on a miss a second barrier follows, because the caller's two-pass path then
+// resets misc (and the histogram over ckey) while a slower warp could still be reading it.
+// The result is the same in every thread, so both barriers are reached by all.
+__device__ __forceinline__ bool sampled_count_fits(TopkSmem &sm, const u32 K) {
+  __syncthreads();
+  const u32 count = sm.misc[4];
+  const bool fits = count >= K && count <= TK_CAND_CAP;
+  if (!fits) __syncthreads();
+  return fits;
+}
+
 // The sampled threshold: a sample of the row into sm.sel, its rank-r key t, then one pass
 // that appends every key >= t (and its id) to ckey / cid. True, with misc[4] = count
 // and misc[3] = 0, when K <= count <= TK_CAND_CAP: then the K-th key of the row is >= t,
@@ -354,7 +367,10 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
   u32 t, unused;
   radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
-  if (sm.misc[7] < r) return false;  // fewer than r candidates sampled (a consumer's bitmap)
+  if (sm.misc[7] < r) {  // fewer than r candidates sampled (a consumer's bitmap)
+    __syncthreads();  // every thread has read misc before the caller's fallback resets it
+    return false;
+  }
   if (MODE == 0 && src.bitmap == nullptr && (src.lo & 3u) == 0u &&
       t > 0x007FFFFFu) {
     // f32 logits, 16-byte aligned from the row's (or segment's) start, read as float4
@@ -399,9 +415,7 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
         }
       }
     }
-    __syncthreads();
-    const u32 count = sm.misc[4];
-    return count >= K && count <= TK_CAND_CAP;
+    return sampled_count_fits(sm, K);
   }
   constexpr int U = TK_UNROLL;  // independent loads in flight per thread
   for (u32 base = 0; base < n; base += U * TK_THREADS) {
@@ -423,9 +437,7 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
       }
     }
   }
-  __syncthreads();
-  const u32 count = sm.misc[4];
-  return count >= K && count <= TK_CAND_CAP;
+  return sampled_count_fits(sm, K);
 }
 
 // Returns false (having written nothing) when the row needs the general path: K above
