@@ -1890,3 +1890,392 @@ fn engine_api_finds_the_first_offender_in_large_inputs() {
         );
     }
 }
+
+// ---- the tolerance class: SPEC 7 on one backend, SPEC 6's rule on blocks, overflow ----
+
+/// Owned inputs of any of the four format pairs.
+#[derive(Clone)]
+struct MixCase {
+    batch: Batch,
+    h: usize,
+    d: usize,
+    /// E4M3 `[T, H, D]`, or packed E2M1 `[T, H, D/2]` when `qs` is set.
+    q: Array3<u8>,
+    /// UE8M0 `[T, H, G]` of E2M1 queries.
+    qs: Option<Array3<u8>>,
+    /// E4M3 `[L, D]`, or packed E2M1 `[L, D/2]` when `ks8` is set.
+    k: Array2<u8>,
+    /// UE8M0 `[L, G]` of E2M1 keys.
+    ks8: Option<Array2<u8>>,
+    /// f32 `[L]` scales of E4M3 keys.
+    ks32: Array1<f32>,
+    w: Array2<f32>,
+}
+
+impl MixCase {
+    /// Random valid inputs: E4M3 NaN codes replaced by their neighbour, UE8M0 in
+    /// 120..=134, key scales in [0.5, 2), weights in [-1, 1).
+    fn random(batch: Batch, h: usize, d: usize, q_fp4: bool, k_fp4: bool, seed: u64) -> Self {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (t, l, g) = (batch.num_rows(), batch.num_keys(), d / 32);
+        let mut code = || match rng.gen::<u8>() {
+            b if e4m3::is_nan_code(b) => b - 1,
+            b => b,
+        };
+        let q = Array3::from_shape_fn((t, h, if q_fp4 { d / 2 } else { d }), |_| code());
+        let k = Array2::from_shape_fn((l, if k_fp4 { d / 2 } else { d }), |_| code());
+        MixCase {
+            qs: q_fp4.then(|| Array3::from_shape_fn((t, h, g), |_| rng.gen_range(120..=134))),
+            ks8: k_fp4.then(|| Array2::from_shape_fn((l, g), |_| rng.gen_range(120..=134))),
+            ks32: Array1::from_shape_fn(l, |_| rng.gen_range(0.5f32..2.0)),
+            w: Array2::from_shape_fn((t, h), |_| rng.gen_range(-1.0f32..1.0)),
+            q,
+            k,
+            batch,
+            h,
+            d,
+        }
+    }
+
+    fn problem<'a>(&'a self, params: Params, role: Role<'a>) -> Problem<'a> {
+        let q = match &self.qs {
+            None => Queries::E4m3(self.q.view()),
+            Some(qs) => Queries::E2m1 {
+                packed: self.q.view(),
+                scale: qs.view(),
+            },
+        };
+        let k = match &self.ks8 {
+            None => Keys::E4m3 {
+                codes: self.k.view(),
+                scale: self.ks32.view(),
+            },
+            Some(ks) => Keys::E2m1 {
+                packed: self.k.view(),
+                scale: ks.view(),
+            },
+        };
+        let inputs = Inputs {
+            q,
+            k,
+            weights: self.w.view(),
+            k_slots: None,
+        };
+        Problem::new(&self.batch, inputs, params, role).unwrap()
+    }
+
+    fn tag(&self) -> String {
+        let f = |fp4: bool| if fp4 { "e2m1" } else { "e4m3" };
+        format!(
+            "{} x {}, H={} D={}",
+            f(self.qs.is_some()),
+            f(self.ks8.is_some()),
+            self.h,
+            self.d
+        )
+    }
+}
+
+/// SPEC 5's ranking of a score as an f64 (NaN as -inf; -0 and +0 compare equal).
+fn ranked(x: f32) -> f64 {
+    if x.is_nan() {
+        f64::NEG_INFINITY
+    } else {
+        x as f64
+    }
+}
+
+/// SPEC 7's tolerance-class rule for published blocks: every published row keeps its
+/// pinned block, ids ascending and `-1`-padded; with `nb <= NB` every visible block;
+/// otherwise each other kept block's reference block score is at least the `(NB - 1)`-th
+/// best other block's minus the row's largest logit bound, and each block left out at
+/// most that plus the bound (a block score is a max of logits, so it moves by at most
+/// its keys' largest error).
+fn check_published_rule(tag: &str, p: &Problem, published: &Published, want_logits: &[f32]) {
+    let (bsz, nbmax) = (p.block_size, p.num_blocks);
+    let mut base = 0;
+    let mut r = 0;
+    for (i, row) in p.batch.rows().iter().enumerate() {
+        let n = row.n;
+        let s = &want_logits[base..base + n];
+        base += n;
+        if !p.publishes(i) {
+            continue;
+        }
+        assert_eq!(
+            published.rows[r],
+            (row.request, row.position),
+            "{tag}: published row {r}"
+        );
+        let ids = published.blocks.row(r);
+        r += 1;
+        let kept: Vec<usize> = ids
+            .iter()
+            .filter(|&&c| c >= 0)
+            .map(|&c| c as usize)
+            .collect();
+        assert!(
+            ids.iter().skip(kept.len()).all(|&c| c == -1),
+            "{tag}: row {i}: kept ids not -1-padded: {ids:?}"
+        );
+        assert!(
+            kept.windows(2).all(|w| w[0] < w[1]),
+            "{tag}: row {i}: kept ids not ascending: {kept:?}"
+        );
+        if n == 0 {
+            assert!(
+                kept.is_empty(),
+                "{tag}: row {i} has n = 0 but keeps {kept:?}"
+            );
+            continue;
+        }
+        let nb = n.div_ceil(bsz);
+        let pinned = (n - 1) / bsz;
+        assert_eq!(kept.len(), nb.min(nbmax), "{tag}: row {i} kept count");
+        assert!(
+            kept.contains(&pinned),
+            "{tag}: row {i} lost its pinned block {pinned}"
+        );
+        if nb <= nbmax {
+            assert_eq!(kept, (0..nb).collect::<Vec<_>>(), "{tag}: row {i}");
+            continue;
+        }
+        let score = |c: usize| {
+            s[c * bsz..((c + 1) * bsz).min(n)]
+                .iter()
+                .map(|&x| ranked(x))
+                .fold(f64::NEG_INFINITY, f64::max)
+        };
+        let mut others: Vec<f64> = (0..nb).filter(|&c| c != pinned).map(score).collect();
+        others.sort_by(|a, b| b.partial_cmp(a).unwrap());
+        let kth = others[nbmax - 2];
+        let rb = (0..n).map(|j| bound(p, i, j)).fold(0f64, f64::max);
+        for c in (0..nb).filter(|&c| c != pinned) {
+            let v = score(c);
+            if kept.contains(&c) {
+                assert!(
+                    v >= kth - rb,
+                    "{tag}: row {i} kept block {c} with {v:e} < {kth:e} - {rb:e}"
+                );
+            } else {
+                assert!(
+                    v <= kth + rb,
+                    "{tag}: row {i} left out block {c} with {v:e} > {kth:e} + {rb:e}"
+                );
+            }
+        }
+    }
+    assert_eq!(r, published.rows.len(), "{tag}: published row count");
+}
+
+/// One tolerance-class layer on the device at many budgets: `raw`, `page` and the
+/// published blocks bitwise the same at every budget (SPEC 7 on one backend), the
+/// selection within SPEC 5's rule and the blocks within SPEC 7's; where the device's
+/// logits are bitwise the reference's, its outputs are too (SPEC 5: same scores, same
+/// selection).
+fn check_tolerance_budgets(b: &mut CudaBackend, tag: &str, p: &Problem) {
+    let want_logits = reference::logits(p);
+    let got_logits = b.logits(p, usize::MAX).unwrap();
+    check_logits_bound(tag, p, &got_logits, &want_logits);
+    let first = run_backend(b, p, usize::MAX).unwrap().0;
+    check_selection_rule(tag, p, &first, &want_logits);
+    if let Some(published) = &first.published {
+        check_published_rule(tag, p, published, &want_logits);
+    }
+    if bits(&got_logits) == bits(&want_logits) {
+        check_outputs(&format!("{tag}: same logits"), &first, &reference::run(p));
+    }
+    let one_row = p.batch.rows().iter().map(|r| r.n).max().unwrap() * 4;
+    for budget in [1usize, one_row / 2, one_row, 3 * one_row, 1 << 16, 1 << 20] {
+        let (out, plan) = run_backend(b, p, budget).unwrap();
+        check_outputs(
+            &format!(
+                "{tag}: budget {budget} ({} tiles) against one tile",
+                plan.tiles.len()
+            ),
+            &out,
+            &first,
+        );
+        assert!(b.device_peak().unwrap() <= plan.peak.total(), "{tag}: peak");
+        let l = b.logits(p, budget).unwrap();
+        check_eq(
+            &format!("{tag}: budget {budget}"),
+            "logits (bits)",
+            &bits(&l),
+            &bits(&got_logits),
+        );
+    }
+}
+
+#[test]
+fn tolerance_class_outputs_are_the_same_at_every_budget_and_blocks_meet_the_rule() {
+    let Some(mut b) = gpu() else { return };
+    let params = Params {
+        topk: 16,
+        page_cols: None,
+        block_size: 4,
+        num_blocks: 8,
+    };
+    // The V3.2 shape on w16's wgmma, mma.sync at H = 8 and 16, fp4 on one side.
+    for (h, d, q4, k4) in [
+        (64, 128, false, false),
+        (8, 64, false, true),
+        (16, 128, true, false),
+        (32, 32, false, false),
+    ] {
+        let batch = Batch::contiguous(&[300, 77, 150], &[200, 0, 140], 1).unwrap();
+        let c = MixCase::random(batch, h, d, q4, k4, 31 + h as u64 + d as u64);
+        let tag = c.tag();
+        for role in [Role::Plain, Role::Source { tail: Some(5) }] {
+            let p = c.problem(params, role);
+            check_tolerance_budgets(&mut b, &format!("{tag}, {}", role.name()), &p);
+        }
+        // A source publishing every row, and its consumer over the reference's blocks.
+        let p = c.problem(params, Role::Source { tail: None });
+        check_tolerance_budgets(&mut b, &format!("{tag}, source"), &p);
+        let published = reference::run(&p).published.unwrap();
+        let pc = c.problem(params, Role::Consumer(&published));
+        check_tolerance_budgets(&mut b, &format!("{tag}, consumer"), &pc);
+    }
+}
+
+/// The tolerance class where every term overflows f32 on its own, so that the head sum
+/// is the same non-finite value in any summation order: a positive `a_h` (every code
+/// positive) times weights of `f32::MAX` gives `+inf` terms, of `-f32::MAX` `-inf`
+/// terms, of both signs `inf - inf = NaN`; key scales of `f32::MAX` overflow the last
+/// step. E4M3 on either side, H = 64 (w16's wgmma where both sides are E4M3) and H = 8
+/// (mma.sync). Each case with the kind of value its every logit must be.
+fn overflow_cases() -> Vec<(String, MixCase, fn(f32) -> bool)> {
+    let mut out = Vec::new();
+    for (h, d, q4, k4) in [
+        (64, 128, false, false),
+        (8, 128, false, false),
+        (8, 64, false, true),
+        (64, 64, true, false),
+    ] {
+        let batch = Batch::contiguous(&[70, 9], &[40, 0], 1).unwrap();
+        let mut c = MixCase::random(batch, h, d, q4, k4, 97 + h as u64);
+        // Positive codes only: E4M3 sign bit clear, E2M1 nibbles below 8.
+        let mask = |fp4: bool| if fp4 { 0x77u8 } else { 0x7F };
+        c.q.mapv_inplace(|x| x & mask(q4));
+        c.k.mapv_inplace(|x| x & mask(k4));
+        let pos_inf: fn(f32) -> bool = |x| x == f32::INFINITY;
+        let neg_inf: fn(f32) -> bool = |x| x == f32::NEG_INFINITY;
+        let nan: fn(f32) -> bool = |x| x.is_nan();
+        let inf: fn(f32) -> bool = |x| x.is_infinite();
+        let mut cases: Vec<(&str, fn(usize, usize) -> f32, Option<f32>, fn(f32) -> bool)> = vec![
+            ("weights +MAX: +inf", |_, _| f32::MAX, None, pos_inf),
+            ("weights -MAX: -inf", |_, _| -f32::MAX, None, neg_inf),
+            (
+                "weights +-MAX by head: inf - inf = NaN",
+                |_, hh| if hh % 2 == 0 { f32::MAX } else { -f32::MAX },
+                None,
+                nan,
+            ),
+        ];
+        if !k4 {
+            cases.push(("key scales MAX: +inf", |_, _| 1.0, Some(f32::MAX), pos_inf));
+            cases.push((
+                "key scales MAX, weights -1 on even rows: +-inf",
+                |i, _| if i % 2 == 0 { -1.0 } else { 1.0 },
+                Some(f32::MAX),
+                inf,
+            ));
+        }
+        for (name, w, kscale, kind) in cases {
+            let mut c = MixCase {
+                w: Array2::from_shape_fn(c.w.dim(), |(i, hh)| w(i, hh)),
+                ..c.clone()
+            };
+            if let Some(s) = kscale {
+                c.ks32.fill(s);
+            }
+            out.push((format!("{}: {name}", c.tag()), c, kind));
+        }
+    }
+    out
+}
+
+fn overflow_params() -> Params {
+    Params {
+        topk: 6,
+        page_cols: None,
+        block_size: 4,
+        num_blocks: 3,
+    }
+}
+
+/// The premise of the device test below, on the host: every logit of every case is
+/// the non-finite value the case names.
+#[test]
+fn overflow_cases_overflow_every_logit_in_the_reference() {
+    for (tag, c, kind) in overflow_cases() {
+        let p = c.problem(overflow_params(), Role::Source { tail: None });
+        let want = reference::logits(&p);
+        assert!(!want.is_empty(), "{tag}: no logits");
+        if let Some(x) = want.iter().find(|&&x| !kind(x)) {
+            panic!("{tag}: reference logit {x:e} is not the case's kind");
+        }
+    }
+}
+
+/// The device returns the reference's non-finite value exactly (the same infinity, or
+/// NaN for NaN; never a finite value or the other infinity: the bound check admits no
+/// other difference for these values) at every budget, and selects and publishes as
+/// SPEC 5 ranks them (NaN as -inf; ties, lowest j first).
+#[test]
+fn tolerance_class_overflow_to_inf_and_nan_matches_the_reference() {
+    let Some(mut b) = gpu() else { return };
+    for (tag, c, _) in overflow_cases() {
+        let p = c.problem(overflow_params(), Role::Source { tail: None });
+        check_tolerance_budgets(&mut b, &tag, &p);
+        check_tolerance(&mut b, &tag, &p);
+    }
+}
+
+/// The blocks rule above, on the host: it holds for the reference's own blocks, and
+/// fails when a kept block is swapped for the row's worst block.
+#[test]
+fn published_rule_accepts_the_reference_and_rejects_a_swapped_block() {
+    let params = Params {
+        topk: 16,
+        page_cols: None,
+        block_size: 4,
+        num_blocks: 8,
+    };
+    let batch = Batch::contiguous(&[300], &[290], 1).unwrap();
+    let c = MixCase::random(batch, 64, 128, false, false, 5);
+    let p = c.problem(params, Role::Source { tail: None });
+    let want = reference::logits(&p);
+    let published = reference::run(&p).published.unwrap();
+    check_published_rule("reference", &p, &published, &want);
+    // Row 0 (n = 291, 73 blocks): swap its best non-pinned kept block for the worst block.
+    let n = p.batch.rows()[0].n;
+    let score = |blk: usize| {
+        want[blk * 4..((blk + 1) * 4).min(n)]
+            .iter()
+            .map(|&x| ranked(x))
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    let pinned = (n - 1) / 4;
+    let worst = (0..n.div_ceil(4))
+        .min_by(|&a, &b| score(a).partial_cmp(&score(b)).unwrap())
+        .unwrap();
+    let mut bad = published.clone();
+    let mut row: Vec<i32> = bad.blocks.row(0).to_vec();
+    let slot = row
+        .iter()
+        .position(|&x| x >= 0 && x as usize != pinned)
+        .unwrap();
+    row[slot] = worst as i32;
+    row.sort_unstable();
+    bad.blocks.row_mut(0).assign(&Array1::from(row));
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        check_published_rule("swapped", &p, &bad, &want)
+    }));
+    assert!(
+        caught.is_err(),
+        "a kept block swapped for the worst one passed the rule"
+    );
+}
