@@ -1,0 +1,995 @@
+#!/usr/bin/env python3
+"""Peers of the CUDA indexer, measured on the workload shapes of `src/cuda/bench.rs`.
+
+The crate's speed claims are ratios against these figures, taken in the same run on
+the same GPU. Peers:
+
+- DeepGEMM's logits kernel, `deep_gemm.fp8_fp4_mqa_logits((q, None), (k, kscale),
+  weights, ks, ke, clean_logits, max_seqlen_k=0)`, from the PyPI wheel
+  `sgl-deep-gemm==0.1.4.post1` (with its pin `apache-tvm-ffi==0.1.11`). It returns
+  `[T, L]` f32 logits (a view with a padded row stride). Timed with
+  `clean_logits=False` (the kernel alone) and with `clean_logits=True` (plus DeepGEMM's
+  own kernel that writes -inf outside each row's `[ks, ke)`).
+- `torch.topk(logits, K, dim=-1)` (sorted, as engines call it) on those logits, after
+  the invisible columns are set to -inf. Two ways of masking are timed: DeepGEMM's
+  `clean_logits=True` (what an engine that calls torch.topk on DeepGEMM's output
+  passes), and a torch `masked_fill_` of a column-index comparison (`torch_mask`,
+  timed on its own).
+- FlashInfer's radix top-k (`flashinfer.top_k_ragged_transform` on the unmasked
+  logits, `flashinfer.top_k` on the masked ones), only when `import flashinfer`
+  works; otherwise the script prints "flashinfer: not available".
+- Two ceilings, once per run: a 2 GiB device-to-device copy (GB/s read + write) and
+  8192^3 matmuls through torch (bf16, and fp8 e4m3 through `torch._scaled_mm`).
+
+Workloads (one request of `S` tokens, its last `rows` positions as query rows, ratio
+1, so row `i` at position `p = S - rows + i` sees keys `[ks, ke) = [0, p + 1)`; `L = S`):
+
+| name      | format      | H  | D   | K    | S       | rows  |
+|-----------|-------------|----|-----|------|---------|-------|
+| v32-16k   | e4m3 x e4m3 | 64 | 128 | 2048 | 16384   | 16384 |
+| v32-64k   | e4m3 x e4m3 | 64 | 128 | 2048 | 65536   | 65536 |
+| v41-chunk | e2m1 x e2m1 | 32 | 128 | 512  | 262144  | 4096  |
+| v41-1m    | e2m1 x e2m1 | 32 | 128 | 512  | 1048576 | 16384 |
+
+Inputs are drawn as bench.rs draws them, in distribution, not bit for bit (torch's
+generator, not ChaCha8): E4M3 codes are uniform random bytes with the NaN codes
+(`b & 0x7F == 0x7F`) mapped to `b & 0xF7`, per-key scales uniform in [0.5, 2),
+weights uniform in [-1, 1); E2M1 bytes are uniform random bytes and UE8M0 block
+scales uniform in 124..=130 (2^-3 .. 2^3), one per 32 elements.
+
+fp4 workloads: on SM90 this DeepGEMM has no fp4 logits kernel (its fp4 path is
+SM100 only). The script probes it once in a child process, so that a failure cannot
+take the measuring process down, and prints what the probe said. Then the peer runs on
+E4M3 converted from the fp4 data: q and k are decoded to f32 (code value times its
+block scale) and quantized to E4M3 with a power-of-two scale per (row, head) of q and
+per key of k (`scale = 2^ceil(log2(max(amax, 1e-4) / 448))`), the q scale folded into
+the weights and the k scale passed as DeepGEMM's per-key scale. On these inputs the
+conversion is exact (an E2M1 value times a power of two has two significant bits, and
+a row's dynamic range is at most 768), which the script verifies: the peer then
+computes the same function as the crate. The conversion (torch ops, not a fused
+kernel) is timed on its own and reported, q and k apart; it is not part of any other
+figure.
+
+Row chunking: as the serving engine does (the crate's default budget too), a
+workload whose `[T, L]` f32 logits exceed `--budget` (2 GiB) runs in chunks of
+`budget // (4 L)` consecutive rows, each chunk a DeepGEMM call (all L keys) followed
+by its top-k, the logits buffer reused; chunk times are summed per repetition. When
+chunked logits would still fit `--full-max` (8 GiB), the single call is measured too.
+So v32-16k is one call; v32-64k runs in 8 chunks; v41-chunk in 2 chunks and also as
+one call (4 GiB); v41-1m in 32 chunks (its full logits are 64 GiB).
+
+Timing: CUDA events around each region, after a warm-up call (DeepGEMM compiles its
+kernel on first use) and one discarded repetition, median of `--reps`. Input sets
+smaller than two L2s (120 MB) are replicated (up to 4 sets) and rotated between
+repetitions. Effective TFLOP/s = `2 * valid_pairs * H * D / t` with
+`valid_pairs = sum over rows of (ke - ks)`; top-k rates are given as GB/s of logits
+read (`4 * rows * L / t`, what torch.topk reads) and as `4 * valid_pairs / t` (the
+crate's `topk_gbs`).
+
+Output: one JSON line per workload, mode and peer part, then a human table.
+Exit status: 0 when every requested part ran, 1 when a workload (or a check) failed,
+2 when deep_gemm cannot be imported.
+
+Usage (on the GPU machine; the wheels in `.whl/`):
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \\
+        --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    python3 benches/peers.py --check                  # DeepGEMM vs a float64 reference
+    python3 benches/peers.py [WORKLOAD ...] [--reps N] [--no-ceilings]
+
+`--check` compares DeepGEMM's logits on small ragged problems (fp8, and fp4 converted
+to fp8; H = 32 and 64) against a float64 reference computed in torch, and reports
+`max |x - ref| / M` as a power of two, `M = kscale * sum_h |w_h| * sum_d |q_d k_d|`
+(block scales included): the tolerance class of SPEC 4 bounds it by 2^-8. It also
+checks that `clean_logits=True` writes -inf outside `[ks, ke)` and the same bits
+inside, that row chunks give the same bits as one call, and that top-k after the mask
+selects only visible keys.
+
+`--emulate` replaces deep_gemm by a torch stand-in (`EmulatedDeepGemm`, the same
+formula in f32) so the harness can be tried on a machine without a GPU, e.g.
+`python3 benches/peers.py --emulate --shrink 128 --reps 1 --check`. Its figures are
+labelled `EMULATED:` and are never peer figures. `--shrink N` divides S and rows by N
+(and the budget by N^2, so the chunk count stays), for quick trials.
+"""
+
+import argparse
+import gc
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+try:
+    import torch
+except ImportError:
+    sys.exit("peers.py: torch is not importable; this script needs torch (2.11 with CUDA on the GPU machine)")
+
+GIB = 1 << 30
+L2_BYTES = 60_000_000
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+SPEC_BOUND_LOG2 = -8.0
+
+WORKLOADS = {
+    "v32-16k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=16384, rows=16384),
+    "v32-64k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=65536, rows=65536),
+    "v41-chunk": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=262144, rows=4096),
+    "v41-1m": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=1 << 20, rows=16384),
+}
+
+
+def emit(obj):
+    """Print one JSON line now."""
+    print(json.dumps(obj), flush=True)
+
+
+def note(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# The stand-in for deep_gemm (harness tests only)
+# ---------------------------------------------------------------------------------------
+
+
+class EmulatedDeepGemm:
+    """Stand-in for `deep_gemm` under `--emulate`: NOT a peer.
+
+    The same formula as DeepGEMM's SM90 logits kernel (`sum_h w_h relu(q_h . k) * kscale`)
+    in f32 torch ops, with DeepGEMM's output shape (a `[T, L]` view of a buffer whose
+    rows are `L + 256` long). Columns outside `[ks, ke)` hold a huge finite value, as
+    uninitialised memory would, unless `clean_logits=True` writes -inf there. Packed
+    fp4 is refused as DeepGEMM refuses it on SM90.
+    """
+
+    __version__ = "emulated"
+
+    @staticmethod
+    def fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0, logits_dtype=torch.float):
+        q8, q_sf = q
+        k8, k_sf = kv
+        if q_sf is not None:
+            raise RuntimeError("emulated deep_gemm: packed fp4 is refused (Unsupported architecture)")
+        assert max_seqlen_k == 0
+        assert q8.dtype == torch.float8_e4m3fn and k8.dtype == torch.float8_e4m3fn
+        assert k_sf.dtype == torch.float32 and weights.dtype == torch.float32
+        assert ks.dtype == torch.int32 and ke.dtype == torch.int32
+        t, h, d = q8.shape
+        l = k8.shape[0]
+        assert k8.shape == (l, d) and k_sf.shape == (l,) and weights.shape == (t, h)
+        buf = torch.empty((t, align(l + 256, 8)), dtype=torch.float32, device=q8.device)
+        out = buf[:, :l]
+        kf = k8.float()
+        cols = torch.arange(l, device=q8.device)
+        fill = float("-inf") if clean_logits else 3.0e38
+        step = max(1, (1 << 22) // max(1, h * l))
+        for r0 in range(0, t, step):
+            r1 = min(t, r0 + step)
+            s = torch.einsum("rhd,ld->rhl", q8[r0:r1].float(), kf).clamp_min_(0.0)
+            v = (s * weights[r0:r1, :, None]).sum(1) * k_sf[None, :]
+            inside = (cols[None, :] >= ks[r0:r1, None].long()) & (cols[None, :] < ke[r0:r1, None].long())
+            out[r0:r1] = torch.where(inside, v, torch.full_like(v, fill))
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------
+
+
+def align(x, a):
+    return (x + a - 1) // a * a
+
+
+def median(v):
+    """The upper median, as bench.rs takes it."""
+    s = sorted(v)
+    return s[len(s) // 2] if s else float("nan")
+
+
+def log2_str(x):
+    if x == 0:
+        return "0"
+    if not math.isfinite(x):
+        return str(x)
+    return f"2^{math.log2(x):.2f}"
+
+
+class Clock:
+    """Times a region: CUDA events on the current stream, or the wall clock on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def time(self, fn):
+        if self.cuda:
+            e0 = torch.cuda.Event(enable_timing=True)
+            e1 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            r = fn()
+            e1.record()
+            e1.synchronize()
+            return e0.elapsed_time(e1), r
+        t0 = time.perf_counter()
+        r = fn()
+        return (time.perf_counter() - t0) * 1e3, r
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def free_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs: drawn as bench.rs draws them, decoded, and converted
+# ---------------------------------------------------------------------------------------
+
+
+def rand_bytes(shape, g, dev, lo=0, hi=256):
+    return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=g, device=dev)
+
+
+def rand_e4m3(shape, g, dev):
+    """Uniform E4M3 bytes away from the NaN codes (bench.rs: `b & 0xF7` for `b & 0x7F == 0x7F`)."""
+    b = rand_bytes(shape, g, dev)
+    b = torch.where((b & 0x7F) == 0x7F, b & 0xF7, b)
+    return b.view(torch.float8_e4m3fn)
+
+
+def rand_uniform(shape, lo, hi, g, dev):
+    return torch.rand(shape, generator=g, device=dev, dtype=torch.float32) * (hi - lo) + lo
+
+
+def ue8m0_to_f32(e):
+    """UE8M0 bytes to f32 `2^(e - 127)`, bit exact (e = 0 is the subnormal 2^-127)."""
+    bits = (e.to(torch.int32) << 23).view(torch.float32)
+    return torch.where(e == 0, torch.full_like(bits, 2.0**-127), bits)
+
+
+def decode_e2m1(packed, scale):
+    """Packed E2M1 `[..., D/2]` (element 2i in the low nibble) times its UE8M0 block scales
+    `[..., D/32]`, as f32 `[..., D]`. Exact: a code value times a power of two."""
+    table = torch.tensor(E2M1_VALUES + [-v for v in E2M1_VALUES], dtype=torch.float32, device=packed.device)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()
+    v = table[codes]
+    return v * ue8m0_to_f32(scale).repeat_interleave(32, dim=-1)
+
+
+def ceil_pow2(x):
+    """The smallest power of two >= x (x > 0, normal), as DeepGEMM's `ceil_to_ue8m0`."""
+    bits = x.view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp.clamp(1, 254) << 23).view(torch.float32)
+
+
+def quantize_e4m3_pow2(x):
+    """E4M3 codes of `x / s` with `s = ceil_pow2(max(amax, 1e-4) / 448)` over the last dim."""
+    amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    s = ceil_pow2(amax / 448.0)
+    return (x / s).to(torch.float8_e4m3fn), s.squeeze(-1)
+
+
+def convert_q(q4, qs, w):
+    """fp4 queries to E4M3 per (row, head), the scale folded into the weights (exact: a
+    power of two). Returns the codes, the folded weights and the scales."""
+    q8, s = quantize_e4m3_pow2(decode_e2m1(q4, qs))
+    return q8, (w * s).contiguous(), s
+
+
+def convert_k(k4, ks8):
+    """fp4 keys to E4M3 per key, the scale as DeepGEMM's f32 per-key scale."""
+    k8, s = quantize_e4m3_pow2(decode_e2m1(k4, ks8))
+    return k8, s.contiguous()
+
+
+def conversion_exact(p):
+    """True when problem `p`'s E4M3 data times its scales is its fp4 data, bit for bit,
+    and its folded weights are `w` times the query scales."""
+    ok = bool(torch.equal(p.w8, p.w * p.qscale))
+    step = 1 << 16
+    for a in range(0, p.k4.shape[0], step):
+        ref = decode_e2m1(p.k4[a : a + step], p.ks8[a : a + step])
+        got = p.k8[a : a + step].float() * p.kscale[a : a + step, None]
+        ok &= bool(torch.equal(ref, got))
+    step = max(1, (1 << 24) // (p.q4.shape[1] * p.q4.shape[2] * 2))
+    for a in range(0, p.q4.shape[0], step):
+        ref = decode_e2m1(p.q4[a : a + step], p.qs[a : a + step])
+        got = p.q8[a : a + step].float() * p.qscale[a : a + step, :, None]
+        ok &= bool(torch.equal(ref, got))
+    return ok
+
+
+class Problem:
+    """One input set: what the crate takes (fp8 or fp4) and what DeepGEMM takes (fp8)."""
+
+    def __init__(self, fp4, t, l, h, d, g, dev):
+        self.fp4 = fp4
+        self.w = rand_uniform((t, h), -1.0, 1.0, g, dev)
+        if fp4:
+            self.q4 = rand_bytes((t, h, d // 2), g, dev)
+            self.qs = rand_bytes((t, h, d // 32), g, dev, 124, 131)
+            self.k4 = rand_bytes((l, d // 2), g, dev)
+            self.ks8 = rand_bytes((l, d // 32), g, dev, 124, 131)
+            self.q8 = self.w8 = self.k8 = self.kscale = self.qscale = None
+        else:
+            self.q8 = rand_e4m3((t, h, d), g, dev)
+            self.k8 = rand_e4m3((l, d), g, dev)
+            self.kscale = rand_uniform((l,), 0.5, 2.0, g, dev)
+            self.w8 = self.w
+
+    def convert(self):
+        self.q8, self.w8, self.qscale = convert_q(self.q4, self.qs, self.w)
+        self.k8, self.kscale = convert_k(self.k4, self.ks8)
+
+    def fp8_bytes(self):
+        t, h, d = self.q8.shape if self.q8 is not None else (self.q4.shape[0], self.q4.shape[1], 2 * self.q4.shape[2])
+        l = self.k8.shape[0] if self.k8 is not None else self.k4.shape[0]
+        return t * h * d + l * d + 4 * l + 4 * t * h + 8 * t
+
+    def decoded_rows(self, rows):
+        """f64 `[R, H, D]` decoded query values (block scales applied) and `[R, H]` weights."""
+        if self.fp4:
+            return decode_e2m1(self.q4[rows], self.qs[rows]).double(), self.w[rows].double()
+        return self.q8[rows].double(), self.w[rows].double()
+
+    def decoded_keys(self, a, b):
+        """f64 `[n, D]` decoded key values and `[n]` per-key scales (1 for fp4)."""
+        if self.fp4:
+            kf = decode_e2m1(self.k4[a:b], self.ks8[a:b]).double()
+            return kf, torch.ones(b - a, dtype=torch.float64, device=kf.device)
+        return self.k8[a:b].double(), self.kscale[a:b].double()
+
+
+def reference_error(prob, rows, logits, ks, ke, key_step=1 << 17):
+    """max over visible (row, key) of `|x - ref| / M` against the float64 reference, for
+    the rows `rows` of `prob` whose logits are `logits[r]` (DeepGEMM's column = key)."""
+    qf, wf = prob.decoded_rows(rows)
+    worst = 0.0
+    for r in range(len(rows)):
+        a0, b0 = int(ks[r]), int(ke[r])
+        for a in range(a0, b0, key_step):
+            b = min(b0, a + key_step)
+            kf, sc = prob.decoded_keys(a, b)
+            s = qf[r] @ kf.T  # [H, n], exact in f64 for these codes
+            ref = (wf[r][:, None] * s.clamp_min(0.0)).sum(0) * sc
+            m = (wf[r].abs()[:, None] * (qf[r].abs() @ kf.abs().T)).sum(0) * sc
+            x = logits[r, a:b].double()
+            err = (x - ref).abs()
+            ratio = torch.where(m > 0, err / m.clamp_min(1e-300), torch.where(err > 0, float("inf"), 0.0))
+            ratio = torch.where(torch.isnan(x), float("inf"), ratio)
+            worst = max(worst, float(ratio.max()))
+    return worst
+
+
+# ---------------------------------------------------------------------------------------
+# The peers
+# ---------------------------------------------------------------------------------------
+
+
+def dg_logits(dg, q8, k8, kscale, w, ks, ke, clean):
+    return dg.fp8_fp4_mqa_logits((q8, None), (k8, kscale), w, ks, ke, clean_logits=clean, max_seqlen_k=0)
+
+
+def mask_invalid_(logits, ks, ke):
+    """Set columns outside `[ks, ke)` to -inf in place (a bool `[rows, L]` mask, as engines build)."""
+    cols = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    logits.masked_fill_((cols < ks[:, None]) | (cols >= ke[:, None]), float("-inf"))
+    return logits
+
+
+def load_flashinfer():
+    try:
+        import flashinfer  # noqa: F401
+
+        return flashinfer, None
+    except Exception as e:  # not installed, or its JIT cannot run here
+        return None, f"{type(e).__name__}: {e}"
+
+
+def row_layout(s, rows, dev):
+    """ks, ke (i32) of the last `rows` positions of one request of `s` keys, ratio 1."""
+    p = torch.arange(s - rows, s, dtype=torch.int32, device=dev)
+    return torch.zeros_like(p), p + 1
+
+
+def chunk_plan(t, l, budget):
+    per_row = 4 * l
+    if t * per_row <= budget:
+        return [(0, t)]
+    r = max(1, budget // per_row)
+    return [(a, min(t, a + r)) for a in range(0, t, r)]
+
+
+def probe_fp4_direct(script, timeout=600):
+    """Ask a child process whether DeepGEMM takes packed fp4 on this GPU."""
+    try:
+        r = subprocess.run(
+            [sys.executable, script, "--probe-fp4"], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"fp4_direct": False, "why": f"probe timed out after {timeout} s"}
+    for line in reversed(r.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                pass
+    tail = (r.stderr or r.stdout)[-400:]
+    return {"fp4_direct": False, "why": f"probe exited {r.returncode}: {tail}"}
+
+
+def fp4_direct_args(prob, rows=slice(None)):
+    """DeepGEMM's fp4 operands: packed bytes as int8, four UE8M0 bytes per int32 word."""
+    q = prob.q4[rows].contiguous().view(torch.int8)
+    qsf = prob.qs[rows].contiguous().view(torch.int32).squeeze(-1)
+    k = prob.k4.view(torch.int8)
+    ksf = prob.ks8.contiguous().view(torch.int32).squeeze(-1)
+    return q, qsf, k, ksf
+
+
+def run_probe_fp4():
+    """Child process: one tiny packed-fp4 call; prints one JSON line."""
+    try:
+        import deep_gemm as dg
+    except Exception as e:
+        emit({"fp4_direct": False, "why": f"import deep_gemm: {type(e).__name__}: {e}"})
+        return 0
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=dev).manual_seed(7)
+    prob = Problem(True, 8, 512, 32, 128, g, dev)
+    ks, ke = row_layout(512, 8, dev)
+    q, qsf, k, ksf = fp4_direct_args(prob)
+    tries = []
+    for dt in (torch.int8, torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)):
+        if dt is None:
+            continue
+        try:
+            out = dg.fp8_fp4_mqa_logits((q.view(dt), qsf), (k.view(dt), ksf), prob.w, ks, ke, clean_logits=False, max_seqlen_k=0)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            err = reference_error(prob, list(range(8)), out, ks, ke)
+            emit({"fp4_direct": True, "dtype": str(dt), "max_err_over_M": log2_str(err)})
+            return 0
+        except Exception as e:
+            tries.append(f"{dt}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
+    emit({"fp4_direct": False, "why": " | ".join(tries)})
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# One workload
+# ---------------------------------------------------------------------------------------
+
+
+class Shape:
+    def __init__(self, name, spec, shrink, budget):
+        self.name = name if shrink == 1 else f"{name}/shrink{shrink}"
+        self.fp4 = spec["fp4"]
+        self.h, self.d = spec["heads"], spec["dim"]
+        self.s = max(1, spec["seq_len"] // shrink)
+        self.t = max(1, min(self.s, spec["rows"] // shrink))
+        self.l = self.s
+        self.k = min(spec["topk"], self.l)
+        self.budget = max(1, budget // (shrink * shrink))
+        p0 = self.s - self.t
+        self.valid_pairs = self.t * p0 + self.t * (self.t + 1) // 2
+        self.flops = 2.0 * self.valid_pairs * self.h * self.d
+
+    def meta(self):
+        return {
+            "workload": self.name,
+            "rows": self.t,
+            "keys": self.l,
+            "heads": self.h,
+            "dim": self.d,
+            "topk": self.k,
+            "valid_pairs": self.valid_pairs,
+            "format": "e2m1 x e2m1 (run as e4m3 x e4m3)" if self.fp4 else "e4m3 x e4m3",
+        }
+
+
+class Runner:
+    def __init__(self, args, dg, emulated, dev):
+        self.args = args
+        self.dg = dg
+        self.emulated = emulated
+        self.dev = dev
+        self.clock = Clock(dev)
+        self.records = []
+        self.fi, self.fi_why = load_flashinfer()
+        self.fp4_probe = None
+        self.device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+    def peer(self, name):
+        return f"EMULATED:{name}" if self.emulated else name
+
+    def record(self, base, peer, **kw):
+        rec = dict(base)
+        rec["peer"] = self.peer(peer)
+        rec.update(kw)
+        rec["device"] = self.device_name
+        if self.emulated:
+            rec["emulated"] = True
+        emit(rec)
+        self.records.append(rec)
+
+    def stats(self, v):
+        return {"median_ms": median(v), "min_ms": min(v), "reps": len(v)}
+
+    # -- a workload -------------------------------------------------------------------
+
+    def workload(self, name):
+        sh = Shape(name, WORKLOADS[name], self.args.shrink, self.args.budget)
+        base = sh.meta()
+        full_max = self.args.full_max // (self.args.shrink * self.args.shrink)
+        g = torch.Generator(device=self.dev).manual_seed(0x5EED)
+        first = Problem(sh.fp4, sh.t, sh.l, sh.h, sh.d, g, self.dev)
+        if sh.fp4:
+            first.convert()
+        set_bytes = first.fp8_bytes()
+        nsets = 1 if set_bytes >= 2 * L2_BYTES else min(4, math.ceil(2 * L2_BYTES / set_bytes))
+        sets = [first] + [Problem(sh.fp4, sh.t, sh.l, sh.h, sh.d, g, self.dev) for _ in range(nsets - 1)]
+        if sh.fp4:
+            for p in sets[1:]:
+                p.convert()
+        ks, ke = row_layout(sh.s, sh.t, self.dev)
+        base["input_sets"] = nsets
+        self.conversion_ms = None
+
+        if sh.fp4:
+            self.fp4_conversion(base, sets)
+            exact = all(conversion_exact(p) for p in sets)
+            base["conversion_exact"] = exact
+            if not exact:
+                raise RuntimeError("the fp4 -> e4m3 conversion is not exact on these inputs")
+            if self.fp4_probe is None:
+                if self.emulated:
+                    self.fp4_probe = {"fp4_direct": False, "why": "not probed (emulated)"}
+                else:
+                    self.fp4_probe = probe_fp4_direct(os.path.abspath(__file__))
+                emit({"probe": "deepgemm_fp4_direct", **self.fp4_probe})
+            base["fp4_direct"] = bool(self.fp4_probe.get("fp4_direct"))
+
+        self.sample_check(sh, base, sets[0], ks, ke)
+
+        plan = chunk_plan(sh.t, sh.l, sh.budget)
+        modes = [("row_chunked" if len(plan) > 1 else "single_call", plan)]
+        if len(plan) > 1 and 4 * sh.t * sh.l <= full_max:
+            modes.append(("single_call", [(0, sh.t)]))
+        for mode, chunks in modes:
+            mb = dict(base)
+            mb.update(mode=mode, chunks=len(chunks), chunk_rows=chunks[0][1] - chunks[0][0])
+            mb["chunk_logits_bytes"] = 4 * mb["chunk_rows"] * align(sh.l + 256, 8)
+            self.measure(sh, mb, sets, ks, ke, chunks)
+            free_memory()
+
+    def fp4_conversion(self, base, sets):
+        """Time the fp4 -> e4m3 conversion (q with its weight fold, and k) on its own."""
+        tq, tk = [], []
+        for rep in range(self.args.reps + 1):
+            p = sets[rep % len(sets)]
+            mq, _ = self.clock.time(lambda: convert_q(p.q4, p.qs, p.w))
+            mk, _ = self.clock.time(lambda: convert_k(p.k4, p.ks8))
+            if rep:
+                tq.append(mq)
+                tk.append(mk)
+            free_memory()
+        what = "E2M1 x UE8M0 -> f32 -> E4M3 with a power-of-two scale (torch ops)"
+        self.record(base, "fp4_to_fp8_q", what=what + ", per (row, head), folded into w", **self.stats(tq))
+        self.record(base, "fp4_to_fp8_k", what=what + ", per key", **self.stats(tk))
+        tot = [a + b for a, b in zip(tq, tk)]
+        self.record(base, "fp4_to_fp8_total", **self.stats(tot))
+        self.conversion_ms = median(tot)
+
+    def sample_check(self, sh, base, prob, ks, ke):
+        """DeepGEMM on the first, middle and last rows against the float64 reference."""
+        rows = sorted({0, sh.t // 2, sh.t - 1})
+        idx = torch.tensor(rows, device=self.dev)
+        q8, w8 = prob.q8[idx].contiguous(), prob.w8[idx].contiguous()
+        s0, s1 = ks[idx].contiguous(), ke[idx].contiguous()
+        out = dg_logits(self.dg, q8, prob.k8, prob.kscale, w8, s0, s1, False)
+        err = reference_error(prob, rows, out, s0.tolist(), s1.tolist())
+        base["sample_rows"] = rows
+        base["sample_max_err_over_M"] = log2_str(err)
+        del out
+        free_memory()
+        if not err <= 2.0**SPEC_BOUND_LOG2:
+            raise RuntimeError(f"DeepGEMM's logits differ from the reference: max |x - ref| / M = {log2_str(err)}")
+
+    def measure(self, sh, mb, sets, ks, ke, chunks):
+        """Time every part over all chunks, per repetition, and report the medians."""
+        dg, K, clock, fi = self.dg, sh.k, self.clock, self.fi
+        fp4_dt = None
+        if sh.fp4 and self.fp4_probe.get("fp4_direct"):
+            fp4_dt = {"torch.int8": torch.int8, "torch.uint8": torch.uint8}.get(self.fp4_probe.get("dtype"), torch.int8)
+
+        def args_of(p, a, b):
+            return p.q8[a:b], p.k8, p.kscale, p.w8[a:b], ks[a:b], ke[a:b]
+
+        def e2e(p, how):
+            for a, b in chunks:
+                q8, k8, sc, w8, s0, s1 = args_of(p, a, b)
+                lg = dg_logits(dg, q8, k8, sc, w8, s0, s1, how == "clean")
+                if how == "mask":
+                    mask_invalid_(lg, s0, s1)
+                if how == "fi_ragged":
+                    fi.top_k_ragged_transform(lg, s0, s1 - s0, K)
+                else:
+                    torch.topk(lg, K, dim=-1)
+                del lg
+
+        # Warm-up: DeepGEMM compiles its kernels on first use.
+        q8, k8, sc, w8, s0, s1 = args_of(sets[0], *chunks[0])
+        for clean in (False, True):
+            lg = dg_logits(dg, q8, k8, sc, w8, s0, s1, clean)
+            del lg
+        clock.sync()
+
+        fi_errors = {}
+        runs = {}
+        for rep in range(self.args.reps + 1):
+            p = sets[rep % len(sets)]
+            acc = {}
+
+            def add(key, ms):
+                acc[key] = acc.get(key, 0.0) + ms
+
+            def try_fi(key, fn):
+                if key in fi_errors:
+                    return
+                try:
+                    ms, _ = clock.time(fn)
+                    add(key, ms)
+                except Exception as e:
+                    fi_errors[key] = f"{type(e).__name__}: {e}"
+
+            for a, b in chunks:
+                q8, k8, sc, w8, s0, s1 = args_of(p, a, b)
+                if fp4_dt is not None:
+                    q4, qsf, k4, ksf = fp4_direct_args(p, slice(a, b))
+                    fp4_in = ((q4.view(fp4_dt), qsf), (k4.view(fp4_dt), ksf))
+                    ms, lg = clock.time(
+                        lambda: dg.fp8_fp4_mqa_logits(*fp4_in, p.w[a:b], s0, s1, clean_logits=False, max_seqlen_k=0)
+                    )
+                    add("logits_fp4", ms)
+                    del lg
+                ms, lg = clock.time(lambda: dg_logits(dg, q8, k8, sc, w8, s0, s1, False))
+                add("logits", ms)
+                if fi is not None:
+                    try_fi("fi_ragged", lambda: fi.top_k_ragged_transform(lg, s0, s1 - s0, K))
+                ms, _ = clock.time(lambda: mask_invalid_(lg, s0, s1))
+                add("mask", ms)
+                ms, _ = clock.time(lambda: torch.topk(lg, K, dim=-1))
+                add("topk", ms)
+                if fi is not None:
+                    try_fi("fi_topk", lambda: fi.top_k(lg, K))
+                del lg
+                ms, lg = clock.time(lambda: dg_logits(dg, q8, k8, sc, w8, s0, s1, True))
+                add("logits_clean", ms)
+                del lg
+            ms, _ = clock.time(lambda: e2e(p, "clean"))
+            add("e2e_clean", ms)
+            ms, _ = clock.time(lambda: e2e(p, "mask"))
+            add("e2e_mask", ms)
+            if fi is not None:
+                try_fi("e2e_fi", lambda: e2e(p, "fi_ragged"))
+            if rep:
+                for key, v in acc.items():
+                    runs.setdefault(key, []).append(v)
+
+        logits_bytes = 4.0 * sh.t * sh.l
+        valid_bytes = 4.0 * sh.valid_pairs
+
+        def tflops(ms):
+            return sh.flops / (ms * 1e-3) / 1e12
+
+        def rates(ms):
+            return {"gbs_logits_read": logits_bytes / (ms * 1e-3) / 1e9, "gbs_valid": valid_bytes / (ms * 1e-3) / 1e9}
+
+        if "logits_fp4" in runs:
+            st = self.stats(runs["logits_fp4"])
+            self.record(mb, "deepgemm_fp4_mqa_logits", clean_logits=False, effective_tflops=tflops(st["median_ms"]), **st)
+        st = self.stats(runs["logits"])
+        self.record(mb, "deepgemm_fp8_mqa_logits", clean_logits=False, effective_tflops=tflops(st["median_ms"]), **st)
+        st_c = self.stats(runs["logits_clean"])
+        self.record(
+            mb,
+            "deepgemm_fp8_mqa_logits_clean",
+            clean_logits=True,
+            effective_tflops=tflops(st_c["median_ms"]),
+            clean_over_plain_ms=st_c["median_ms"] - st["median_ms"],
+            **st_c,
+        )
+        st = self.stats(runs["mask"])
+        self.record(mb, "torch_mask", what="masked_fill_(-inf) outside [ks, ke)", **rates(st["median_ms"]), **st)
+        st = self.stats(runs["topk"])
+        self.record(mb, "torch_topk", sorted=True, **rates(st["median_ms"]), **st)
+        for key, peer in (
+            ("fi_ragged", "flashinfer_top_k_ragged_transform"),
+            ("fi_topk", "flashinfer_top_k"),
+        ):
+            if key in fi_errors:
+                self.record(mb, peer, error=fi_errors[key])
+            elif key in runs:
+                st = self.stats(runs[key])
+                self.record(mb, peer, **rates(st["median_ms"]), **st)
+        for key, peer, how in (
+            ("e2e_clean", "deepgemm+torch_topk", "clean_logits=True"),
+            ("e2e_mask", "deepgemm+torch_mask+torch_topk", "clean_logits=False, then torch masked_fill_"),
+            ("e2e_fi", "deepgemm+flashinfer_top_k_ragged_transform", "clean_logits=False, ragged top-k"),
+        ):
+            if key in fi_errors:
+                self.record(mb, peer, error=fi_errors[key])
+                continue
+            if key not in runs:
+                continue
+            st = self.stats(runs[key])
+            kw = {}
+            if self.conversion_ms is not None:
+                kw["conversion_ms"] = self.conversion_ms
+                kw["median_plus_conversion_ms"] = st["median_ms"] + self.conversion_ms
+            self.record(
+                mb,
+                peer,
+                mask=how,
+                effective_tflops=tflops(st["median_ms"]),
+                rows_per_s=sh.t / (st["median_ms"] * 1e-3),
+                **kw,
+                **st,
+            )
+
+    # -- ceilings -----------------------------------------------------------------------
+
+    def ceilings(self):
+        cuda = self.dev.type == "cuda"
+        base = {"workload": "ceiling"}
+        reps = max(self.args.reps, 5)
+        n = (GIB // 2) if cuda else (1 << 22)
+        try:
+            src = torch.rand(n, device=self.dev)
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            v = []
+            for rep in range(reps + 1):
+                ms, _ = self.clock.time(lambda: dst.copy_(src))
+                if rep:
+                    v.append(ms)
+            st = self.stats(v)
+            self.record(base, "device_copy", bytes=4 * n, gbs_read_plus_write=2 * 4 * n / (st["median_ms"] * 1e-3) / 1e9, **st)
+            del src, dst
+        except Exception as e:
+            self.record(base, "device_copy", error=f"{type(e).__name__}: {e}")
+        m = 8192 if cuda else 512
+        flops = 2.0 * m**3
+        try:
+            a = torch.randn(m, m, device=self.dev, dtype=torch.bfloat16)
+            b = torch.randn(m, m, device=self.dev, dtype=torch.bfloat16)
+            v = []
+            for rep in range(reps + 2):
+                ms, _ = self.clock.time(lambda: a @ b)
+                if rep > 1:
+                    v.append(ms)
+            st = self.stats(v)
+            self.record(base, "torch_bf16_matmul", n=m, tflops=flops / (st["median_ms"] * 1e-3) / 1e12, **st)
+        except Exception as e:
+            self.record(base, "torch_bf16_matmul", error=f"{type(e).__name__}: {e}")
+        for fast in (False, True):
+            try:
+                a8 = (torch.randn(m, m, device=self.dev) * 8).to(torch.float8_e4m3fn)
+                b8 = (torch.randn(m, m, device=self.dev) * 8).to(torch.float8_e4m3fn).t()
+                one = torch.ones((), device=self.dev, dtype=torch.float32)
+
+                def mm():
+                    return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+                v = []
+                for rep in range(reps + 2):
+                    ms, _ = self.clock.time(mm)
+                    if rep > 1:
+                        v.append(ms)
+                st = self.stats(v)
+                self.record(base, "torch_fp8_e4m3_matmul", n=m, use_fast_accum=fast, tflops=flops / (st["median_ms"] * 1e-3) / 1e12, **st)
+            except Exception as e:
+                self.record(base, "torch_fp8_e4m3_matmul", use_fast_accum=fast, error=f"{type(e).__name__}: {e}")
+        free_memory()
+
+    # -- the check ------------------------------------------------------------------------
+
+    def check(self):
+        """DeepGEMM against the float64 reference on small ragged problems."""
+        ok_all = True
+        t, l, d, kk = 99, 3000, 128, 64
+        for fp4 in (False, True):
+            for h in (64, 32):
+                name = f"{'e2m1->e4m3' if fp4 else 'e4m3'} H={h} T={t} L={l}"
+                try:
+                    ok_all &= self.check_case(name, fp4, t, l, h, d, kk)
+                except Exception as e:
+                    traceback.print_exc()
+                    emit({"check": self.peer(name), "pass": False, "error": f"{type(e).__name__}: {e}"})
+                    ok_all = False
+                free_memory()
+        return ok_all
+
+    def check_case(self, name, fp4, t, l, h, d, kk):
+        dev, dg = self.dev, self.dg
+        g = torch.Generator(device=dev).manual_seed(1234 + h + fp4)
+        prob = Problem(fp4, t, l, h, d, g, dev)
+        rec = {"check": self.peer(name)}
+        if fp4:
+            prob.convert()
+            rec["conversion_exact"] = conversion_exact(prob)
+        # Ragged rows: random [ks, ke), plus a full row, a one-key row and a row at the end.
+        ks = torch.randint(0, l // 2, (t,), generator=g, device=dev, dtype=torch.int32)
+        span = torch.randint(1, l // 2, (t,), generator=g, device=dev, dtype=torch.int32)
+        ke = torch.minimum(ks + span, torch.full_like(ks, l))
+        ks[0], ke[0] = 0, l
+        ks[1], ke[1] = 17, 18
+        ks[2], ke[2] = l - 5, l
+        lg = dg_logits(dg, prob.q8, prob.k8, prob.kscale, prob.w8, ks, ke, False)
+        err = reference_error(prob, list(range(t)), lg, ks.tolist(), ke.tolist())
+        rec["max_err_over_M"] = log2_str(err)
+        rec["log2_max_err_over_M"] = math.log2(err) if 0 < err < float("inf") else None
+        rec["bound"] = f"2^{SPEC_BOUND_LOG2:.0f}"
+        cols = torch.arange(l, device=dev)[None, :]
+        inside = (cols >= ks[:, None]) & (cols < ke[:, None])
+        # clean_logits=True: -inf outside, the same bits inside.
+        lc = dg_logits(dg, prob.q8, prob.k8, prob.kscale, prob.w8, ks, ke, True)
+        same_inside = torch.equal(torch.where(inside, lg, 0.0).view(torch.int32)[inside], torch.where(inside, lc, 0.0).view(torch.int32)[inside])
+        rec["clean_logits_ok"] = bool(same_inside and bool((lc[~inside] == float("-inf")).all()))
+        # Row chunks give the same bits as one call.
+        parts = []
+        for a, b in ((0, 37), (37, 38), (38, t)):
+            parts.append(dg_logits(dg, prob.q8[a:b], prob.k8, prob.kscale, prob.w8[a:b], ks[a:b], ke[a:b], False).clone())
+        lch = torch.cat(parts)
+        rec["row_chunks_same_bits"] = bool(torch.equal(lch[inside].view(torch.int32), lg[inside].view(torch.int32)))
+        # Top-k after the mask selects visible keys only (rows with at least K of them).
+        masked = mask_invalid_(lg.clone(), ks, ke)
+        idx = torch.topk(masked, kk, dim=-1).indices
+        long_rows = (ke - ks) >= kk
+        vis = (idx >= ks[:, None]) & (idx < ke[:, None])
+        rec["topk_selects_visible"] = bool(vis[long_rows].all())
+        rec["pass"] = bool(
+            err <= 2.0**SPEC_BOUND_LOG2
+            and rec["clean_logits_ok"]
+            and rec["row_chunks_same_bits"]
+            and rec["topk_selects_visible"]
+            and rec.get("conversion_exact", True)
+        )
+        if self.emulated:
+            rec["emulated"] = True
+        emit(rec)
+        return rec["pass"]
+
+    # -- the table ----------------------------------------------------------------------
+
+    def table(self):
+        rows = [r for r in self.records if "median_ms" in r or "error" in r]
+        if not rows:
+            return
+        hdr = ("workload", "mode", "peer", "median ms", "TFLOP/s", "GB/s read", "GB/s valid")
+        out = []
+        for r in rows:
+            tf = r.get("effective_tflops", r.get("tflops"))
+            gb = r.get("gbs_logits_read", r.get("gbs_read_plus_write"))
+            out.append((
+                r.get("workload", ""),
+                r.get("mode", ""),
+                r["peer"],
+                f"{r['median_ms']:.3f}" if "median_ms" in r else "error",
+                f"{tf:.4g}" if tf is not None else "",
+                f"{gb:.4g}" if gb is not None else "",
+                f"{r['gbs_valid']:.4g}" if "gbs_valid" in r else "",
+            ))
+        w = [max(len(hdr[i]), *(len(o[i]) for o in out)) for i in range(len(hdr))]
+        line = lambda c: "| " + " | ".join(str(x).ljust(w[i]) for i, x in enumerate(c)) + " |"
+        print()
+        print(line(hdr))
+        print("|" + "|".join("-" * (x + 2) for x in w) + "|")
+        for o in out:
+            print(line(o))
+        if self.emulated:
+            print("EMULATED: deep_gemm was replaced by a torch stand-in; these are no peer figures.")
+        sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workloads", nargs="*", help=f"any of {', '.join(WORKLOADS)} (default: all)")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions, median reported (default 5)")
+    ap.add_argument("--budget", type=int, default=2 * GIB, help="logits bytes per row chunk (default 2 GiB)")
+    ap.add_argument("--full-max", type=int, default=8 * GIB, help="largest single-call logits also measured (default 8 GiB)")
+    ap.add_argument("--check", action="store_true", help="compare DeepGEMM with a float64 reference first")
+    ap.add_argument("--check-only", action="store_true", help="run --check and nothing else")
+    ap.add_argument("--no-ceilings", action="store_true", help="skip the copy and matmul ceilings")
+    ap.add_argument("--emulate", action="store_true", help="torch stand-in for deep_gemm (harness tests; no peer figures)")
+    ap.add_argument("--shrink", type=int, default=1, help="divide S and rows by N (budget by N^2)")
+    ap.add_argument("--probe-fp4", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.probe_fp4:
+        return run_probe_fp4()
+    if args.reps < 1 or args.shrink < 1 or args.budget < 1:
+        ap.error("--reps, --shrink and --budget must be >= 1")
+    names = args.workloads or list(WORKLOADS)
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad:
+        ap.error(f"unknown workload(s) {', '.join(bad)}; choose from {', '.join(WORKLOADS)}")
+
+    if args.emulate:
+        dg = EmulatedDeepGemm()
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        note("peers.py: EMULATED run: deep_gemm is a torch stand-in; no figure below is a peer figure")
+    else:
+        try:
+            import deep_gemm as dg
+        except Exception as e:
+            print(
+                "peers.py: cannot import deep_gemm "
+                f"({type(e).__name__}: {e}).\n"
+                "Install the wheels first: python3 -m pip install -q --no-index --no-deps --no-compile "
+                "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site",
+                file=sys.stderr,
+            )
+            return 2
+        if not torch.cuda.is_available():
+            print("peers.py: no CUDA device visible to torch; DeepGEMM needs one (--emulate tests the harness)", file=sys.stderr)
+            return 2
+        dev = torch.device("cuda")
+
+    r = Runner(args, dg, args.emulate, dev)
+    env = {
+        "env": True,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "deep_gemm": getattr(dg, "__version__", "?"),
+        "device": r.device_name,
+        "emulated": args.emulate,
+        "reps": args.reps,
+        "budget": args.budget,
+        "shrink": args.shrink,
+    }
+    if dev.type == "cuda":
+        prop = torch.cuda.get_device_properties(dev)
+        env.update(sm_count=prop.multi_processor_count, memory_bytes=prop.total_memory, capability=f"{prop.major}.{prop.minor}")
+    emit(env)
+    if r.fi is None:
+        print("flashinfer: not available", flush=True)
+        note(f"  ({r.fi_why})")
+
+    failed = False
+    if args.check or args.check_only:
+        if not r.check():
+            failed = True
+            note("peers.py: --check FAILED")
+        if args.check_only:
+            return 1 if failed else 0
+    if not args.no_ceilings:
+        r.ceilings()
+    for name in names:
+        try:
+            r.workload(name)
+        except Exception as e:
+            failed = True
+            traceback.print_exc()
+            label = name if args.shrink == 1 else f"{name}/shrink{args.shrink}"
+            rec = {"workload": label, "peer": r.peer("all"), "error": f"{type(e).__name__}: {e}"}
+            emit(rec)
+            r.records.append(rec)
+        free_memory()
+    r.table()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
