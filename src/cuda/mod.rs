@@ -34,6 +34,7 @@
 
 pub mod bench;
 pub mod kernels;
+mod paths;
 mod tolerance;
 
 use std::sync::{Arc, Mutex};
@@ -51,6 +52,7 @@ use crate::problem::{Format, Keys, Params, Problem, Queries, Role};
 use crate::reference::Output;
 
 pub use kernels::Variant;
+pub use paths::{FoldCounts, TopkPaths};
 pub use tolerance::{
     is_bitwise, logit_bound, tolerance_abs_term, tolerance_bound, tolerance_log2,
     F32_SUBNORMAL_ULP, FP8_WGMMA_TOLERANCE_LOG2, TOLERANCE_LOG2,
@@ -72,66 +74,6 @@ const MAX_BITMAP_BYTES: usize = 160 * 1024;
 /// Dynamic shared memory a top-k block may take (bytes): the limit of sm_90 (227 KiB)
 /// less the kernels' static 42 KiB.
 const MAX_TOPK_DYNAMIC_SMEM: usize = 184 * 1024;
-
-/// How many row selections each top-k path made in a run (read back by
-/// [`Backend::end`]; a row split into segments counts once per segment and once for
-/// the merge). Tests assert with it which path their rows took.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TopkPaths {
-    /// At most `K` candidates: every one taken, no score compared.
-    pub all: u64,
-    /// The row's keys in shared memory (rows of at most [`kernels::TOPK_SHORT_CAP`] keys).
-    pub short: u64,
-    /// Sampled threshold: one pass over the row.
-    pub sampled: u64,
-    /// Two passes: an 11-bit histogram, then the threshold bin in shared memory.
-    pub two_pass: u64,
-    /// Four digit passes over the row (K above the fast path's cap, or a crowded bin).
-    pub general: u64,
-}
-
-impl TopkPaths {
-    /// Each count over `runs` (counters summed over repeated runs of one problem).
-    pub fn per_run(self, runs: u64) -> TopkPaths {
-        let d = |x: u64| x / runs.max(1);
-        TopkPaths {
-            all: d(self.all),
-            short: d(self.short),
-            sampled: d(self.sampled),
-            two_pass: d(self.two_pass),
-            general: d(self.general),
-        }
-    }
-}
-
-/// What the exact-class logits kernels did in a run (read back by [`Backend::end`];
-/// zero outside the exact class). Tests assert with it on which side of the scale-folding
-/// edges a launch fell (kernels/logits.cu).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct FoldCounts {
-    /// Blocks whose queries folded their scales into the MMA operands.
-    pub query_blocks_folded: u64,
-    /// Blocks whose queries did not.
-    pub query_blocks_plain: u64,
-    /// Threads whose key tiles all ran one multiply per group: folded key tiles, or, in
-    /// `mqa_logits_wgr`, each key's `C = 2^(ebq_g - 129) * 2^(ek - 127)`.
-    pub threads_one_multiply: u64,
-    /// Threads of which some key tile ran the reference's two multiplies.
-    pub threads_two_multiplies: u64,
-}
-
-impl FoldCounts {
-    /// Each count over `runs` (counters summed over repeated runs of one problem).
-    pub fn per_run(self, runs: u64) -> FoldCounts {
-        let d = |x: u64| x / runs.max(1);
-        FoldCounts {
-            query_blocks_folded: d(self.query_blocks_folded),
-            query_blocks_plain: d(self.query_blocks_plain),
-            threads_one_multiply: d(self.threads_one_multiply),
-            threads_two_multiplies: d(self.threads_two_multiplies),
-        }
-    }
-}
 
 /// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
 /// index (i32), block-key offset (u64), and up to one 16-byte row group per row.
@@ -1275,20 +1217,8 @@ impl Backend for CudaBackend {
         let c = s
             .clone_dtoh(&run.paths)
             .map_err(drv("copy path counters back"))?;
-        self.paths = TopkPaths {
-            all: c[0].into(),
-            short: c[1].into(),
-            sampled: c[2].into(),
-            two_pass: c[3].into(),
-            general: c[4].into(),
-        };
-        let f = &c[kernels::TOPK_PATHS.len()..];
-        self.folds = FoldCounts {
-            query_blocks_folded: f[0].into(),
-            query_blocks_plain: f[1].into(),
-            threads_one_multiply: f[2].into(),
-            threads_two_multiplies: f[3].into(),
-        };
+        self.paths = TopkPaths::from_device(&c);
+        self.folds = FoldCounts::from_device(&c[kernels::TOPK_PATHS.len()..]);
         s.synchronize().map_err(drv("synchronize"))?;
         Ok(())
     }
