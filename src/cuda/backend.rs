@@ -7,9 +7,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::{backend_err, drv, ptr, Device};
+use super::geometry::{check_shape, footprint, Shape, MAX_TOPK};
 use super::kernels;
 use super::paths::{FoldCounts, TopkPaths};
-use super::{check_shape, footprint, OwnedBuf, Ptrs, Run, Shape, MAX_TOPK};
+use super::{OwnedBuf, Ptrs, Run};
 use crate::error::{Error, Result};
 use crate::indexer::{Backend, RowFootprint};
 use crate::plan::{Footprint, Plan};

@@ -207,3 +207,27 @@ pub(super) fn vptr<T>(s: &CudaView<'_, T>, stream: &CudaStream) -> u64 {
     let (p, _g) = s.device_ptr(stream);
     p
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_has_its_defines() {
+        let all = Variant::all();
+        assert_eq!(all.len(), 2 + 4 * 3 * 4);
+        assert!(all.contains(&Variant::Validate));
+        for v in all {
+            let src = v.source();
+            if let Variant::Logits { heads, groups, .. } = v {
+                assert!(src.contains(&format!("#define DSA_H {heads}\n")));
+                assert!(src.contains(&format!("#define DSA_G {groups}\n")));
+            }
+            assert!(
+                src.contains("rank_key"),
+                "{}: common.cuh prepended",
+                v.name()
+            );
+        }
+    }
+}

@@ -7,13 +7,18 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
+use super::geometry::{check_shape, footprint, Shape};
 use super::kernels;
 use super::validate::{validate, Checked};
-use super::{check_shape, footprint, Ptrs, Run, Shape, INPUT_ALIGN};
+use super::{Ptrs, Run};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::plan::Plan;
 use crate::problem::{Format, Params};
+
+/// Alignment, in bytes, that [`Engine::run_device`] requires of the query and key
+/// tensors' device addresses.
+pub const INPUT_ALIGN: usize = 16;
 
 /// Key values already on the device.
 #[derive(Debug)]

@@ -1,0 +1,239 @@
+//! Tile geometry on the host: the layer's shape as the kernels see it and what they
+//! support, the device's footprint per row (padded logits rows, metadata, split top-k
+//! scratch, path counters), how many segments a row's top-k is split into, and the
+//! short-row top-k's shared-memory capacity.
+
+use super::kernels::{self, Variant};
+use crate::batch::Batch;
+use crate::error::{Error, Result};
+use crate::indexer::RowFootprint;
+use crate::problem::Format;
+
+/// Logits row length on the device: `n` rounded up to 16 floats (64-byte rows).
+pub const ROW_ALIGN: usize = 16;
+
+/// Largest `K` the device top-k supports.
+pub const MAX_TOPK: usize = 1 << 16;
+
+/// Dynamic shared memory the consumer bitmap may take (bytes).
+const MAX_BITMAP_BYTES: usize = 160 * 1024;
+
+/// Dynamic shared memory a top-k block may take (bytes): the limit of sm_90 (227 KiB)
+/// less the kernels' static 42 KiB.
+const MAX_TOPK_DYNAMIC_SMEM: usize = 184 * 1024;
+
+/// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
+/// index (i32), block-key offset (u64), and up to one 16-byte row group per row.
+const META_BYTES_PER_ROW: usize = 4 + 4 + 8 + 4 + 8 + 16;
+
+/// Shape of a layer as the kernels see it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Shape {
+    pub(super) heads: usize,
+    pub(super) dim: usize,
+    pub(super) q: Format,
+    pub(super) k: Format,
+    pub(super) topk: usize,
+    pub(super) page_cols: usize,
+    pub(super) block_size: usize,
+    pub(super) num_blocks: usize,
+    pub(super) tail: Option<Option<usize>>, // Some(tail) for a source
+    pub(super) consumer: bool,
+}
+
+impl Shape {
+    /// The logits module of this layer.
+    pub(super) fn logits_variant(&self) -> Variant {
+        Variant::Logits {
+            heads: self.heads,
+            groups: self.dim / 32,
+            q: self.q,
+            k: self.k,
+        }
+    }
+}
+
+/// Per-tile launch geometry, computed once on the host in `begin`.
+#[derive(Debug, Clone)]
+pub(super) struct TileGeom {
+    pub(super) groups: std::ops::Range<usize>,
+    pub(super) chunks: u32,
+    pub(super) max_blocks: usize,
+    pub(super) rows: std::ops::Range<usize>,
+    pub(super) segments: usize,
+    /// Shared-memory row capacity of the top-k launch for the tile's rows of at most
+    /// [`kernels::TOPK_SHORT_CAP`] keys (the longest such row with more than K keys,
+    /// rounded up to 8; 0: none).
+    pub(super) short_cap: u32,
+    /// The tile's longest row (keys).
+    pub(super) max_n: usize,
+}
+
+/// Rows x segments of a tile whose top-k is split across blocks (tiles of fewer than
+/// [`SPLIT_ROWS`] rows): at most this many segment selections of `K` ids each.
+const SPLIT_SEGMENTS: usize = 2 * 132;
+/// The path counters on the device: the top-k's, then the logits kernels'.
+pub(super) const PATHS_BYTES: usize = (kernels::TOPK_PATHS.len() + kernels::LOGITS_PATHS.len()) * 4;
+/// Tiles with fewer rows than this split each row's top-k across several blocks.
+const SPLIT_ROWS: usize = 132;
+
+/// The footprint of the device for a problem with `rows` rows and `K = topk`: the
+/// per-row metadata and the split top-k's segment scratch (`SPLIT_SEGMENTS * K` ids).
+pub(super) fn footprint(rows: usize, topk: usize) -> RowFootprint {
+    RowFootprint {
+        align: ROW_ALIGN,
+        workers: 1,
+        worker_bytes: rows
+            .saturating_mul(META_BYTES_PER_ROW)
+            .saturating_add(SPLIT_SEGMENTS.saturating_mul(topk).saturating_mul(4))
+            .saturating_add(PATHS_BYTES),
+    }
+}
+
+/// Segments per row for a tile of `rows` rows whose longest row has `max_n` keys
+/// (1: no split). Each segment keeps at least 8 K keys.
+pub(super) fn split_segments(rows: usize, max_n: usize, topk: usize) -> usize {
+    if rows == 0 || rows >= SPLIT_ROWS {
+        return 1;
+    }
+    (SPLIT_SEGMENTS / rows)
+        .min(16)
+        .min(max_n / (8 * topk.max(1)))
+        .max(1)
+}
+
+/// The shared-memory row capacity (keys) of a tile's short-row top-k launch: the longest
+/// of the tile's rows `ns` with `topk < n <= short` keys, rounded up to 8 (the kernel
+/// reads the row 8 keys at a time), or 0 when there is none or when it would not fit the
+/// dynamic shared memory beside a consumer's bitmap of `bitmap_words`. The tile's rows of
+/// at most this many keys take `topk_short_f32`, the others `topk_ragged_f32`.
+pub(super) fn short_row_cap(
+    ns: impl Iterator<Item = usize>,
+    topk: usize,
+    short: usize,
+    bitmap_words: u32,
+) -> u32 {
+    let longest = ns.filter(|&n| n > topk && n <= short).max().unwrap_or(0);
+    let cap = longest.next_multiple_of(8);
+    if longest > 0 && short_launch_smem(bitmap_words, cap) <= MAX_TOPK_DYNAMIC_SMEM {
+        cap as u32
+    } else {
+        0
+    }
+}
+
+/// Dynamic shared memory (bytes) of a `topk_short_f32` launch: the consumer bitmap's
+/// `bitmap_words`, rounded up to 16 bytes, then `row_cap` keys (`topk.cu`'s layout).
+pub(super) fn short_launch_smem(bitmap_words: u32, row_cap: usize) -> usize {
+    (bitmap_words as usize).next_multiple_of(4) * 4 + row_cap * 4
+}
+
+/// Check what the kernels support, before any allocation.
+pub(super) fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
+    if s.topk > MAX_TOPK {
+        return Err(Error::range(
+            "topk",
+            s.topk,
+            "at most 65536 on the CUDA backend",
+        ));
+    }
+    if batch.num_keys() >= (1usize << 31) {
+        return Err(Error::range(
+            "keys L",
+            batch.num_keys(),
+            "fewer than 2^31 keys on the CUDA backend",
+        ));
+    }
+    if batch.num_rows() >= (1usize << 31) {
+        return Err(Error::range(
+            "rows T",
+            batch.num_rows(),
+            "fewer than 2^31 rows on the CUDA backend",
+        ));
+    }
+    if s.consumer {
+        let max_n = batch.rows().iter().map(|r| r.n).max().unwrap_or(0);
+        let bytes = max_n.div_ceil(s.block_size).div_ceil(32) * 4;
+        if bytes > MAX_BITMAP_BYTES {
+            return Err(Error::range(
+                "block_size",
+                s.block_size,
+                "consumer rows need ceil(n / B) / 8 <= 160 KiB of shared memory on the CUDA backend",
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::Footprint;
+
+    /// The split top-k's scratch is planned as `SPLIT_SEGMENTS * K` ids: every tile's
+    /// rows x segments must stay within it, and long rows of small tiles must split.
+    #[test]
+    fn split_segments_stay_within_the_planned_scratch() {
+        for rows in 0..400 {
+            for max_n in [0usize, 1, 100, 4095, 4096, 65536, 1 << 20] {
+                for topk in [1usize, 7, 512, 2048, 65536] {
+                    let s = split_segments(rows, max_n, topk);
+                    assert!(s >= 1);
+                    if s > 1 {
+                        assert!(rows * s <= SPLIT_SEGMENTS, "rows {rows} x {s}");
+                        assert!(max_n / s >= 8 * topk, "segments of >= 8 K keys");
+                    }
+                }
+            }
+        }
+        assert!(split_segments(64, 1 << 20, 512) > 1);
+        assert_eq!(split_segments(SPLIT_ROWS, 1 << 20, 512), 1);
+    }
+
+    #[test]
+    fn short_row_cap_takes_the_longest_short_row_that_fits() {
+        let cap = kernels::TOPK_SHORT_CAP;
+        let k = 2048;
+        // Rows of at most K keys need no row buffer; rows above the cap are long.
+        assert_eq!(short_row_cap([1, 100, k].into_iter(), k, cap, 0), 0);
+        assert_eq!(short_row_cap([cap + 1, 1 << 20].into_iter(), k, cap, 0), 0);
+        assert_eq!(
+            short_row_cap([k + 1].into_iter(), k, cap, 0),
+            (k + 8) as u32
+        );
+        assert_eq!(
+            short_row_cap([5, k + 1, 9000, cap + 1].into_iter(), k, cap, 0),
+            9000
+        );
+        assert_eq!(
+            short_row_cap([cap - 1, cap].into_iter(), k, cap, 0),
+            cap as u32
+        );
+        // A rounded-up capacity: every row of the launch fits, read 8 keys at a time.
+        let c = short_row_cap([9001].into_iter(), k, cap, 0);
+        assert!(c as usize >= 9001 && c % 8 == 0 && c < 9001 + 8);
+        // With a consumer's bitmap the row buffer must still fit: else no short launch.
+        let room = ((MAX_TOPK_DYNAMIC_SMEM - 4 * 9008) / 4) as u32; // bitmap words
+        assert_eq!(room % 4, 0);
+        assert_eq!(short_row_cap([9001].into_iter(), k, cap, room), 9008);
+        assert_eq!(short_row_cap([9001].into_iter(), k, cap, room + 1), 0);
+        assert_eq!(short_launch_smem(room, 9008), MAX_TOPK_DYNAMIC_SMEM);
+        assert_eq!(
+            short_launch_smem(room + 1, 9008),
+            MAX_TOPK_DYNAMIC_SMEM + 16
+        );
+        // TK_SHORT=0 (short = 0): never.
+        assert_eq!(short_row_cap([k + 1].into_iter(), k, 0, 0), 0);
+    }
+
+    #[test]
+    fn footprint_counts_metadata_and_split_scratch() {
+        let fp = footprint(1000, 512);
+        assert_eq!(fp.align, ROW_ALIGN);
+        assert_eq!(
+            fp.worker_bytes,
+            1000 * META_BYTES_PER_ROW + SPLIT_SEGMENTS * 512 * 4 + PATHS_BYTES
+        );
+        assert_eq!(fp.row_bytes(17), 32 * 4);
+    }
+}
