@@ -38,11 +38,12 @@ mod device;
 mod engine;
 mod geometry;
 pub mod kernels;
+mod launch;
 mod paths;
 mod tolerance;
 mod validate;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream};
 
 use crate::batch::Batch;
 use crate::error::Result;
@@ -57,6 +58,10 @@ use geometry::{
 };
 pub use geometry::{MAX_TOPK, ROW_ALIGN};
 pub use kernels::Variant;
+use launch::{
+    allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, TopkMergeArgs, TopkRowsArgs,
+    TopkSegmentsArgs,
+};
 pub use paths::{FoldCounts, TopkPaths};
 pub use tolerance::{
     is_bitwise, logit_bound, tolerance_abs_term, tolerance_bound, tolerance_log2,
@@ -146,19 +151,6 @@ impl Run {
             paths: ptr(&self.paths, s),
         }
     }
-}
-
-/// Raise `f`'s dynamic shared-memory limit to `bytes` (a consumer row's bitmap on top of
-/// the top-k kernels' static 42 KiB exceeds the default 48 KiB); nothing for 0.
-fn allow_dynamic_smem(f: &CudaFunction, bytes: u32) -> Result<()> {
-    if bytes > 0 {
-        f.set_attribute(
-            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            bytes as i32,
-        )
-        .map_err(drv("set shared memory size"))?;
-    }
-    Ok(())
 }
 
 #[allow(dead_code)]
@@ -374,37 +366,22 @@ impl Run {
                 .clamp(1, kernels::logits_tiles_per_block());
             let gx = (g.chunks as usize).div_ceil(per_block) as u32;
             let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
-            let mut start = g.groups.start;
-            while start < g.groups.end {
-                let count = (g.groups.end - start).min(65535);
-                let group0 = start as u32;
-                let mut l = s.launch_builder(&f);
-                l.arg(&p.q)
-                    .arg(&p.q_scale)
-                    .arg(&p.k)
-                    .arg(&p.k_scale8)
-                    .arg(&p.k_scale32)
-                    .arg(&p.w)
-                    .arg(&a.row_n)
-                    .arg(&a.row_ks)
-                    .arg(&a.row_off)
-                    .arg(&a.groups)
-                    .arg(&group0)
-                    .arg(&a.logits)
-                    .arg(&lpaths);
-                // SAFETY: every pointer addresses a live device buffer of the shape the
-                // kernel reads (validated problem); writes stay inside each row's
-                // footprint in the logits tile, which the plan sized.
-                unsafe {
-                    l.launch(LaunchConfig {
-                        grid_dim: (gx, count as u32, 1),
-                        block_dim: (threads as u32, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-                }
-                .map_err(drv("launch mqa_logits"))?;
-                start += count;
-            }
+            let args = LogitsArgs {
+                q: p.q,
+                q_scale: p.q_scale,
+                k: p.k,
+                k_scale8: p.k_scale8,
+                k_scale32: p.k_scale32,
+                w: p.w,
+                row_n: a.row_n,
+                row_ks: a.row_ks,
+                row_off: a.row_off,
+                groups: a.groups,
+                group0: g.groups.start as u32,
+                logits: a.logits,
+                paths: lpaths,
+            };
+            launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?;
         }
         Ok(())
     }
@@ -416,129 +393,117 @@ impl Run {
             return Ok(());
         }
         let s = &dev.stream;
-        let sh = self.shape;
-        let p = self.ptrs;
         let a = self.addrs(s);
-        let rows = g.rows.len() as u32;
-        let row0 = g.rows.start as u32;
         // 2. Source: block keys, then kept blocks.
-        if a.published != 0 && sh.tail.is_some() {
-            let pub_ptr = a.published;
-            let bk = a.bkeys;
-            let bs = sh.block_size as u32;
-            let nbk = sh.num_blocks as u32;
-            if g.max_blocks > 0 && bk != 0 && a.logits != 0 {
-                let f = dev.function(Variant::Topk, "block_keys_f32")?;
-                let gx = g.max_blocks.div_ceil(kernels::BLOCK_KEYS_THREADS).min(1024) as u32;
-                let mut r = 0u32;
-                while r < rows {
-                    let count = (rows - r).min(65535);
-                    let r0 = row0 + r;
-                    let mut l = s.launch_builder(&f);
-                    l.arg(&a.logits)
-                        .arg(&a.row_off)
-                        .arg(&a.row_n)
-                        .arg(&a.row_pub)
-                        .arg(&a.row_boff)
-                        .arg(&r0)
-                        .arg(&bs)
-                        .arg(&bk);
-                    // SAFETY: reads each publishing row's n logits, writes its
-                    // ceil(n/B) block keys at its offset in the plan-sized buffer.
-                    unsafe {
-                        l.launch(LaunchConfig {
-                            grid_dim: (gx, count, 1),
-                            block_dim: (kernels::BLOCK_KEYS_THREADS as u32, 1, 1),
-                            shared_mem_bytes: 0,
-                        })
-                    }
-                    .map_err(drv("launch block_keys_f32"))?;
-                    r += count;
-                }
-            }
-            let f = dev.function(Variant::Topk, "kept_blocks_u32")?;
-            let mut l = s.launch_builder(&f);
-            l.arg(&bk)
-                .arg(&a.row_n)
-                .arg(&a.row_pub)
-                .arg(&a.row_boff)
-                .arg(&row0)
-                .arg(&bs)
-                .arg(&nbk)
-                .arg(&pub_ptr);
-            // SAFETY: publishing rows read their block keys and write their NB-wide
-            // published row; rows with no blocks write only -1.
-            unsafe {
-                l.launch(LaunchConfig {
-                    grid_dim: (rows, 1, 1),
-                    block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-            }
-            .map_err(drv("launch kept_blocks_u32"))?;
+        if a.published != 0 && self.shape.tail.is_some() {
+            self.candidate_blocks_step(dev, &g, &a)?;
         }
         // 3. Top-k and index assembly.
-        let (raw, page) = (a.raw, a.page);
-        let k = sh.topk as u32;
-        let pc = sh.page_cols as u32;
-        let nbk = sh.num_blocks as u32;
-        let bs = sh.block_size as u32;
-        let bw = self.bitmap_words;
-        // A consumer row's bitmap of kept blocks (up to 160 KiB) in dynamic shared memory.
-        let smem = if sh.consumer { bw * 4 } else { 0 };
         if g.segments > 1 && a.split != 0 {
-            let scratch = a.split;
-            let segs = g.segments as u32;
-            let fs = dev.function(Variant::Topk, "topk_segments_f32")?;
-            allow_dynamic_smem(&fs, smem)?;
-            let mut l = s.launch_builder(&fs);
-            l.arg(&a.logits)
-                .arg(&a.row_off)
-                .arg(&a.row_n)
-                .arg(&row0)
-                .arg(&k)
-                .arg(&scratch)
-                .arg(&p.cblocks)
-                .arg(&nbk)
-                .arg(&bs)
-                .arg(&bw)
-                .arg(&a.paths);
-            // SAFETY: block (s, r) reads segment s of row r's logits and writes its K ids
-            // to scratch [r, s, :], sized rows * segments * K in begin.
-            unsafe {
-                l.launch(LaunchConfig {
-                    grid_dim: (segs, rows, 1),
-                    block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
-                    shared_mem_bytes: smem,
-                })
-            }
-            .map_err(drv("launch topk_segments_f32"))?;
-            let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
-            let mut l = s.launch_builder(&fm);
-            l.arg(&a.logits)
-                .arg(&a.row_off)
-                .arg(&a.row_ks)
-                .arg(&row0)
-                .arg(&k)
-                .arg(&segs)
-                .arg(&scratch)
-                .arg(&raw)
-                .arg(&page)
-                .arg(&pc)
-                .arg(&p.k_slots)
-                .arg(&a.paths);
-            // SAFETY: row r reads its S*K scratch ids (each -1 or a visible key of the
-            // row) and their logits, and writes its rows of raw and page.
-            unsafe {
-                l.launch(LaunchConfig {
-                    grid_dim: (rows, 1, 1),
-                    block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-            }
-            .map_err(drv("launch topk_merge_f32"))?;
-            return Ok(());
+            return self.split_topk_step(dev, &g, &a);
         }
+        self.row_topk_step(dev, &g, &a)
+    }
+
+    /// A source layer's block keys and kept blocks of tile geometry `g`'s rows.
+    fn candidate_blocks_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let rows = g.rows.len() as u32;
+        let row0 = g.rows.start as u32;
+        let bs = sh.block_size as u32;
+        let nbk = sh.num_blocks as u32;
+        if g.max_blocks > 0 && a.bkeys != 0 && a.logits != 0 {
+            let f = dev.function(Variant::Topk, "block_keys_f32")?;
+            let gx = g.max_blocks.div_ceil(kernels::BLOCK_KEYS_THREADS).min(1024) as u32;
+            let args = BlockKeysArgs {
+                logits: a.logits,
+                row_off: a.row_off,
+                row_n: a.row_n,
+                row_pub: a.row_pub,
+                row_boff: a.row_boff,
+                row0,
+                block_size: bs,
+                bkeys: a.bkeys,
+            };
+            launch::block_keys(s, &f, &args, rows, gx)?;
+        }
+        let f = dev.function(Variant::Topk, "kept_blocks_u32")?;
+        let args = KeptBlocksArgs {
+            bkeys: a.bkeys,
+            row_n: a.row_n,
+            row_pub: a.row_pub,
+            row_boff: a.row_boff,
+            row0,
+            block_size: bs,
+            num_blocks: nbk,
+            published: a.published,
+        };
+        launch::kept_blocks(s, &f, &args, rows)
+    }
+
+    /// Dynamic shared memory of a top-k launch without the shared-memory row: a consumer
+    /// row's bitmap of kept blocks (up to 160 KiB).
+    fn topk_bitmap_smem(&self) -> u32 {
+        if self.shape.consumer {
+            self.bitmap_words * 4
+        } else {
+            0
+        }
+    }
+
+    /// The top-k of tile geometry `g`'s rows split into segments (tiles of few rows):
+    /// each segment's K best into the scratch, then the merge and index assembly.
+    fn split_topk_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let rows = g.rows.len() as u32;
+        let row0 = g.rows.start as u32;
+        let k = sh.topk as u32;
+        let smem = self.topk_bitmap_smem();
+        let segs = g.segments as u32;
+        let fs = dev.function(Variant::Topk, "topk_segments_f32")?;
+        allow_dynamic_smem(&fs, smem)?;
+        let args = TopkSegmentsArgs {
+            logits: a.logits,
+            row_off: a.row_off,
+            row_n: a.row_n,
+            row0,
+            k,
+            scratch: a.split,
+            cblocks: p.cblocks,
+            num_blocks: sh.num_blocks as u32,
+            block_size: sh.block_size as u32,
+            bitmap_words: self.bitmap_words,
+            paths: a.paths,
+        };
+        launch::topk_segments(s, &fs, &args, segs, rows, smem)?;
+        let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
+        let args = TopkMergeArgs {
+            logits: a.logits,
+            row_off: a.row_off,
+            row_ks: a.row_ks,
+            row0,
+            k,
+            segments: segs,
+            scratch: a.split,
+            raw: a.raw,
+            page: a.page,
+            page_cols: sh.page_cols as u32,
+            k_slots: p.k_slots,
+            paths: a.paths,
+        };
+        launch::topk_merge(s, &fm, &args, rows)
+    }
+
+    /// The top-k and index assembly of tile geometry `g`'s rows, one block per row.
+    fn row_topk_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let bw = self.bitmap_words;
+        let smem = self.topk_bitmap_smem();
         // The tile's rows of at most short_cap keys select with the row in shared memory
         // (topk_short_f32); the longer ones with passes over global memory and more
         // blocks per SM (topk_ragged_f32, rows of at least n_min keys).
@@ -552,80 +517,26 @@ impl Run {
         for (name, bound, dyn_smem) in [short, long].into_iter().flatten() {
             let f = dev.function(Variant::Topk, name)?;
             allow_dynamic_smem(&f, dyn_smem)?;
-            let mut l = s.launch_builder(&f);
-            l.arg(&a.logits)
-                .arg(&a.row_off)
-                .arg(&a.row_n)
-                .arg(&a.row_ks)
-                .arg(&row0)
-                .arg(&k)
-                .arg(&raw)
-                .arg(&page)
-                .arg(&pc)
-                .arg(&p.k_slots)
-                .arg(&p.cblocks)
-                .arg(&nbk)
-                .arg(&bs)
-                .arg(&bw)
-                .arg(&bound)
-                .arg(&a.paths);
-            // SAFETY: each block reads its row's n logits (written by step 1, same
-            // stream) and writes its row of raw [T, K] and page [T, page_cols];
-            // topk_short_f32 takes only rows of n <= row_cap, whose keys fit the
-            // shared memory this launch sizes.
-            unsafe {
-                l.launch(LaunchConfig {
-                    grid_dim: (rows, 1, 1),
-                    block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
-                    shared_mem_bytes: dyn_smem,
-                })
-            }
-            .map_err(drv(name))?;
+            let args = TopkRowsArgs {
+                logits: a.logits,
+                row_off: a.row_off,
+                row_n: a.row_n,
+                row_ks: a.row_ks,
+                row0: g.rows.start as u32,
+                k: sh.topk as u32,
+                raw: a.raw,
+                page: a.page,
+                page_cols: sh.page_cols as u32,
+                k_slots: p.k_slots,
+                cblocks: p.cblocks,
+                num_blocks: sh.num_blocks as u32,
+                block_size: sh.block_size as u32,
+                bitmap_words: bw,
+                row_bound: bound,
+                paths: a.paths,
+            };
+            launch::topk_rows(s, &f, name, &args, g.rows.len() as u32, dyn_smem)?;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::problem::Format;
-
-    #[test]
-    fn wgmma_runs_the_h32_exact_class_and_h64_e4m3_and_mma_sync_the_rest() {
-        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
-            return; // an override changes the choice on purpose
-        }
-        for v in Variant::all() {
-            let Variant::Logits {
-                heads,
-                groups,
-                q,
-                k,
-            } = v
-            else {
-                continue;
-            };
-            let (name, rows, threads) = kernels::logits_kernel(v);
-            let wg = q == Format::E2m1 && k == Format::E2m1 && heads == 32 && groups >= 2;
-            let w16 = q == Format::E4m3 && k == Format::E4m3 && heads == 64;
-            // The exact class keeps its keys in registers by default (WG_RS=0: shared memory).
-            assert_eq!(name == "mqa_logits_wgr", wg, "{}", v.name());
-            // E4M3 x E4M3 at H = 64 on f16 wgmma by default (W8=1: fp8 wgmma).
-            assert_eq!(name == "mqa_logits_w16", w16, "{}", v.name());
-            assert!(!kernels::logits_on_fp8_accumulator(v), "{}", v.name());
-            assert_eq!(kernels::logits_wgmma(v), wg || w16, "{}", v.name());
-            if wg || w16 {
-                // One warpgroup per 2 rows: 2 x 32 heads = the 64 columns of its MMA, or
-                // 2 x 64 heads = 128.
-                assert_eq!((rows, threads), (2, 128), "{}", v.name());
-            } else {
-                assert_eq!(rows, kernels::logits_rows(heads), "{}", v.name());
-                assert_eq!(threads, rows * 32, "{}", v.name());
-            }
-            // The host's choice is in the variant's source (tests/nvrtc_compile.rs checks
-            // the compiled module's entries).
-            assert!(v.source().contains(&format!("{name}(")), "{}", v.name());
-        }
     }
 }
