@@ -10,7 +10,7 @@ use super::device::{backend_err, drv, ptr, Device};
 use super::geometry::{check_shape, footprint, Shape, MAX_TOPK};
 use super::kernels;
 use super::paths::{FoldCounts, TopkPaths};
-use super::{OwnedBuf, Ptrs, Run};
+use super::run::{OwnedBuf, Ptrs, Run};
 use crate::error::{Error, Result};
 use crate::indexer::{Backend, RowFootprint};
 use crate::plan::{Footprint, Plan};

@@ -1,0 +1,488 @@
+//! One run's device state and its per-tile steps: the inputs' device addresses, the
+//! per-row metadata and tile geometry uploaded once, the transient buffers (logits
+//! tile, block keys, split top-k scratch) allocated once and reused by every tile, and
+//! the outputs, which stay on the device.
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use super::device::{drv, ptr, Device};
+use super::geometry::{
+    footprint, short_launch_smem, short_row_cap, split_segments, Shape, TileGeom, PATHS_BYTES,
+};
+use super::kernels::{self, Variant};
+use super::launch::{
+    self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, TopkMergeArgs,
+    TopkRowsArgs, TopkSegmentsArgs,
+};
+use crate::batch::Batch;
+use crate::error::Result;
+use crate::plan::{Footprint, Plan};
+
+/// Raw device addresses of a run's inputs (0 = absent).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Ptrs {
+    pub(super) q: u64,
+    pub(super) q_scale: u64,
+    pub(super) k: u64,
+    pub(super) k_scale8: u64,
+    pub(super) k_scale32: u64,
+    pub(super) w: u64,
+    pub(super) k_slots: u64,
+    pub(super) cblocks: u64,
+}
+
+/// One run's device state.
+pub(super) struct Run {
+    shape: Shape,
+    ptrs: Ptrs,
+    // Metadata (transient, counted).
+    row_n: CudaSlice<u32>,
+    row_ks: CudaSlice<u32>,
+    row_off: CudaSlice<u64>,
+    row_pub: CudaSlice<i32>,
+    row_boff: CudaSlice<u64>,
+    groups: CudaSlice<u32>,
+    pub(super) logits: Option<CudaSlice<f32>>,
+    bkeys: Option<CudaSlice<u32>>,
+    split: Option<CudaSlice<i32>>,
+    geom: Vec<TileGeom>,
+    // Outputs.
+    pub(super) raw: CudaSlice<i32>,
+    pub(super) page: CudaSlice<i32>,
+    pub(super) published: Option<CudaSlice<i32>>,
+    /// Path counters: the top-k's (`kernels::TOPK_PATHS`), then the logits kernels'
+    /// (`kernels::LOGITS_PATHS`).
+    pub(super) paths: CudaSlice<u32>,
+    // Host-input uploads kept alive for the run (not transient).
+    _owned: Vec<OwnedBuf>,
+    pub(super) transient: usize,
+    bitmap_words: u32,
+}
+
+/// The device addresses of a run's buffers (0 = absent), taken once per step for the
+/// kernel arguments of both halves of a tile.
+#[derive(Debug, Clone, Copy)]
+struct RunAddrs {
+    logits: u64,
+    row_n: u64,
+    row_ks: u64,
+    row_off: u64,
+    row_pub: u64,
+    row_boff: u64,
+    groups: u64,
+    bkeys: u64,
+    split: u64,
+    raw: u64,
+    page: u64,
+    published: u64,
+    paths: u64,
+}
+
+impl Run {
+    fn addrs(&self, s: &CudaStream) -> RunAddrs {
+        let opt = |b: &Option<CudaSlice<_>>| b.as_ref().map_or(0, |b| ptr(b, s));
+        RunAddrs {
+            logits: self.logits.as_ref().map_or(0, |l| ptr(l, s)),
+            row_n: ptr(&self.row_n, s),
+            row_ks: ptr(&self.row_ks, s),
+            row_off: ptr(&self.row_off, s),
+            row_pub: ptr(&self.row_pub, s),
+            row_boff: ptr(&self.row_boff, s),
+            groups: ptr(&self.groups, s),
+            bkeys: self.bkeys.as_ref().map_or(0, |b| ptr(b, s)),
+            split: opt(&self.split),
+            raw: ptr(&self.raw, s),
+            page: ptr(&self.page, s),
+            published: opt(&self.published),
+            paths: ptr(&self.paths, s),
+        }
+    }
+}
+
+#[allow(dead_code)]
+pub(super) enum OwnedBuf {
+    U8(CudaSlice<u8>),
+    F32(CudaSlice<f32>),
+    I32(CudaSlice<i32>),
+}
+
+impl Run {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn begin(
+        dev: &Device,
+        batch: &Batch,
+        shape: Shape,
+        ptrs: Ptrs,
+        owned: Vec<OwnedBuf>,
+        plan: &Plan,
+        publishes: &dyn Fn(usize) -> bool,
+    ) -> Result<Run> {
+        let s = &dev.stream;
+        let rows = batch.rows();
+        let t = rows.len();
+        let fp = footprint(t, shape.topk);
+        let mut row_n = Vec::with_capacity(t);
+        let mut row_ks = Vec::with_capacity(t);
+        let mut row_off = vec![0u64; t];
+        let mut row_pub = vec![-1i32; t];
+        let mut row_boff = vec![0u64; t];
+        let mut groups: Vec<u32> = Vec::new();
+        let mut geom = Vec::with_capacity(plan.tiles.len());
+        let mut npub = 0i32;
+        let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant());
+        for r in rows {
+            row_n.push(r.n as u32);
+            row_ks.push(r.ks as u32);
+        }
+        // A consumer row's bitmap of kept blocks, then (from a 16-byte boundary) the
+        // shared-memory row: the top-k launch's dynamic shared memory.
+        let longest = rows.iter().map(|r| r.n).max().unwrap_or(0);
+        let bitmap_words = if shape.consumer {
+            longest.div_ceil(shape.block_size).div_ceil(32).max(1) as u32
+        } else {
+            0
+        };
+        for tile in &plan.tiles {
+            let (mut off, mut boff) = (0u64, 0u64);
+            let g0 = groups.len() / 4;
+            let (mut max_n, mut max_blocks) = (0usize, 0usize);
+            let mut i = tile.rows.start;
+            while i < tile.rows.end {
+                // A row group: up to one logits block's rows, consecutive, of one request.
+                let mut e = i + 1;
+                while e < tile.rows.end
+                    && e - i < lg_rows
+                    && rows[e].ks == rows[i].ks
+                    && rows[e].request == rows[i].request
+                {
+                    e += 1;
+                }
+                let nmax = rows[i..e].iter().map(|r| r.n).max().unwrap_or(0);
+                groups.extend_from_slice(&[i as u32, (e - i) as u32, nmax as u32, 0]);
+                max_n = max_n.max(nmax);
+                i = e;
+            }
+            let short_cap = short_row_cap(
+                rows[tile.rows.clone()].iter().map(|r| r.n),
+                shape.topk,
+                kernels::topk_short_cap(),
+                bitmap_words,
+            );
+            for i in tile.rows.clone() {
+                row_off[i] = off;
+                off += (fp.row_bytes(rows[i].n) / 4) as u64;
+                if publishes(i) {
+                    row_pub[i] = npub;
+                    npub += 1;
+                    row_boff[i] = boff;
+                    let nb = rows[i].n.div_ceil(shape.block_size);
+                    boff += nb as u64;
+                    max_blocks = max_blocks.max(nb);
+                }
+            }
+            geom.push(TileGeom {
+                groups: g0..groups.len() / 4,
+                chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
+                max_blocks,
+                rows: tile.rows.clone(),
+                segments: split_segments(tile.rows.len(), max_n, shape.topk),
+                short_cap,
+                max_n,
+            });
+        }
+        let up = |what: &str, e| drv(what)(e);
+        let mut transient = 0usize;
+        let row_n_d = s.clone_htod(&row_n).map_err(|e| up("upload row_n", e))?;
+        let row_ks_d = s.clone_htod(&row_ks).map_err(|e| up("upload row_ks", e))?;
+        let row_off_d = s
+            .clone_htod(&row_off)
+            .map_err(|e| up("upload row_off", e))?;
+        let row_pub_d = s
+            .clone_htod(&row_pub)
+            .map_err(|e| up("upload row_pub", e))?;
+        let row_boff_d = s
+            .clone_htod(&row_boff)
+            .map_err(|e| up("upload row_boff", e))?;
+        let groups_d = s.clone_htod(&groups).map_err(|e| up("upload groups", e))?;
+        transient += t * (4 + 4 + 8 + 4 + 8) + groups.len() * 4;
+        let logits = if plan.peak.logits_tile > 0 {
+            transient += plan.peak.logits_tile;
+            Some(
+                s.alloc_zeros::<f32>(plan.peak.logits_tile / 4)
+                    .map_err(drv("alloc logits tile"))?,
+            )
+        } else {
+            None
+        };
+        let bkeys = if plan.peak.block_scores > 0 {
+            transient += plan.peak.block_scores;
+            Some(
+                s.alloc_zeros::<u32>(plan.peak.block_scores / 4)
+                    .map_err(drv("alloc block keys"))?,
+            )
+        } else {
+            None
+        };
+        let split_ids = geom
+            .iter()
+            .map(|g| {
+                if g.segments > 1 {
+                    g.rows.len() * g.segments * shape.topk
+                } else {
+                    0
+                }
+            })
+            .max()
+            .unwrap_or(0);
+        let split = if split_ids > 0 {
+            transient += split_ids * 4;
+            Some(
+                s.alloc_zeros::<i32>(split_ids)
+                    .map_err(drv("alloc split top-k scratch"))?,
+            )
+        } else {
+            None
+        };
+        let raw = s
+            .alloc_zeros::<i32>(t * shape.topk)
+            .map_err(drv("alloc raw"))?;
+        let page = s
+            .alloc_zeros::<i32>(t * shape.page_cols)
+            .map_err(drv("alloc page"))?;
+        let published = if shape.tail.is_some() {
+            Some(
+                s.alloc_zeros::<i32>((npub as usize).max(1) * shape.num_blocks)
+                    .map_err(drv("alloc published"))?,
+            )
+        } else {
+            None
+        };
+        let paths = s
+            .alloc_zeros::<u32>(PATHS_BYTES / 4)
+            .map_err(drv("alloc path counters"))?;
+        transient += PATHS_BYTES;
+        Ok(Run {
+            shape,
+            ptrs,
+            row_n: row_n_d,
+            row_ks: row_ks_d,
+            row_off: row_off_d,
+            row_pub: row_pub_d,
+            row_boff: row_boff_d,
+            groups: groups_d,
+            logits,
+            bkeys,
+            split,
+            geom,
+            raw,
+            page,
+            published,
+            paths,
+            _owned: owned,
+            transient,
+            bitmap_words,
+        })
+    }
+
+    /// Launch tile `t`: logits, (source) block keys and kept blocks, top-k + assembly.
+    pub(super) fn tile(&mut self, dev: &Device, t: usize) -> Result<()> {
+        self.logits_step(dev, t)?;
+        self.select_step(dev, t)
+    }
+
+    /// The logits kernel of tile `t`.
+    pub(super) fn logits_step(&mut self, dev: &Device, t: usize) -> Result<()> {
+        let g = self.geom[t].clone();
+        if g.rows.is_empty() {
+            return Ok(());
+        }
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let a = self.addrs(s);
+        // 1. Logits.
+        if g.chunks > 0 && a.logits != 0 {
+            let (name, _, threads) = kernels::logits_kernel(sh.logits_variant());
+            let f = dev.function(sh.logits_variant(), name)?;
+            // Key tiles per block: enough blocks to fill the GPU several times over, and
+            // up to kernels::logits_tiles_per_block() tiles per block so the query
+            // fragments are loaded once per that many.
+            let ngroups = g.groups.len().max(1);
+            let per_block = (g.chunks as usize * ngroups / (8 * 132))
+                .clamp(1, kernels::logits_tiles_per_block());
+            let gx = (g.chunks as usize).div_ceil(per_block) as u32;
+            let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
+            let args = LogitsArgs {
+                q: p.q,
+                q_scale: p.q_scale,
+                k: p.k,
+                k_scale8: p.k_scale8,
+                k_scale32: p.k_scale32,
+                w: p.w,
+                row_n: a.row_n,
+                row_ks: a.row_ks,
+                row_off: a.row_off,
+                groups: a.groups,
+                group0: g.groups.start as u32,
+                logits: a.logits,
+                paths: lpaths,
+            };
+            launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?;
+        }
+        Ok(())
+    }
+
+    /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer.
+    pub(super) fn select_step(&mut self, dev: &Device, t: usize) -> Result<()> {
+        let g = self.geom[t].clone();
+        if g.rows.is_empty() {
+            return Ok(());
+        }
+        let s = &dev.stream;
+        let a = self.addrs(s);
+        // 2. Source: block keys, then kept blocks.
+        if a.published != 0 && self.shape.tail.is_some() {
+            self.candidate_blocks_step(dev, &g, &a)?;
+        }
+        // 3. Top-k and index assembly.
+        if g.segments > 1 && a.split != 0 {
+            return self.split_topk_step(dev, &g, &a);
+        }
+        self.row_topk_step(dev, &g, &a)
+    }
+
+    /// A source layer's block keys and kept blocks of tile geometry `g`'s rows.
+    fn candidate_blocks_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let rows = g.rows.len() as u32;
+        let row0 = g.rows.start as u32;
+        let bs = sh.block_size as u32;
+        let nbk = sh.num_blocks as u32;
+        if g.max_blocks > 0 && a.bkeys != 0 && a.logits != 0 {
+            let f = dev.function(Variant::Topk, "block_keys_f32")?;
+            let gx = g.max_blocks.div_ceil(kernels::BLOCK_KEYS_THREADS).min(1024) as u32;
+            let args = BlockKeysArgs {
+                logits: a.logits,
+                row_off: a.row_off,
+                row_n: a.row_n,
+                row_pub: a.row_pub,
+                row_boff: a.row_boff,
+                row0,
+                block_size: bs,
+                bkeys: a.bkeys,
+            };
+            launch::block_keys(s, &f, &args, rows, gx)?;
+        }
+        let f = dev.function(Variant::Topk, "kept_blocks_u32")?;
+        let args = KeptBlocksArgs {
+            bkeys: a.bkeys,
+            row_n: a.row_n,
+            row_pub: a.row_pub,
+            row_boff: a.row_boff,
+            row0,
+            block_size: bs,
+            num_blocks: nbk,
+            published: a.published,
+        };
+        launch::kept_blocks(s, &f, &args, rows)
+    }
+
+    /// Dynamic shared memory of a top-k launch without the shared-memory row: a consumer
+    /// row's bitmap of kept blocks (up to 160 KiB).
+    fn topk_bitmap_smem(&self) -> u32 {
+        if self.shape.consumer {
+            self.bitmap_words * 4
+        } else {
+            0
+        }
+    }
+
+    /// The top-k of tile geometry `g`'s rows split into segments (tiles of few rows):
+    /// each segment's K best into the scratch, then the merge and index assembly.
+    fn split_topk_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let rows = g.rows.len() as u32;
+        let row0 = g.rows.start as u32;
+        let k = sh.topk as u32;
+        let smem = self.topk_bitmap_smem();
+        let segs = g.segments as u32;
+        let fs = dev.function(Variant::Topk, "topk_segments_f32")?;
+        allow_dynamic_smem(&fs, smem)?;
+        let args = TopkSegmentsArgs {
+            logits: a.logits,
+            row_off: a.row_off,
+            row_n: a.row_n,
+            row0,
+            k,
+            scratch: a.split,
+            cblocks: p.cblocks,
+            num_blocks: sh.num_blocks as u32,
+            block_size: sh.block_size as u32,
+            bitmap_words: self.bitmap_words,
+            paths: a.paths,
+        };
+        launch::topk_segments(s, &fs, &args, segs, rows, smem)?;
+        let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
+        let args = TopkMergeArgs {
+            logits: a.logits,
+            row_off: a.row_off,
+            row_ks: a.row_ks,
+            row0,
+            k,
+            segments: segs,
+            scratch: a.split,
+            raw: a.raw,
+            page: a.page,
+            page_cols: sh.page_cols as u32,
+            k_slots: p.k_slots,
+            paths: a.paths,
+        };
+        launch::topk_merge(s, &fm, &args, rows)
+    }
+
+    /// The top-k and index assembly of tile geometry `g`'s rows, one block per row.
+    fn row_topk_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let bw = self.bitmap_words;
+        let smem = self.topk_bitmap_smem();
+        // The tile's rows of at most short_cap keys select with the row in shared memory
+        // (topk_short_f32); the longer ones with passes over global memory and more
+        // blocks per SM (topk_ragged_f32, rows of at least n_min keys).
+        let row_cap = g.short_cap;
+        let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
+        let short = (row_cap > 0).then(|| {
+            let bytes = short_launch_smem(bw, row_cap as usize) as u32;
+            ("topk_short_f32", row_cap, bytes)
+        });
+        let long = (g.max_n >= n_min as usize).then_some(("topk_ragged_f32", n_min, smem));
+        for (name, bound, dyn_smem) in [short, long].into_iter().flatten() {
+            let f = dev.function(Variant::Topk, name)?;
+            allow_dynamic_smem(&f, dyn_smem)?;
+            let args = TopkRowsArgs {
+                logits: a.logits,
+                row_off: a.row_off,
+                row_n: a.row_n,
+                row_ks: a.row_ks,
+                row0: g.rows.start as u32,
+                k: sh.topk as u32,
+                raw: a.raw,
+                page: a.page,
+                page_cols: sh.page_cols as u32,
+                k_slots: p.k_slots,
+                cblocks: p.cblocks,
+                num_blocks: sh.num_blocks as u32,
+                block_size: sh.block_size as u32,
+                bitmap_words: bw,
+                row_bound: bound,
+                paths: a.paths,
+            };
+            launch::topk_rows(s, &f, name, &args, g.rows.len() as u32, dyn_smem)?;
+        }
+        Ok(())
+    }
+}
