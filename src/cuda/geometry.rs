@@ -4,9 +4,12 @@
 //! short-row top-k's shared-memory capacity.
 
 use super::kernels::{self, Variant};
-use crate::batch::Batch;
+use std::ops::Range;
+
+use crate::batch::{Batch, Row};
 use crate::error::{Error, Result};
 use crate::indexer::RowFootprint;
+use crate::plan::{Footprint, Plan};
 use crate::problem::Format;
 
 /// Logits row length on the device: `n` rounded up to 16 floats (64-byte rows).
@@ -165,10 +168,150 @@ pub(super) fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
     Ok(())
 }
 
+/// A run's per-row metadata and per-tile launch geometry, computed on the host once per
+/// run (uploaded by the run's `begin`).
+#[derive(Debug, Clone)]
+pub(super) struct RowMeta {
+    /// Visible keys per row.
+    pub(super) row_n: Vec<u32>,
+    /// Flat key offset per row.
+    pub(super) row_ks: Vec<u32>,
+    /// Each row's offset (floats) in its tile's logits buffer.
+    pub(super) row_off: Vec<u64>,
+    /// Each row's published index (-1: does not publish).
+    pub(super) row_pub: Vec<i32>,
+    /// Each publishing row's offset in its tile's block keys.
+    pub(super) row_boff: Vec<u64>,
+    /// Row groups, 4 words each: first row, rows, longest row, 0.
+    pub(super) groups: Vec<u32>,
+    /// Per tile.
+    pub(super) geom: Vec<TileGeom>,
+    /// Publishing rows.
+    pub(super) npub: i32,
+    /// Words of a consumer row's bitmap of kept blocks (0: not a consumer).
+    pub(super) bitmap_words: u32,
+}
+
+impl RowMeta {
+    /// The metadata of `batch`'s rows for a layer of shape `shape` run in `plan`'s
+    /// tiles, each row taking `fp.row_bytes(n)` of its tile's logits buffer; rows `i`
+    /// with `publishes(i)` publish their kept blocks.
+    pub(super) fn new(
+        batch: &Batch,
+        shape: &Shape,
+        plan: &Plan,
+        fp: &RowFootprint,
+        publishes: &dyn Fn(usize) -> bool,
+    ) -> RowMeta {
+        let rows = batch.rows();
+        let t = rows.len();
+        let mut m = RowMeta {
+            row_n: Vec::with_capacity(t),
+            row_ks: Vec::with_capacity(t),
+            row_off: vec![0u64; t],
+            row_pub: vec![-1i32; t],
+            row_boff: vec![0u64; t],
+            groups: Vec::new(),
+            geom: Vec::with_capacity(plan.tiles.len()),
+            npub: 0,
+            bitmap_words: 0,
+        };
+        let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant());
+        for r in rows {
+            m.row_n.push(r.n as u32);
+            m.row_ks.push(r.ks as u32);
+        }
+        // A consumer row's bitmap of kept blocks, then (from a 16-byte boundary) the
+        // shared-memory row: the top-k launch's dynamic shared memory.
+        let longest = rows.iter().map(|r| r.n).max().unwrap_or(0);
+        m.bitmap_words = if shape.consumer {
+            longest.div_ceil(shape.block_size).div_ceil(32).max(1) as u32
+        } else {
+            0
+        };
+        for tile in &plan.tiles {
+            m.push_tile(rows, tile.rows.clone(), lg_rows, shape, fp, publishes);
+        }
+        m
+    }
+
+    /// Append tile `tile`'s row groups (of at most `lg_rows` rows), its rows' offsets
+    /// and published indices, and its geometry.
+    fn push_tile(
+        &mut self,
+        rows: &[Row],
+        tile: Range<usize>,
+        lg_rows: usize,
+        shape: &Shape,
+        fp: &RowFootprint,
+        publishes: &dyn Fn(usize) -> bool,
+    ) {
+        let (mut off, mut boff) = (0u64, 0u64);
+        let g0 = self.groups.len() / 4;
+        let mut max_blocks = 0usize;
+        let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), lg_rows);
+        let short_cap = short_row_cap(
+            rows[tile.clone()].iter().map(|r| r.n),
+            shape.topk,
+            kernels::topk_short_cap(),
+            self.bitmap_words,
+        );
+        for i in tile.clone() {
+            self.row_off[i] = off;
+            off += (fp.row_bytes(rows[i].n) / 4) as u64;
+            if publishes(i) {
+                self.row_pub[i] = self.npub;
+                self.npub += 1;
+                self.row_boff[i] = boff;
+                let nb = rows[i].n.div_ceil(shape.block_size);
+                boff += nb as u64;
+                max_blocks = max_blocks.max(nb);
+            }
+        }
+        self.geom.push(TileGeom {
+            groups: g0..self.groups.len() / 4,
+            chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
+            max_blocks,
+            rows: tile.clone(),
+            segments: split_segments(tile.len(), max_n, shape.topk),
+            short_cap,
+            max_n,
+        });
+    }
+}
+
+/// Append the row groups of tile rows `tile` to `groups` (4 words each: first row, rows,
+/// longest row, 0) and return the tile's longest row. A row group: up to one logits
+/// block's `lg_rows` rows, consecutive, of one request.
+fn push_row_groups(
+    groups: &mut Vec<u32>,
+    rows: &[Row],
+    tile: Range<usize>,
+    lg_rows: usize,
+) -> usize {
+    let mut max_n = 0usize;
+    let mut i = tile.start;
+    while i < tile.end {
+        // A row group: up to one logits block's rows, consecutive, of one request.
+        let mut e = i + 1;
+        while e < tile.end
+            && e - i < lg_rows
+            && rows[e].ks == rows[i].ks
+            && rows[e].request == rows[i].request
+        {
+            e += 1;
+        }
+        let nmax = rows[i..e].iter().map(|r| r.n).max().unwrap_or(0);
+        groups.extend_from_slice(&[i as u32, (e - i) as u32, nmax as u32, 0]);
+        max_n = max_n.max(nmax);
+        i = e;
+    }
+    max_n
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::Footprint;
 
     /// The split top-k's scratch is planned as `SPLIT_SEGMENTS * K` ids: every tile's
     /// rows x segments must stay within it, and long rows of small tiles must split.

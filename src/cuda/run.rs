@@ -3,12 +3,12 @@
 //! tile, block keys, split top-k scratch) allocated once and reused by every tile, and
 //! the outputs, which stay on the device.
 
+use std::sync::Arc;
+
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use super::device::{drv, ptr, Device};
-use super::geometry::{
-    footprint, short_launch_smem, short_row_cap, split_segments, Shape, TileGeom, PATHS_BYTES,
-};
+use super::geometry::{footprint, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES};
 use super::kernels::{self, Variant};
 use super::launch::{
     self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, TopkMergeArgs,
@@ -16,7 +16,7 @@ use super::launch::{
 };
 use crate::batch::Batch;
 use crate::error::Result;
-use crate::plan::{Footprint, Plan};
+use crate::plan::Plan;
 
 /// Raw device addresses of a run's inputs (0 = absent).
 #[derive(Debug, Clone, Copy, Default)]
@@ -106,107 +106,69 @@ pub(super) enum OwnedBuf {
     I32(CudaSlice<i32>),
 }
 
-impl Run {
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn begin(
-        dev: &Device,
-        batch: &Batch,
-        shape: Shape,
-        ptrs: Ptrs,
-        owned: Vec<OwnedBuf>,
-        plan: &Plan,
-        publishes: &dyn Fn(usize) -> bool,
-    ) -> Result<Run> {
-        let s = &dev.stream;
-        let rows = batch.rows();
-        let t = rows.len();
-        let fp = footprint(t, shape.topk);
-        let mut row_n = Vec::with_capacity(t);
-        let mut row_ks = Vec::with_capacity(t);
-        let mut row_off = vec![0u64; t];
-        let mut row_pub = vec![-1i32; t];
-        let mut row_boff = vec![0u64; t];
-        let mut groups: Vec<u32> = Vec::new();
-        let mut geom = Vec::with_capacity(plan.tiles.len());
-        let mut npub = 0i32;
-        let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant());
-        for r in rows {
-            row_n.push(r.n as u32);
-            row_ks.push(r.ks as u32);
-        }
-        // A consumer row's bitmap of kept blocks, then (from a 16-byte boundary) the
-        // shared-memory row: the top-k launch's dynamic shared memory.
-        let longest = rows.iter().map(|r| r.n).max().unwrap_or(0);
-        let bitmap_words = if shape.consumer {
-            longest.div_ceil(shape.block_size).div_ceil(32).max(1) as u32
-        } else {
-            0
-        };
-        for tile in &plan.tiles {
-            let (mut off, mut boff) = (0u64, 0u64);
-            let g0 = groups.len() / 4;
-            let (mut max_n, mut max_blocks) = (0usize, 0usize);
-            let mut i = tile.rows.start;
-            while i < tile.rows.end {
-                // A row group: up to one logits block's rows, consecutive, of one request.
-                let mut e = i + 1;
-                while e < tile.rows.end
-                    && e - i < lg_rows
-                    && rows[e].ks == rows[i].ks
-                    && rows[e].request == rows[i].request
-                {
-                    e += 1;
-                }
-                let nmax = rows[i..e].iter().map(|r| r.n).max().unwrap_or(0);
-                groups.extend_from_slice(&[i as u32, (e - i) as u32, nmax as u32, 0]);
-                max_n = max_n.max(nmax);
-                i = e;
-            }
-            let short_cap = short_row_cap(
-                rows[tile.rows.clone()].iter().map(|r| r.n),
-                shape.topk,
-                kernels::topk_short_cap(),
-                bitmap_words,
-            );
-            for i in tile.rows.clone() {
-                row_off[i] = off;
-                off += (fp.row_bytes(rows[i].n) / 4) as u64;
-                if publishes(i) {
-                    row_pub[i] = npub;
-                    npub += 1;
-                    row_boff[i] = boff;
-                    let nb = rows[i].n.div_ceil(shape.block_size);
-                    boff += nb as u64;
-                    max_blocks = max_blocks.max(nb);
-                }
-            }
-            geom.push(TileGeom {
-                groups: g0..groups.len() / 4,
-                chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
-                max_blocks,
-                rows: tile.rows.clone(),
-                segments: split_segments(tile.rows.len(), max_n, shape.topk),
-                short_cap,
-                max_n,
-            });
-        }
+/// A run's per-row metadata on the device (transient, counted).
+struct MetaBufs {
+    row_n: CudaSlice<u32>,
+    row_ks: CudaSlice<u32>,
+    row_off: CudaSlice<u64>,
+    row_pub: CudaSlice<i32>,
+    row_boff: CudaSlice<u64>,
+    groups: CudaSlice<u32>,
+}
+
+impl MetaBufs {
+    /// Upload `meta`'s per-row arrays and row groups.
+    fn upload(s: &Arc<CudaStream>, meta: &RowMeta) -> Result<MetaBufs> {
         let up = |what: &str, e| drv(what)(e);
-        let mut transient = 0usize;
-        let row_n_d = s.clone_htod(&row_n).map_err(|e| up("upload row_n", e))?;
-        let row_ks_d = s.clone_htod(&row_ks).map_err(|e| up("upload row_ks", e))?;
-        let row_off_d = s
-            .clone_htod(&row_off)
+        let row_n = s
+            .clone_htod(&meta.row_n)
+            .map_err(|e| up("upload row_n", e))?;
+        let row_ks = s
+            .clone_htod(&meta.row_ks)
+            .map_err(|e| up("upload row_ks", e))?;
+        let row_off = s
+            .clone_htod(&meta.row_off)
             .map_err(|e| up("upload row_off", e))?;
-        let row_pub_d = s
-            .clone_htod(&row_pub)
+        let row_pub = s
+            .clone_htod(&meta.row_pub)
             .map_err(|e| up("upload row_pub", e))?;
-        let row_boff_d = s
-            .clone_htod(&row_boff)
+        let row_boff = s
+            .clone_htod(&meta.row_boff)
             .map_err(|e| up("upload row_boff", e))?;
-        let groups_d = s.clone_htod(&groups).map_err(|e| up("upload groups", e))?;
-        transient += t * (4 + 4 + 8 + 4 + 8) + groups.len() * 4;
+        let groups = s
+            .clone_htod(&meta.groups)
+            .map_err(|e| up("upload groups", e))?;
+        Ok(MetaBufs {
+            row_n,
+            row_ks,
+            row_off,
+            row_pub,
+            row_boff,
+            groups,
+        })
+    }
+}
+
+/// A run's transient buffers, reused by every tile: the logits tile, the block keys
+/// and the split top-k's scratch (each absent when the plan needs none).
+struct TransientBufs {
+    logits: Option<CudaSlice<f32>>,
+    bkeys: Option<CudaSlice<u32>>,
+    split: Option<CudaSlice<i32>>,
+}
+
+impl TransientBufs {
+    /// Allocate the plan's logits tile and block keys and the scratch of the tile of
+    /// `geom` that splits the most ids, adding their bytes to `transient`.
+    fn alloc(
+        s: &Arc<CudaStream>,
+        plan: &Plan,
+        geom: &[TileGeom],
+        topk: usize,
+        transient: &mut usize,
+    ) -> Result<TransientBufs> {
         let logits = if plan.peak.logits_tile > 0 {
-            transient += plan.peak.logits_tile;
+            *transient += plan.peak.logits_tile;
             Some(
                 s.alloc_zeros::<f32>(plan.peak.logits_tile / 4)
                     .map_err(drv("alloc logits tile"))?,
@@ -215,7 +177,7 @@ impl Run {
             None
         };
         let bkeys = if plan.peak.block_scores > 0 {
-            transient += plan.peak.block_scores;
+            *transient += plan.peak.block_scores;
             Some(
                 s.alloc_zeros::<u32>(plan.peak.block_scores / 4)
                     .map_err(drv("alloc block keys"))?,
@@ -227,7 +189,7 @@ impl Run {
             .iter()
             .map(|g| {
                 if g.segments > 1 {
-                    g.rows.len() * g.segments * shape.topk
+                    g.rows.len() * g.segments * topk
                 } else {
                     0
                 }
@@ -235,7 +197,7 @@ impl Run {
             .max()
             .unwrap_or(0);
         let split = if split_ids > 0 {
-            transient += split_ids * 4;
+            *transient += split_ids * 4;
             Some(
                 s.alloc_zeros::<i32>(split_ids)
                     .map_err(drv("alloc split top-k scratch"))?,
@@ -243,6 +205,26 @@ impl Run {
         } else {
             None
         };
+        Ok(TransientBufs {
+            logits,
+            bkeys,
+            split,
+        })
+    }
+}
+
+/// A run's outputs on the device, and its path counters.
+struct OutputBufs {
+    raw: CudaSlice<i32>,
+    page: CudaSlice<i32>,
+    published: Option<CudaSlice<i32>>,
+    paths: CudaSlice<u32>,
+}
+
+impl OutputBufs {
+    /// Allocate `raw [t, K]`, `page [t, page_cols]`, for a source layer the `npub`
+    /// published rows (at least one), and the path counters, all zero.
+    fn alloc(s: &Arc<CudaStream>, t: usize, shape: &Shape, npub: i32) -> Result<OutputBufs> {
         let raw = s
             .alloc_zeros::<i32>(t * shape.topk)
             .map_err(drv("alloc raw"))?;
@@ -260,27 +242,59 @@ impl Run {
         let paths = s
             .alloc_zeros::<u32>(PATHS_BYTES / 4)
             .map_err(drv("alloc path counters"))?;
-        transient += PATHS_BYTES;
-        Ok(Run {
-            shape,
-            ptrs,
-            row_n: row_n_d,
-            row_ks: row_ks_d,
-            row_off: row_off_d,
-            row_pub: row_pub_d,
-            row_boff: row_boff_d,
-            groups: groups_d,
-            logits,
-            bkeys,
-            split,
-            geom,
+        Ok(OutputBufs {
             raw,
             page,
             published,
             paths,
+        })
+    }
+}
+
+impl Run {
+    /// Upload the metadata of `batch`'s rows for `plan`'s tiles and allocate the
+    /// transient buffers and the outputs (in that order), for a layer of shape `shape`
+    /// whose inputs are at `ptrs` (`owned`: host-input uploads the run keeps alive).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn begin(
+        dev: &Device,
+        batch: &Batch,
+        shape: Shape,
+        ptrs: Ptrs,
+        owned: Vec<OwnedBuf>,
+        plan: &Plan,
+        publishes: &dyn Fn(usize) -> bool,
+    ) -> Result<Run> {
+        let s = &dev.stream;
+        let t = batch.rows().len();
+        let fp = footprint(t, shape.topk);
+        let meta = RowMeta::new(batch, &shape, plan, &fp, publishes);
+        let mut transient = 0usize;
+        let md = MetaBufs::upload(s, &meta)?;
+        transient += t * (4 + 4 + 8 + 4 + 8) + meta.groups.len() * 4;
+        let tr = TransientBufs::alloc(s, plan, &meta.geom, shape.topk, &mut transient)?;
+        let out = OutputBufs::alloc(s, t, &shape, meta.npub)?;
+        transient += PATHS_BYTES;
+        Ok(Run {
+            shape,
+            ptrs,
+            row_n: md.row_n,
+            row_ks: md.row_ks,
+            row_off: md.row_off,
+            row_pub: md.row_pub,
+            row_boff: md.row_boff,
+            groups: md.groups,
+            logits: tr.logits,
+            bkeys: tr.bkeys,
+            split: tr.split,
+            geom: meta.geom,
+            raw: out.raw,
+            page: out.page,
+            published: out.published,
+            paths: out.paths,
             _owned: owned,
             transient,
-            bitmap_words,
+            bitmap_words: meta.bitmap_words,
         })
     }
 
