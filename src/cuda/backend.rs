@@ -81,7 +81,7 @@ impl CudaBackend {
         let plan = crate::indexer::plan_for(self, p, budget)?;
         self.begin(p, &plan)?;
         let mut out = Vec::with_capacity(p.batch.valid_pairs());
-        let fp = footprint(p.batch.num_rows(), p.topk);
+        let fp = footprint(p.batch.num_rows(), p.topk, self.dev.sm_count());
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
             run.tile(&self.dev, t)?;
@@ -119,7 +119,7 @@ impl CudaBackend {
         let plan = crate::indexer::plan_for(self, p, budget)?;
         let mut out = Output::alloc(p);
         self.begin(p, &plan)?;
-        let fp = footprint(p.batch.num_rows(), p.topk);
+        let fp = footprint(p.batch.num_rows(), p.topk, self.dev.sm_count());
         let mut src = 0usize;
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
@@ -203,7 +203,7 @@ impl Backend for CudaBackend {
         MAX_TOPK
     }
     fn footprint(&self, p: &Problem) -> RowFootprint {
-        footprint(p.batch.num_rows(), p.topk)
+        footprint(p.batch.num_rows(), p.topk, self.dev.sm_count())
     }
     fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
         let shape = shape_of(p);

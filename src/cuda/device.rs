@@ -49,6 +49,8 @@ pub struct DecodedCodes {
 pub struct Device {
     pub(super) ctx: Arc<CudaContext>,
     pub(super) stream: Arc<CudaStream>,
+    /// Streaming multiprocessors of the GPU (the launch geometry sizes grids by them).
+    sms: usize,
     modules: Mutex<Vec<(Variant, Arc<CudaModule>)>>,
 }
 
@@ -88,9 +90,21 @@ impl Device {
                 ctx.name().unwrap_or_default()
             )));
         }
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(drv("multiprocessor count"))?;
+        if sms < 1 {
+            return Err(backend_err(format!(
+                "GPU {} reports {sms} multiprocessors",
+                ctx.name().unwrap_or_default()
+            )));
+        }
         Ok(Arc::new(Device {
             ctx,
             stream,
+            sms: sms as usize,
             modules: Mutex::new(Vec::new()),
         }))
     }
@@ -122,6 +136,12 @@ impl Device {
     /// GPU name.
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_default()
+    }
+
+    /// Streaming multiprocessors of the GPU (`CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`:
+    /// 132 on an H200 or H100 SXM, 114 on an H100 PCIe).
+    pub fn sm_count(&self) -> usize {
+        self.sms
     }
 
     fn module(&self, v: Variant) -> Result<Arc<CudaModule>> {

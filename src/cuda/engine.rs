@@ -147,7 +147,7 @@ impl Engine {
             consumer: candidates.is_some(),
         };
         check_shape(&shape, batch)?;
-        let plan = plan_run(batch, &shape, budget)?;
+        let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;
         validate(&self.dev, &checked_values(inputs))?;
         check_alignment(&ptrs)?;
         if t == 0 {
@@ -276,8 +276,8 @@ fn check_params(params: &Params, source_tail: Option<Option<usize>>) -> Result<u
 }
 
 /// The plan of a layer of shape `shape` over `batch` under `budget`, with this
-/// backend's footprint.
-fn plan_run(batch: &Batch, shape: &Shape, budget: usize) -> Result<Plan> {
+/// backend's footprint on a GPU of `sms` SMs.
+fn plan_run(batch: &Batch, shape: &Shape, budget: usize, sms: usize) -> Result<Plan> {
     let pp = crate::plan::PlanParams {
         heads: shape.heads,
         dim: shape.dim,
@@ -291,7 +291,7 @@ fn plan_run(batch: &Batch, shape: &Shape, budget: usize) -> Result<Plan> {
         },
         budget,
     };
-    crate::plan::plan(batch, &pp, &footprint(batch.num_rows(), shape.topk))
+    crate::plan::plan(batch, &pp, &footprint(batch.num_rows(), shape.topk, sms))
 }
 
 /// SPEC 8's value checks of `inputs`, in Problem::new's order (keys too when there are

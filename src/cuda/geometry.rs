@@ -73,33 +73,44 @@ pub(super) struct TileGeom {
 }
 
 /// Rows x segments of a tile whose top-k is split across blocks (tiles of fewer than
-/// [`SPLIT_ROWS`] rows): at most this many segment selections of `K` ids each.
-const SPLIT_SEGMENTS: usize = 2 * 132;
+/// [`split_rows`] rows) on a GPU of `sms` SMs: at most this many segment selections of
+/// `K` ids each (two per SM).
+pub(super) fn split_segments_cap(sms: usize) -> usize {
+    2 * sms
+}
 /// The path counters on the device: the top-k's, then the logits kernels'.
 pub(super) const PATHS_BYTES: usize = (kernels::TOPK_PATHS.len() + kernels::LOGITS_PATHS.len()) * 4;
-/// Tiles with fewer rows than this split each row's top-k across several blocks.
-const SPLIT_ROWS: usize = 132;
+/// Tiles with fewer rows than this (one per SM of a GPU of `sms` SMs) split each row's
+/// top-k across several blocks.
+pub(super) fn split_rows(sms: usize) -> usize {
+    sms
+}
 
-/// The footprint of the device for a problem with `rows` rows and `K = topk`: the
-/// per-row metadata and the split top-k's segment scratch (`SPLIT_SEGMENTS * K` ids).
-pub(super) fn footprint(rows: usize, topk: usize) -> RowFootprint {
+/// The footprint of the device (of `sms` SMs) for a problem with `rows` rows and
+/// `K = topk`: the per-row metadata and the split top-k's segment scratch
+/// (`split_segments_cap(sms) * K` ids).
+pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
     RowFootprint {
         align: ROW_ALIGN,
         workers: 1,
         worker_bytes: rows
             .saturating_mul(META_BYTES_PER_ROW)
-            .saturating_add(SPLIT_SEGMENTS.saturating_mul(topk).saturating_mul(4))
+            .saturating_add(
+                split_segments_cap(sms)
+                    .saturating_mul(topk)
+                    .saturating_mul(4),
+            )
             .saturating_add(PATHS_BYTES),
     }
 }
 
-/// Segments per row for a tile of `rows` rows whose longest row has `max_n` keys
-/// (1: no split). Each segment keeps at least 8 K keys.
-pub(super) fn split_segments(rows: usize, max_n: usize, topk: usize) -> usize {
-    if rows == 0 || rows >= SPLIT_ROWS {
+/// Segments per row for a tile of `rows` rows whose longest row has `max_n` keys on a
+/// GPU of `sms` SMs (1: no split). Each segment keeps at least 8 K keys.
+pub(super) fn split_segments(rows: usize, max_n: usize, topk: usize, sms: usize) -> usize {
+    if rows == 0 || rows >= split_rows(sms) {
         return 1;
     }
-    (SPLIT_SEGMENTS / rows)
+    (split_segments_cap(sms) / rows)
         .min(16)
         .min(max_n / (8 * topk.max(1)))
         .max(1)
@@ -192,16 +203,29 @@ pub(super) struct RowMeta {
     pub(super) bitmap_words: u32,
 }
 
+/// What every tile's geometry is computed from.
+struct Layout<'a> {
+    rows: &'a [Row],
+    shape: &'a Shape,
+    fp: &'a RowFootprint,
+    publishes: &'a dyn Fn(usize) -> bool,
+    /// Rows of one logits block (a row group's most).
+    lg_rows: usize,
+    /// The GPU's SMs.
+    sms: usize,
+}
+
 impl RowMeta {
     /// The metadata of `batch`'s rows for a layer of shape `shape` run in `plan`'s
-    /// tiles, each row taking `fp.row_bytes(n)` of its tile's logits buffer; rows `i`
-    /// with `publishes(i)` publish their kept blocks.
+    /// tiles on a GPU of `sms` SMs, each row taking `fp.row_bytes(n)` of its tile's
+    /// logits buffer; rows `i` with `publishes(i)` publish their kept blocks.
     pub(super) fn new(
         batch: &Batch,
         shape: &Shape,
         plan: &Plan,
         fp: &RowFootprint,
         publishes: &dyn Fn(usize) -> bool,
+        sms: usize,
     ) -> RowMeta {
         let rows = batch.rows();
         let t = rows.len();
@@ -229,27 +253,28 @@ impl RowMeta {
         } else {
             0
         };
+        let layout = Layout {
+            rows,
+            shape,
+            fp,
+            publishes,
+            lg_rows,
+            sms,
+        };
         for tile in &plan.tiles {
-            m.push_tile(rows, tile.rows.clone(), lg_rows, shape, fp, publishes);
+            m.push_tile(&layout, tile.rows.clone());
         }
         m
     }
 
-    /// Append tile `tile`'s row groups (of at most `lg_rows` rows), its rows' offsets
-    /// and published indices, and its geometry.
-    fn push_tile(
-        &mut self,
-        rows: &[Row],
-        tile: Range<usize>,
-        lg_rows: usize,
-        shape: &Shape,
-        fp: &RowFootprint,
-        publishes: &dyn Fn(usize) -> bool,
-    ) {
+    /// Append tile `tile`'s row groups, its rows' offsets and published indices, and
+    /// its geometry.
+    fn push_tile(&mut self, l: &Layout<'_>, tile: Range<usize>) {
+        let (rows, shape) = (l.rows, l.shape);
         let (mut off, mut boff) = (0u64, 0u64);
         let g0 = self.groups.len() / 4;
         let mut max_blocks = 0usize;
-        let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), lg_rows);
+        let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), l.lg_rows);
         let short_cap = short_row_cap(
             rows[tile.clone()].iter().map(|r| r.n),
             shape.topk,
@@ -258,8 +283,8 @@ impl RowMeta {
         );
         for i in tile.clone() {
             self.row_off[i] = off;
-            off += (fp.row_bytes(rows[i].n) / 4) as u64;
-            if publishes(i) {
+            off += (l.fp.row_bytes(rows[i].n) / 4) as u64;
+            if (l.publishes)(i) {
                 self.row_pub[i] = self.npub;
                 self.npub += 1;
                 self.row_boff[i] = boff;
@@ -273,7 +298,7 @@ impl RowMeta {
             chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
             max_blocks,
             rows: tile.clone(),
-            segments: split_segments(tile.len(), max_n, shape.topk),
+            segments: split_segments(tile.len(), max_n, shape.topk, l.sms),
             short_cap,
             max_n,
         });
@@ -313,24 +338,45 @@ fn push_row_groups(
 mod tests {
     use super::*;
 
-    /// The split top-k's scratch is planned as `SPLIT_SEGMENTS * K` ids: every tile's
-    /// rows x segments must stay within it, and long rows of small tiles must split.
+    /// SMs of an H200 (and an H100 SXM).
+    const H200_SMS: usize = 132;
+    /// SMs of an H100 PCIe.
+    const H100_PCIE_SMS: usize = 114;
+
+    /// The split top-k's scratch is planned as `split_segments_cap(sms) * K` ids: every
+    /// tile's rows x segments must stay within it, and long rows of small tiles must
+    /// split.
     #[test]
     fn split_segments_stay_within_the_planned_scratch() {
-        for rows in 0..400 {
-            for max_n in [0usize, 1, 100, 4095, 4096, 65536, 1 << 20] {
-                for topk in [1usize, 7, 512, 2048, 65536] {
-                    let s = split_segments(rows, max_n, topk);
-                    assert!(s >= 1);
-                    if s > 1 {
-                        assert!(rows * s <= SPLIT_SEGMENTS, "rows {rows} x {s}");
-                        assert!(max_n / s >= 8 * topk, "segments of >= 8 K keys");
+        for sms in [H200_SMS, H100_PCIE_SMS] {
+            for rows in 0..400 {
+                for max_n in [0usize, 1, 100, 4095, 4096, 65536, 1 << 20] {
+                    for topk in [1usize, 7, 512, 2048, 65536] {
+                        let s = split_segments(rows, max_n, topk, sms);
+                        assert!(s >= 1);
+                        if s > 1 {
+                            assert!(rows * s <= split_segments_cap(sms), "rows {rows} x {s}");
+                            assert!(max_n / s >= 8 * topk, "segments of >= 8 K keys");
+                        }
                     }
                 }
             }
+            assert!(split_segments(64, 1 << 20, 512, sms) > 1);
+            assert_eq!(split_segments(split_rows(sms), 1 << 20, 512, sms), 1);
         }
-        assert!(split_segments(64, 1 << 20, 512) > 1);
-        assert_eq!(split_segments(SPLIT_ROWS, 1 << 20, 512), 1);
+    }
+
+    /// The split geometry follows the GPU's SM count: on an H200 two segment
+    /// selections per SM (264) and tiles of fewer than 132 rows split.
+    #[test]
+    fn split_geometry_scales_with_the_sm_count() {
+        assert_eq!(split_segments_cap(H200_SMS), 264);
+        assert_eq!(split_rows(H200_SMS), 132);
+        assert_eq!(split_segments_cap(H100_PCIE_SMS), 228);
+        assert_eq!(split_rows(H100_PCIE_SMS), 114);
+        // 120 rows: split on an H200 (264 / 120 = 2 segments), not on an H100 PCIe.
+        assert_eq!(split_segments(120, 1 << 20, 512, H200_SMS), 2);
+        assert_eq!(split_segments(120, 1 << 20, 512, H100_PCIE_SMS), 1);
     }
 
     #[test]
@@ -371,11 +417,11 @@ mod tests {
 
     #[test]
     fn footprint_counts_metadata_and_split_scratch() {
-        let fp = footprint(1000, 512);
+        let fp = footprint(1000, 512, H200_SMS);
         assert_eq!(fp.align, ROW_ALIGN);
         assert_eq!(
             fp.worker_bytes,
-            1000 * META_BYTES_PER_ROW + SPLIT_SEGMENTS * 512 * 4 + PATHS_BYTES
+            1000 * META_BYTES_PER_ROW + 2 * H200_SMS * 512 * 4 + PATHS_BYTES
         );
         assert_eq!(fp.row_bytes(17), 32 * 4);
     }

@@ -267,8 +267,8 @@ impl Run {
     ) -> Result<Run> {
         let s = &dev.stream;
         let t = batch.rows().len();
-        let fp = footprint(t, shape.topk);
-        let meta = RowMeta::new(batch, &shape, plan, &fp, publishes);
+        let fp = footprint(t, shape.topk, dev.sm_count());
+        let meta = RowMeta::new(batch, &shape, plan, &fp, publishes, dev.sm_count());
         let mut transient = 0usize;
         let md = MetaBufs::upload(s, &meta)?;
         transient += t * (4 + 4 + 8 + 4 + 8) + meta.groups.len() * 4;
@@ -322,7 +322,7 @@ impl Run {
             // up to kernels::logits_tiles_per_block() tiles per block so the query
             // fragments are loaded once per that many.
             let ngroups = g.groups.len().max(1);
-            let per_block = (g.chunks as usize * ngroups / (8 * 132))
+            let per_block = (g.chunks as usize * ngroups / (8 * dev.sm_count()))
                 .clamp(1, kernels::logits_tiles_per_block());
             let gx = (g.chunks as usize).div_ceil(per_block) as u32;
             let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
