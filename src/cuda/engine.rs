@@ -56,7 +56,7 @@ pub enum DeviceQueries<'a> {
 /// A layer-forward whose inputs live on the device. Shapes are checked against the
 /// batch on the host; element values (SPEC 8: no NaN E4M3 codes, no UE8M0 255, finite
 /// weights, finite positive key scales, slots >= 0) on the device, with the errors
-/// [`Problem::new`] gives for the same host arrays. Consumer candidates are checked for
+/// [`Problem::new`](crate::problem::Problem::new) gives for the same host arrays. Consumer candidates are checked for
 /// their shape only.
 #[derive(Debug)]
 pub struct DeviceInputs<'a> {
@@ -114,7 +114,7 @@ impl Engine {
     /// reads back its 8-byte verdict: the call waits once for the engine's stream (and
     /// the work queued on it before), then queues the run and returns without waiting
     /// again (outputs are ready in stream order). A bad value is the error
-    /// [`Problem::new`] gives for the same host arrays (the first offender in its order
+    /// [`Problem::new`](crate::problem::Problem::new) gives for the same host arrays (the first offender in its order
     /// of checks: q or q_scale, k, k_scale, weights, k_slots), and nothing runs.
     #[allow(clippy::too_many_arguments)]
     pub fn run_device(

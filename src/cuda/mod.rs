@@ -31,6 +31,11 @@
 //!
 //! Without libcuda, libnvrtc or a GPU every entry point returns [`Error::Backend`];
 //! a GPU other than sm_90 is refused with a clear message.
+//!
+//! [`Backend`]: crate::indexer::Backend
+//! [`Backend::end`]: crate::indexer::Backend::end
+//! [`Problem::new`]: crate::problem::Problem::new
+//! [`Error::Backend`]: crate::error::Error::Backend
 
 mod backend;
 pub mod bench;

@@ -101,7 +101,7 @@ impl Checked<'_, '_> {
     }
 
     /// The error for element `index`, with its value copied back: the one
-    /// [`Problem::new`] builds.
+    /// [`Problem::new`](crate::problem::Problem::new) builds.
     fn error(&self, s: &Arc<CudaStream>, index: usize) -> Result<Error> {
         fn one<T: cudarc::driver::DeviceRepr + Copy>(
             s: &Arc<CudaStream>,
