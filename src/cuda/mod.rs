@@ -32,6 +32,19 @@
 //! Without libcuda, libnvrtc or a GPU every entry point returns [`Error::Backend`];
 //! a GPU other than sm_90 is refused with a clear message.
 //!
+//! One file per job:
+//!
+//! - `backend.rs`: [`CudaBackend`], the driver's backend for host inputs, and [`run_cuda`];
+//! - `engine.rs`: the device-input [`Engine`] ([`DeviceInputs`] in, [`DeviceOutput`] out);
+//! - `validate.rs`: the engine inputs' value checks on the device;
+//! - `run.rs`: one run's device buffers and its per-tile steps;
+//! - `launch.rs`: one launcher per kernel family, its parameters a typed struct;
+//! - `geometry.rs`: tile geometry on the host (footprint, row groups, split top-k, short rows);
+//! - `device.rs`: the [`Device`], its stream and module cache;
+//! - `paths.rs`: the path counters [`TopkPaths`] and [`FoldCounts`];
+//! - `tolerance.rs`: the tolerance class's bounds ([`logit_bound`]);
+//! - `kernels.rs`: the kernel sources, variants and NVRTC; `bench.rs`: the benchmark workloads.
+//!
 //! [`Backend`]: crate::indexer::Backend
 //! [`Backend::end`]: crate::indexer::Backend::end
 //! [`Problem::new`]: crate::problem::Problem::new
