@@ -4,8 +4,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaSlice;
 
+use super::alloc::Fill;
 use super::device::{backend_err, drv, ptr, Device};
 use super::geometry::{check_shape, footprint, Shape, MAX_TOPK};
 use super::kernels;
@@ -144,8 +145,8 @@ impl CudaBackend {
     }
 }
 
-fn upload<T: cudarc::driver::DeviceRepr + Copy>(
-    s: &Arc<CudaStream>,
+fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
+    dev: &Device,
     v: ndarray::ArrayViewD<'_, T>,
     what: &str,
 ) -> Result<CudaSlice<T>> {
@@ -155,26 +156,9 @@ fn upload<T: cudarc::driver::DeviceRepr + Copy>(
     };
     if host.is_empty() {
         // A zero-length allocation is not allowed: one element that nothing reads.
-        return s.alloc_zeros_like_one::<T>(what);
+        return dev.allocate::<T>(Fill::OneUnread).map_err(drv(what));
     }
-    s.clone_htod(&host).map_err(drv(what))
-}
-
-trait AllocOne {
-    fn alloc_zeros_like_one<T: cudarc::driver::DeviceRepr>(
-        &self,
-        what: &str,
-    ) -> Result<CudaSlice<T>>;
-}
-impl AllocOne for Arc<CudaStream> {
-    fn alloc_zeros_like_one<T: cudarc::driver::DeviceRepr>(
-        &self,
-        what: &str,
-    ) -> Result<CudaSlice<T>> {
-        // SAFETY: an uninitialised one-element buffer that no kernel reads (its length
-        // stands for an empty input).
-        unsafe { self.alloc::<T>(1) }.map_err(drv(what))
-    }
+    dev.allocate(Fill::Host(&host)).map_err(drv(what))
 }
 
 fn shape_of(p: &Problem) -> Shape {
@@ -226,35 +210,48 @@ impl Backend for CudaBackend {
             a
         };
         match p.inputs.q {
-            Queries::E4m3(q) => ptrs.q = keep_u8(upload(&s, q.into_dyn(), "upload q")?, &mut owned),
+            Queries::E4m3(q) => {
+                ptrs.q = keep_u8(upload(&self.dev, q.into_dyn(), "upload q")?, &mut owned)
+            }
             Queries::E2m1 { packed, scale } => {
-                ptrs.q = keep_u8(upload(&s, packed.into_dyn(), "upload q")?, &mut owned);
-                ptrs.q_scale = keep_u8(upload(&s, scale.into_dyn(), "upload q_scale")?, &mut owned);
+                ptrs.q = keep_u8(
+                    upload(&self.dev, packed.into_dyn(), "upload q")?,
+                    &mut owned,
+                );
+                ptrs.q_scale = keep_u8(
+                    upload(&self.dev, scale.into_dyn(), "upload q_scale")?,
+                    &mut owned,
+                );
             }
         }
         match p.inputs.k {
             Keys::E4m3 { codes, scale } => {
-                ptrs.k = keep_u8(upload(&s, codes.into_dyn(), "upload k")?, &mut owned);
-                let ks = upload(&s, scale.into_dyn(), "upload k_scale")?;
+                ptrs.k = keep_u8(upload(&self.dev, codes.into_dyn(), "upload k")?, &mut owned);
+                let ks = upload(&self.dev, scale.into_dyn(), "upload k_scale")?;
                 ptrs.k_scale32 = ptr(&ks, &s);
                 owned.push(OwnedBuf::F32(ks));
             }
             Keys::E2m1 { packed, scale } => {
-                ptrs.k = keep_u8(upload(&s, packed.into_dyn(), "upload k")?, &mut owned);
-                ptrs.k_scale8 =
-                    keep_u8(upload(&s, scale.into_dyn(), "upload k_scale")?, &mut owned);
+                ptrs.k = keep_u8(
+                    upload(&self.dev, packed.into_dyn(), "upload k")?,
+                    &mut owned,
+                );
+                ptrs.k_scale8 = keep_u8(
+                    upload(&self.dev, scale.into_dyn(), "upload k_scale")?,
+                    &mut owned,
+                );
             }
         }
-        let w = upload(&s, p.inputs.weights.into_dyn(), "upload weights")?;
+        let w = upload(&self.dev, p.inputs.weights.into_dyn(), "upload weights")?;
         ptrs.w = ptr(&w, &s);
         owned.push(OwnedBuf::F32(w));
         if let Some(slots) = p.inputs.k_slots {
-            let v = upload(&s, slots.into_dyn(), "upload k_slots")?;
+            let v = upload(&self.dev, slots.into_dyn(), "upload k_slots")?;
             ptrs.k_slots = ptr(&v, &s);
             owned.push(OwnedBuf::I32(v));
         }
         if let Role::Consumer(c) = p.role {
-            let v = upload(&s, c.blocks.view().into_dyn(), "upload candidates")?;
+            let v = upload(&self.dev, c.blocks.view().into_dyn(), "upload candidates")?;
             ptrs.cblocks = ptr(&v, &s);
             owned.push(OwnedBuf::I32(v));
         }

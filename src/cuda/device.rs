@@ -2,6 +2,7 @@
 //! NVRTC once per variant and process, loaded once per device), and the backend's
 //! error constructors.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
@@ -9,6 +10,7 @@ use cudarc::driver::{
     LaunchConfig, PushKernelArg,
 };
 
+use super::alloc::Fill;
 use super::kernels::{self, Variant};
 use crate::error::{Error, Result};
 
@@ -51,6 +53,8 @@ pub struct Device {
     pub(super) stream: Arc<CudaStream>,
     /// Streaming multiprocessors of the GPU (the launch geometry sizes grids by them).
     sms: usize,
+    /// Device bytes allocated through [`Device::allocate`].
+    pub(super) allocated: AtomicU64,
     modules: Mutex<Vec<(Variant, Arc<CudaModule>)>>,
 }
 
@@ -105,6 +109,7 @@ impl Device {
             ctx,
             stream,
             sms: sms as usize,
+            allocated: AtomicU64::new(0),
             modules: Mutex::new(Vec::new()),
         }))
     }
@@ -193,10 +198,18 @@ impl Device {
     pub fn decode_codes(&self) -> Result<DecodedCodes> {
         let f = self.function(Variant::Topk, "decode_codes")?;
         let s = &self.stream;
-        let mut a = s.alloc_zeros::<u32>(256).map_err(drv("alloc"))?;
-        let mut b = s.alloc_zeros::<u32>(16).map_err(drv("alloc"))?;
-        let mut c = s.alloc_zeros::<u32>(16).map_err(drv("alloc"))?;
-        let mut d = s.alloc_zeros::<u32>(256).map_err(drv("alloc"))?;
+        let mut a = self
+            .allocate::<u32>(Fill::Zeros(256))
+            .map_err(drv("alloc"))?;
+        let mut b = self
+            .allocate::<u32>(Fill::Zeros(16))
+            .map_err(drv("alloc"))?;
+        let mut c = self
+            .allocate::<u32>(Fill::Zeros(16))
+            .map_err(drv("alloc"))?;
+        let mut d = self
+            .allocate::<u32>(Fill::Zeros(256))
+            .map_err(drv("alloc"))?;
         let mut l = s.launch_builder(&f);
         l.arg(&mut a).arg(&mut b).arg(&mut c).arg(&mut d);
         // SAFETY: the kernel writes out[0..256] / out[0..16] of buffers of those lengths.

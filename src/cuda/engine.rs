@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 
+use super::alloc::Fill;
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
 use super::geometry::{check_shape, footprint, Shape};
 use super::kernels;
@@ -151,7 +152,7 @@ impl Engine {
         validate(&self.dev, &checked_values(inputs))?;
         check_alignment(&ptrs)?;
         if t == 0 {
-            return empty_output(&s, source_tail, plan);
+            return empty_output(&self.dev, source_tail, plan);
         }
         self.run_tiles(batch, shape, ptrs, plan)
     }
@@ -335,11 +336,11 @@ fn check_alignment(ptrs: &Ptrs) -> Result<()> {
 
 /// The outputs of a run with no rows: empty device buffers, nothing launched.
 fn empty_output(
-    s: &Arc<CudaStream>,
+    dev: &Device,
     source_tail: Option<Option<usize>>,
     plan: Plan,
 ) -> Result<DeviceOutput> {
-    let none = |what: &str| s.null::<i32>().map_err(drv(what));
+    let none = |what: &str| dev.allocate::<i32>(Fill::Empty).map_err(drv(what));
     Ok(DeviceOutput {
         raw: none("empty raw")?,
         page: none("empty page")?,

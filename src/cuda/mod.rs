@@ -50,6 +50,7 @@
 //! [`Problem::new`]: crate::problem::Problem::new
 //! [`Error::Backend`]: crate::error::Error::Backend
 
+mod alloc;
 mod backend;
 pub mod bench;
 mod device;

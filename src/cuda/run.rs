@@ -3,10 +3,9 @@
 //! tile, block keys, split top-k scratch) allocated once and reused by every tile, and
 //! the outputs, which stay on the device.
 
-use std::sync::Arc;
-
 use cudarc::driver::{CudaSlice, CudaStream};
 
+use super::alloc::Fill;
 use super::device::{drv, ptr, Device};
 use super::geometry::{footprint, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES};
 use super::kernels::{self, Variant};
@@ -118,25 +117,25 @@ struct MetaBufs {
 
 impl MetaBufs {
     /// Upload `meta`'s per-row arrays and row groups.
-    fn upload(s: &Arc<CudaStream>, meta: &RowMeta) -> Result<MetaBufs> {
+    fn upload(dev: &Device, meta: &RowMeta) -> Result<MetaBufs> {
         let up = |what: &str, e| drv(what)(e);
-        let row_n = s
-            .clone_htod(&meta.row_n)
+        let row_n = dev
+            .allocate(Fill::Host(&meta.row_n))
             .map_err(|e| up("upload row_n", e))?;
-        let row_ks = s
-            .clone_htod(&meta.row_ks)
+        let row_ks = dev
+            .allocate(Fill::Host(&meta.row_ks))
             .map_err(|e| up("upload row_ks", e))?;
-        let row_off = s
-            .clone_htod(&meta.row_off)
+        let row_off = dev
+            .allocate(Fill::Host(&meta.row_off))
             .map_err(|e| up("upload row_off", e))?;
-        let row_pub = s
-            .clone_htod(&meta.row_pub)
+        let row_pub = dev
+            .allocate(Fill::Host(&meta.row_pub))
             .map_err(|e| up("upload row_pub", e))?;
-        let row_boff = s
-            .clone_htod(&meta.row_boff)
+        let row_boff = dev
+            .allocate(Fill::Host(&meta.row_boff))
             .map_err(|e| up("upload row_boff", e))?;
-        let groups = s
-            .clone_htod(&meta.groups)
+        let groups = dev
+            .allocate(Fill::Host(&meta.groups))
             .map_err(|e| up("upload groups", e))?;
         Ok(MetaBufs {
             row_n,
@@ -161,7 +160,7 @@ impl TransientBufs {
     /// Allocate the plan's logits tile and block keys and the scratch of the tile of
     /// `geom` that splits the most ids, adding their bytes to `transient`.
     fn alloc(
-        s: &Arc<CudaStream>,
+        dev: &Device,
         plan: &Plan,
         geom: &[TileGeom],
         topk: usize,
@@ -170,7 +169,7 @@ impl TransientBufs {
         let logits = if plan.peak.logits_tile > 0 {
             *transient += plan.peak.logits_tile;
             Some(
-                s.alloc_zeros::<f32>(plan.peak.logits_tile / 4)
+                dev.allocate::<f32>(Fill::Zeros(plan.peak.logits_tile / 4))
                     .map_err(drv("alloc logits tile"))?,
             )
         } else {
@@ -179,7 +178,7 @@ impl TransientBufs {
         let bkeys = if plan.peak.block_scores > 0 {
             *transient += plan.peak.block_scores;
             Some(
-                s.alloc_zeros::<u32>(plan.peak.block_scores / 4)
+                dev.allocate::<u32>(Fill::Zeros(plan.peak.block_scores / 4))
                     .map_err(drv("alloc block keys"))?,
             )
         } else {
@@ -199,7 +198,7 @@ impl TransientBufs {
         let split = if split_ids > 0 {
             *transient += split_ids * 4;
             Some(
-                s.alloc_zeros::<i32>(split_ids)
+                dev.allocate::<i32>(Fill::Zeros(split_ids))
                     .map_err(drv("alloc split top-k scratch"))?,
             )
         } else {
@@ -224,23 +223,23 @@ struct OutputBufs {
 impl OutputBufs {
     /// Allocate `raw [t, K]`, `page [t, page_cols]`, for a source layer the `npub`
     /// published rows (at least one), and the path counters, all zero.
-    fn alloc(s: &Arc<CudaStream>, t: usize, shape: &Shape, npub: i32) -> Result<OutputBufs> {
-        let raw = s
-            .alloc_zeros::<i32>(t * shape.topk)
+    fn alloc(dev: &Device, t: usize, shape: &Shape, npub: i32) -> Result<OutputBufs> {
+        let raw = dev
+            .allocate::<i32>(Fill::Zeros(t * shape.topk))
             .map_err(drv("alloc raw"))?;
-        let page = s
-            .alloc_zeros::<i32>(t * shape.page_cols)
+        let page = dev
+            .allocate::<i32>(Fill::Zeros(t * shape.page_cols))
             .map_err(drv("alloc page"))?;
         let published = if shape.tail.is_some() {
             Some(
-                s.alloc_zeros::<i32>((npub as usize).max(1) * shape.num_blocks)
+                dev.allocate::<i32>(Fill::Zeros((npub as usize).max(1) * shape.num_blocks))
                     .map_err(drv("alloc published"))?,
             )
         } else {
             None
         };
-        let paths = s
-            .alloc_zeros::<u32>(PATHS_BYTES / 4)
+        let paths = dev
+            .allocate::<u32>(Fill::Zeros(PATHS_BYTES / 4))
             .map_err(drv("alloc path counters"))?;
         Ok(OutputBufs {
             raw,
@@ -265,15 +264,14 @@ impl Run {
         plan: &Plan,
         publishes: &dyn Fn(usize) -> bool,
     ) -> Result<Run> {
-        let s = &dev.stream;
         let t = batch.rows().len();
         let fp = footprint(t, shape.topk, dev.sm_count());
         let meta = RowMeta::new(batch, &shape, plan, &fp, publishes, dev.sm_count());
         let mut transient = 0usize;
-        let md = MetaBufs::upload(s, &meta)?;
+        let md = MetaBufs::upload(dev, &meta)?;
         transient += t * (4 + 4 + 8 + 4 + 8) + meta.groups.len() * 4;
-        let tr = TransientBufs::alloc(s, plan, &meta.geom, shape.topk, &mut transient)?;
-        let out = OutputBufs::alloc(s, t, &shape, meta.npub)?;
+        let tr = TransientBufs::alloc(dev, plan, &meta.geom, shape.topk, &mut transient)?;
+        let out = OutputBufs::alloc(dev, t, &shape, meta.npub)?;
         transient += PATHS_BYTES;
         Ok(Run {
             shape,

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaView, LaunchConfig, PushKernelArg};
 
+use super::alloc::Fill;
 use super::device::{backend_err, drv, vptr, Device};
 use super::kernels::{self, Variant};
 use crate::error::{Error, Result};
@@ -168,8 +169,8 @@ pub(super) fn validate(dev: &Device, tensors: &[Checked<'_, '_>]) -> Result<()> 
         return Ok(());
     }
     let f = dev.function(Variant::Validate, "validate_inputs")?;
-    let mut first = s
-        .clone_htod(&[u64::MAX])
+    let mut first = dev
+        .allocate(Fill::Host(&[u64::MAX]))
         .map_err(drv("upload validation word"))?;
     // One 16-byte chunk per thread and pass; up to 1024 blocks per tensor (about 8 per
     // SM of an H200), grid-stride beyond.
