@@ -1,0 +1,307 @@
+//! The CUDA backend for host inputs ([`CudaBackend`]): the chunked driver's
+//! [`Backend`], which uploads the inputs once per run and copies the outputs back once,
+//! in [`Backend::end`].
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use super::alloc::Fill;
+use super::device::{backend_err, drv, ptr, Device};
+use super::geometry::{check_shape, footprint, Shape, MAX_TOPK};
+use super::kernels;
+use super::paths::{FoldCounts, TopkPaths};
+use super::run::{OwnedBuf, Ptrs, Run};
+use crate::error::{Error, Result};
+use crate::indexer::{Backend, RowFootprint};
+use crate::plan::{Footprint, Plan};
+use crate::problem::{Keys, Problem, Queries, Role};
+use crate::reference::Output;
+
+/// The CUDA backend for host inputs: uploads them once per run, keeps the outputs on
+/// the device until [`Backend::end`].
+pub struct CudaBackend {
+    pub(super) dev: Arc<Device>,
+    pub(super) run: Option<Run>,
+    pub(super) peak: usize,
+    paths: TopkPaths,
+    folds: FoldCounts,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.dev.name())
+            .field("peak", &self.peak)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// On the process's shared device 0.
+    pub fn new() -> Result<Self> {
+        Ok(CudaBackend::on(Device::shared()?))
+    }
+
+    /// On a given device.
+    pub fn on(dev: Arc<Device>) -> Self {
+        CudaBackend {
+            dev,
+            run: None,
+            peak: 0,
+            paths: TopkPaths::default(),
+            folds: FoldCounts::default(),
+        }
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// Transient device bytes of the last run (logits tile, block keys, metadata, split
+    /// top-k scratch).
+    pub fn measured_peak(&self) -> usize {
+        self.peak
+    }
+
+    /// How many row selections each top-k path made in the last run that ended.
+    pub fn topk_paths(&self) -> TopkPaths {
+        self.paths
+    }
+
+    /// What the exact-class logits kernels did in the last run that ended.
+    pub fn fold_counts(&self) -> FoldCounts {
+        self.folds
+    }
+
+    /// Every row's logits over its visible keys, rows concatenated (the layout of
+    /// [`crate::reference::logits()`]), computed tile by tile under `budget` exactly as a
+    /// run computes them. For tests and tools: it copies each tile's logits back.
+    pub fn logits(&mut self, p: &Problem, budget: usize) -> Result<Vec<f32>> {
+        let plan = crate::indexer::plan_for(self, p, budget)?;
+        self.begin(p, &plan)?;
+        let mut out = Vec::with_capacity(p.batch.valid_pairs());
+        let fp = footprint(p.batch.num_rows(), p.topk, self.dev.sm_count());
+        for t in 0..plan.tiles.len() {
+            let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
+            run.tile(&self.dev, t)?;
+            let Some(l) = run.logits.as_ref() else {
+                continue;
+            };
+            let all = self
+                .dev
+                .stream
+                .clone_dtoh(l)
+                .map_err(drv("copy logits back"))?;
+            let mut off = 0usize;
+            for i in plan.tiles[t].rows.clone() {
+                let n = p.batch.rows()[i].n;
+                out.extend_from_slice(&all[off..off + n]);
+                off += fp.row_bytes(n) / 4;
+            }
+        }
+        self.run = None;
+        Ok(out)
+    }
+
+    /// Candidate blocks, top-k and index assembly on the device from given scores
+    /// (each row's `n` scores, rows concatenated, as [`crate::reference::logits()`]
+    /// returns them): the selection half of a run, for tests that feed it the CPU's
+    /// logits.
+    pub fn select_scores(&mut self, p: &Problem, scores: &[f32], budget: usize) -> Result<Output> {
+        if scores.len() != p.batch.valid_pairs() {
+            return Err(Error::shape(
+                "scores",
+                &[scores.len()],
+                &[p.batch.valid_pairs()],
+            ));
+        }
+        let plan = crate::indexer::plan_for(self, p, budget)?;
+        let mut out = Output::alloc(p);
+        self.begin(p, &plan)?;
+        let fp = footprint(p.batch.num_rows(), p.topk, self.dev.sm_count());
+        let mut src = 0usize;
+        for t in 0..plan.tiles.len() {
+            let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
+            if let Some(l) = run.logits.as_mut() {
+                let mut host = vec![0f32; l.len()];
+                let mut off = 0usize;
+                for i in plan.tiles[t].rows.clone() {
+                    let n = p.batch.rows()[i].n;
+                    host[off..off + n].copy_from_slice(&scores[src..src + n]);
+                    src += n;
+                    off += fp.row_bytes(n) / 4;
+                }
+                self.dev
+                    .stream
+                    .memcpy_htod(&host, l)
+                    .map_err(drv("upload scores"))?;
+            }
+            run.select_step(&self.dev, t)?;
+        }
+        self.end(p, &mut out)?;
+        Ok(out)
+    }
+}
+
+fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
+    dev: &Device,
+    v: ndarray::ArrayViewD<'_, T>,
+    what: &str,
+) -> Result<CudaSlice<T>> {
+    let host: Vec<T> = match v.as_slice() {
+        Some(x) => x.to_vec(),
+        None => v.iter().copied().collect(),
+    };
+    if host.is_empty() {
+        // A zero-length allocation is not allowed: one element that nothing reads.
+        return dev.allocate::<T>(Fill::OneUnread).map_err(drv(what));
+    }
+    dev.allocate(Fill::Host(&host)).map_err(drv(what))
+}
+
+fn shape_of(p: &Problem) -> Shape {
+    Shape {
+        heads: p.heads,
+        dim: p.dim,
+        q: p.q_format(),
+        k: p.k_format(),
+        topk: p.topk,
+        page_cols: p.page_cols,
+        block_size: p.block_size,
+        num_blocks: p.num_blocks,
+        tail: match p.role {
+            Role::Source { tail } => Some(tail),
+            _ => None,
+        },
+        consumer: matches!(p.role, Role::Consumer(_)),
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn max_topk(&self) -> usize {
+        MAX_TOPK
+    }
+    fn footprint(&self, p: &Problem) -> RowFootprint {
+        footprint(p.batch.num_rows(), p.topk, self.dev.sm_count())
+    }
+    fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
+        let shape = shape_of(p);
+        check_shape(&shape, p.batch)?;
+        self.run = None;
+        self.peak = 0;
+        self.paths = TopkPaths::default();
+        self.folds = FoldCounts::default();
+        if p.batch.num_rows() == 0 {
+            // No rows: no tiles, empty outputs, nothing on the device (a zero-byte
+            // allocation is an error there).
+            return Ok(());
+        }
+        let s = self.dev.stream.clone();
+        let mut owned = Vec::new();
+        let mut ptrs = Ptrs::default();
+        let keep_u8 = |v: CudaSlice<u8>, owned: &mut Vec<OwnedBuf>| {
+            let a = ptr(&v, &s);
+            owned.push(OwnedBuf::U8(v));
+            a
+        };
+        match p.inputs.q {
+            Queries::E4m3(q) => {
+                ptrs.q = keep_u8(upload(&self.dev, q.into_dyn(), "upload q")?, &mut owned)
+            }
+            Queries::E2m1 { packed, scale } => {
+                ptrs.q = keep_u8(
+                    upload(&self.dev, packed.into_dyn(), "upload q")?,
+                    &mut owned,
+                );
+                ptrs.q_scale = keep_u8(
+                    upload(&self.dev, scale.into_dyn(), "upload q_scale")?,
+                    &mut owned,
+                );
+            }
+        }
+        match p.inputs.k {
+            Keys::E4m3 { codes, scale } => {
+                ptrs.k = keep_u8(upload(&self.dev, codes.into_dyn(), "upload k")?, &mut owned);
+                let ks = upload(&self.dev, scale.into_dyn(), "upload k_scale")?;
+                ptrs.k_scale32 = ptr(&ks, &s);
+                owned.push(OwnedBuf::F32(ks));
+            }
+            Keys::E2m1 { packed, scale } => {
+                ptrs.k = keep_u8(
+                    upload(&self.dev, packed.into_dyn(), "upload k")?,
+                    &mut owned,
+                );
+                ptrs.k_scale8 = keep_u8(
+                    upload(&self.dev, scale.into_dyn(), "upload k_scale")?,
+                    &mut owned,
+                );
+            }
+        }
+        let w = upload(&self.dev, p.inputs.weights.into_dyn(), "upload weights")?;
+        ptrs.w = ptr(&w, &s);
+        owned.push(OwnedBuf::F32(w));
+        if let Some(slots) = p.inputs.k_slots {
+            let v = upload(&self.dev, slots.into_dyn(), "upload k_slots")?;
+            ptrs.k_slots = ptr(&v, &s);
+            owned.push(OwnedBuf::I32(v));
+        }
+        if let Role::Consumer(c) = p.role {
+            let v = upload(&self.dev, c.blocks.view().into_dyn(), "upload candidates")?;
+            ptrs.cblocks = ptr(&v, &s);
+            owned.push(OwnedBuf::I32(v));
+        }
+        let publishes = |i: usize| p.publishes(i);
+        let run = Run::begin(&self.dev, p.batch, shape, ptrs, owned, plan, &publishes)?;
+        self.peak = run.transient;
+        self.run = Some(run);
+        Ok(())
+    }
+    fn tile(&mut self, _p: &Problem, _plan: &Plan, t: usize, _out: &mut Output) -> Result<()> {
+        let run = self
+            .run
+            .as_mut()
+            .ok_or_else(|| backend_err("tile before begin"))?;
+        run.tile(&self.dev, t)
+    }
+    fn end(&mut self, _p: &Problem, out: &mut Output) -> Result<()> {
+        let Some(run) = self.run.take() else {
+            return Ok(());
+        };
+        let s = &self.dev.stream;
+        let copy = |d: &CudaSlice<i32>, h: &mut ndarray::Array2<i32>, what: &str| -> Result<()> {
+            let v = s.clone_dtoh(d).map_err(drv(what))?;
+            let n = h.len();
+            let dst = h
+                .as_slice_mut()
+                .ok_or_else(|| backend_err("output not contiguous"))?;
+            dst.copy_from_slice(&v[..n]);
+            Ok(())
+        };
+        copy(&run.raw, &mut out.raw, "copy raw back")?;
+        copy(&run.page, &mut out.page, "copy page back")?;
+        if let (Some(d), Some(pb)) = (run.published.as_ref(), out.published.as_mut()) {
+            copy(d, &mut pb.blocks, "copy published back")?;
+        }
+        let c = s
+            .clone_dtoh(&run.paths)
+            .map_err(drv("copy path counters back"))?;
+        self.paths = TopkPaths::from_device(&c);
+        self.folds = FoldCounts::from_device(&c[kernels::TOPK_PATHS.len()..]);
+        s.synchronize().map_err(drv("synchronize"))?;
+        Ok(())
+    }
+    fn device_peak(&self) -> Option<usize> {
+        Some(self.peak)
+    }
+}
+
+/// Run problem `p` on the shared CUDA device in tiles whose logits fit `budget` bytes.
+pub fn run_cuda(p: &Problem, budget: usize) -> Result<(Output, Plan)> {
+    let mut b = CudaBackend::new()?;
+    crate::indexer::run(&mut b, p, budget)
+}

@@ -1,0 +1,354 @@
+//! The engine API: a layer-forward whose inputs are already on the device, on the
+//! caller's stream. Shapes are checked on the host, values on the device
+//! ([`super::validate`]); the outputs stay on the device.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, CudaView};
+
+use super::alloc::Fill;
+use super::device::{backend_err, drv, libraries_present, vptr, Device};
+use super::geometry::{check_shape, footprint, Shape};
+use super::kernels;
+use super::run::{Ptrs, Run};
+use super::validate::{validate, Checked};
+use crate::batch::Batch;
+use crate::error::{Error, Result};
+use crate::plan::Plan;
+use crate::problem::{Format, Params};
+
+/// Alignment, in bytes, that [`Engine::run_device`] requires of the query and key
+/// tensors' device addresses.
+pub const INPUT_ALIGN: usize = 16;
+
+/// Key values already on the device.
+#[derive(Debug)]
+pub enum DeviceKeys<'a> {
+    /// E4M3 `[L, D]` and f32 per-key scales `[L]`.
+    E4m3 {
+        /// Codes.
+        codes: CudaView<'a, u8>,
+        /// Per-key scale.
+        scale: CudaView<'a, f32>,
+    },
+    /// Packed E2M1 `[L, D/2]` and UE8M0 `[L, D/32]`.
+    E2m1 {
+        /// Packed codes.
+        packed: CudaView<'a, u8>,
+        /// Group scales.
+        scale: CudaView<'a, u8>,
+    },
+}
+
+/// Query values already on the device.
+#[derive(Debug)]
+pub enum DeviceQueries<'a> {
+    /// E4M3 `[T, H, D]`.
+    E4m3(CudaView<'a, u8>),
+    /// Packed E2M1 `[T, H, D/2]` and UE8M0 `[T, H, D/32]`.
+    E2m1 {
+        /// Packed codes.
+        packed: CudaView<'a, u8>,
+        /// Group scales.
+        scale: CudaView<'a, u8>,
+    },
+}
+
+/// A layer-forward whose inputs live on the device. Shapes are checked against the
+/// batch on the host; element values (SPEC 8: no NaN E4M3 codes, no UE8M0 255, finite
+/// weights, finite positive key scales, slots >= 0) on the device, with the errors
+/// [`Problem::new`](crate::problem::Problem::new) gives for the same host arrays. Consumer candidates are checked for
+/// their shape only.
+#[derive(Debug)]
+pub struct DeviceInputs<'a> {
+    /// `H`.
+    pub heads: usize,
+    /// `D`.
+    pub dim: usize,
+    /// Queries.
+    pub q: DeviceQueries<'a>,
+    /// Keys.
+    pub k: DeviceKeys<'a>,
+    /// Weights `[T, H]`.
+    pub weights: CudaView<'a, f32>,
+    /// Pool slots `[L]`; `None` is the identity.
+    pub k_slots: Option<CudaView<'a, i32>>,
+}
+
+/// What a device run leaves on the device.
+#[derive(Debug)]
+pub struct DeviceOutput {
+    /// `raw [T, K]`, row-major.
+    pub raw: CudaSlice<i32>,
+    /// `page [T, page_cols]`.
+    pub page: CudaSlice<i32>,
+    /// Source layers: `[P, NB]` kept block ids.
+    pub published: Option<CudaSlice<i32>>,
+    /// The plan it ran.
+    pub plan: Plan,
+    /// Transient device bytes it allocated.
+    pub measured_peak: usize,
+}
+
+/// The engine entry point: a device (possibly on the caller's stream).
+#[derive(Debug, Clone)]
+pub struct Engine {
+    dev: Arc<Device>,
+}
+
+impl Engine {
+    /// On the caller's stream (its context must be an sm_90 GPU).
+    pub fn on_stream(stream: Arc<CudaStream>) -> Result<Engine> {
+        if !libraries_present() {
+            return Err(backend_err("no CUDA: libcuda or libnvrtc not found"));
+        }
+        Ok(Engine {
+            dev: Device::with_stream(stream)?,
+        })
+    }
+
+    /// Run a plain or source layer (`tail`: `None` plain, `Some(t)` source) whose
+    /// inputs are on the device; the outputs stay there. Consumer layers take
+    /// `candidates` (`[T, NB]` on the device).
+    ///
+    /// After the host checks, one kernel scans the inputs' values (SPEC 8) and the host
+    /// reads back its 8-byte verdict: the call waits once for the engine's stream (and
+    /// the work queued on it before), then queues the run and returns without waiting
+    /// again (outputs are ready in stream order). A bad value is the error
+    /// [`Problem::new`](crate::problem::Problem::new) gives for the same host arrays (the first offender in its order
+    /// of checks: q or q_scale, k, k_scale, weights, k_slots), and nothing runs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_device(
+        &self,
+        batch: &Batch,
+        inputs: &DeviceInputs<'_>,
+        params: Params,
+        source_tail: Option<Option<usize>>,
+        candidates: Option<&CudaView<'_, i32>>,
+        budget: usize,
+    ) -> Result<DeviceOutput> {
+        let s = self.dev.stream.clone();
+        let t = batch.num_rows();
+        let (mut ptrs, qf, kf) = input_ptrs(&s, batch, inputs)?;
+        let page_cols = check_params(&params, source_tail)?;
+        if let Some(c) = candidates {
+            check_len("candidates", c.len(), t * params.num_blocks)?;
+            ptrs.cblocks = vptr(c, &s);
+        }
+        let shape = Shape {
+            heads: inputs.heads,
+            dim: inputs.dim,
+            q: qf,
+            k: kf,
+            topk: params.topk,
+            page_cols,
+            block_size: params.block_size,
+            num_blocks: params.num_blocks,
+            tail: source_tail,
+            consumer: candidates.is_some(),
+        };
+        check_shape(&shape, batch)?;
+        let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;
+        validate(&self.dev, &checked_values(inputs))?;
+        check_alignment(&ptrs)?;
+        if t == 0 {
+            return empty_output(&self.dev, source_tail, plan);
+        }
+        self.run_tiles(batch, shape, ptrs, plan)
+    }
+
+    /// Queue every tile of `plan` for a checked layer of shape `shape` whose inputs are
+    /// at `ptrs`; the outputs stay on the device.
+    fn run_tiles(
+        &self,
+        batch: &Batch,
+        shape: Shape,
+        ptrs: Ptrs,
+        plan: Plan,
+    ) -> Result<DeviceOutput> {
+        let source_tail = shape.tail;
+        let publishes = |i: usize| {
+            source_tail.is_some_and(|tail| {
+                crate::batch::publishes(&batch.rows()[i], batch.requests(), tail)
+            })
+        };
+        let mut run = Run::begin(&self.dev, batch, shape, ptrs, Vec::new(), &plan, &publishes)?;
+        for ti in 0..plan.tiles.len() {
+            run.tile(&self.dev, ti)?;
+        }
+        let measured_peak = run.transient;
+        Ok(DeviceOutput {
+            raw: run.raw,
+            page: run.page,
+            published: run.published,
+            plan,
+            measured_peak,
+        })
+    }
+}
+
+/// A shape error for `field` unless its length `got` is `want`.
+fn check_len(field: &str, got: usize, want: usize) -> Result<()> {
+    if got != want {
+        return Err(Error::shape(field, &[got], &[want]));
+    }
+    Ok(())
+}
+
+/// The device addresses and formats of `inputs` (`Ptrs::cblocks` left 0), after
+/// checking `H`, `D` and every tensor's length against `batch`.
+fn input_ptrs(
+    s: &CudaStream,
+    batch: &Batch,
+    inputs: &DeviceInputs<'_>,
+) -> Result<(Ptrs, Format, Format)> {
+    let (t, l) = (batch.num_rows(), batch.num_keys());
+    let (h, d) = (inputs.heads, inputs.dim);
+    if !(h.is_power_of_two() && (8..=64).contains(&h)) {
+        return Err(Error::range("heads", h, "a power of two in 8..=64"));
+    }
+    if ![32, 64, 128].contains(&d) {
+        return Err(Error::range("dim", d, "32, 64 or 128"));
+    }
+    let g = d / 32;
+    let mut ptrs = Ptrs::default();
+    let qf = match &inputs.q {
+        DeviceQueries::E4m3(q) => {
+            check_len("q", q.len(), t * h * d)?;
+            ptrs.q = vptr(q, s);
+            Format::E4m3
+        }
+        DeviceQueries::E2m1 { packed, scale } => {
+            check_len("q", packed.len(), t * h * d / 2)?;
+            check_len("q_scale", scale.len(), t * h * g)?;
+            ptrs.q = vptr(packed, s);
+            ptrs.q_scale = vptr(scale, s);
+            Format::E2m1
+        }
+    };
+    let kf = match &inputs.k {
+        DeviceKeys::E4m3 { codes, scale } => {
+            check_len("k", codes.len(), l * d)?;
+            check_len("k_scale", scale.len(), l)?;
+            ptrs.k = vptr(codes, s);
+            ptrs.k_scale32 = vptr(scale, s);
+            Format::E4m3
+        }
+        DeviceKeys::E2m1 { packed, scale } => {
+            check_len("k", packed.len(), l * d / 2)?;
+            check_len("k_scale", scale.len(), l * g)?;
+            ptrs.k = vptr(packed, s);
+            ptrs.k_scale8 = vptr(scale, s);
+            Format::E2m1
+        }
+    };
+    check_len("weights", inputs.weights.len(), t * h)?;
+    ptrs.w = vptr(&inputs.weights, s);
+    if let Some(slots) = &inputs.k_slots {
+        check_len("k_slots", slots.len(), l)?;
+        ptrs.k_slots = vptr(slots, s);
+    }
+    Ok((ptrs, qf, kf))
+}
+
+/// Check `params` and the source layer's tail; the page width (`page_cols`, or `K`
+/// rounded up to 64).
+fn check_params(params: &Params, source_tail: Option<Option<usize>>) -> Result<usize> {
+    if params.topk == 0 {
+        return Err(Error::range("topk", 0, "1 ..= 65536"));
+    }
+    let page_cols = match params.page_cols {
+        Some(c) if c < params.topk => {
+            return Err(Error::range("page_cols", c, "page_cols >= topk"))
+        }
+        Some(c) => c,
+        None => params.topk.div_ceil(64) * 64,
+    };
+    if params.block_size == 0 {
+        return Err(Error::range("block_size", 0, "block_size >= 1"));
+    }
+    if params.num_blocks == 0 {
+        return Err(Error::range("num_blocks", 0, "num_blocks >= 1"));
+    }
+    if let Some(Some(0)) = source_tail {
+        return Err(Error::range("tail", 0, "tail >= 1"));
+    }
+    Ok(page_cols)
+}
+
+/// The plan of a layer of shape `shape` over `batch` under `budget`, with this
+/// backend's footprint on a GPU of `sms` SMs.
+fn plan_run(batch: &Batch, shape: &Shape, budget: usize, sms: usize) -> Result<Plan> {
+    let pp = crate::plan::PlanParams {
+        heads: shape.heads,
+        dim: shape.dim,
+        topk: shape.topk,
+        block_size: shape.block_size,
+        num_blocks: shape.num_blocks,
+        role: match (shape.tail, shape.consumer) {
+            (Some(tail), _) => crate::plan::PlanRole::Source { tail },
+            (None, true) => crate::plan::PlanRole::Consumer,
+            _ => crate::plan::PlanRole::Plain,
+        },
+        budget,
+    };
+    crate::plan::plan(batch, &pp, &footprint(batch.num_rows(), shape.topk, sms))
+}
+
+/// SPEC 8's value checks of `inputs`, in Problem::new's order (keys too when there are
+/// no rows).
+fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> {
+    let mut checked = Vec::with_capacity(kernels::VALIDATE_SEGMENTS);
+    match &inputs.q {
+        DeviceQueries::E4m3(q) => checked.push(Checked::E4m3("q", q)),
+        DeviceQueries::E2m1 { scale, .. } => checked.push(Checked::Ue8m0("q_scale", scale)),
+    }
+    match &inputs.k {
+        DeviceKeys::E4m3 { codes, scale } => {
+            checked.push(Checked::E4m3("k", codes));
+            checked.push(Checked::KeyScale(scale));
+        }
+        DeviceKeys::E2m1 { scale, .. } => checked.push(Checked::Ue8m0("k_scale", scale)),
+    }
+    checked.push(Checked::Weights(&inputs.weights));
+    if let Some(slots) = &inputs.k_slots {
+        checked.push(Checked::Slots(slots));
+    }
+    checked
+}
+
+/// The kernels read query and key rows with 16-byte (and 4-byte) vector loads:
+/// their tensors must start on a 16-byte boundary (every cudarc allocation does;
+/// a view into one need not). Checked after the values, so that a bad value is
+/// reported as Problem::new reports it, wherever it sits.
+fn check_alignment(ptrs: &Ptrs) -> Result<()> {
+    for (field, addr) in [("q", ptrs.q), ("k", ptrs.k)] {
+        if addr % INPUT_ALIGN as u64 != 0 {
+            return Err(Error::range(
+                field,
+                format!("device address {addr:#x}"),
+                "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The outputs of a run with no rows: empty device buffers, nothing launched.
+fn empty_output(
+    dev: &Device,
+    source_tail: Option<Option<usize>>,
+    plan: Plan,
+) -> Result<DeviceOutput> {
+    let none = |what: &str| dev.allocate::<i32>(Fill::Empty).map_err(drv(what));
+    Ok(DeviceOutput {
+        raw: none("empty raw")?,
+        page: none("empty page")?,
+        published: match source_tail {
+            Some(_) => Some(none("empty published")?),
+            None => None,
+        },
+        plan,
+        measured_peak: 0,
+    })
+}

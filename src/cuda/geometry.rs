@@ -1,0 +1,428 @@
+//! Tile geometry on the host: the layer's shape as the kernels see it and what they
+//! support, the device's footprint per row (padded logits rows, metadata, split top-k
+//! scratch, path counters), how many segments a row's top-k is split into, and the
+//! short-row top-k's shared-memory capacity.
+
+use super::kernels::{self, Variant};
+use std::ops::Range;
+
+use crate::batch::{Batch, Row};
+use crate::error::{Error, Result};
+use crate::indexer::RowFootprint;
+use crate::plan::{Footprint, Plan};
+use crate::problem::Format;
+
+/// Logits row length on the device: `n` rounded up to 16 floats (64-byte rows).
+pub const ROW_ALIGN: usize = 16;
+
+/// Largest `K` the device top-k supports.
+pub const MAX_TOPK: usize = 1 << 16;
+
+/// Dynamic shared memory the consumer bitmap may take (bytes).
+const MAX_BITMAP_BYTES: usize = 160 * 1024;
+
+/// Dynamic shared memory a top-k block may take (bytes): the limit of sm_90 (227 KiB)
+/// less the kernels' static 42 KiB.
+const MAX_TOPK_DYNAMIC_SMEM: usize = 184 * 1024;
+
+/// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
+/// index (i32), block-key offset (u64), and up to one 16-byte row group per row.
+const META_BYTES_PER_ROW: usize = 4 + 4 + 8 + 4 + 8 + 16;
+
+/// Shape of a layer as the kernels see it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Shape {
+    pub(super) heads: usize,
+    pub(super) dim: usize,
+    pub(super) q: Format,
+    pub(super) k: Format,
+    pub(super) topk: usize,
+    pub(super) page_cols: usize,
+    pub(super) block_size: usize,
+    pub(super) num_blocks: usize,
+    pub(super) tail: Option<Option<usize>>, // Some(tail) for a source
+    pub(super) consumer: bool,
+}
+
+impl Shape {
+    /// The logits module of this layer.
+    pub(super) fn logits_variant(&self) -> Variant {
+        Variant::Logits {
+            heads: self.heads,
+            groups: self.dim / 32,
+            q: self.q,
+            k: self.k,
+        }
+    }
+}
+
+/// Per-tile launch geometry, computed once on the host in `begin`.
+#[derive(Debug, Clone)]
+pub(super) struct TileGeom {
+    pub(super) groups: std::ops::Range<usize>,
+    pub(super) chunks: u32,
+    pub(super) max_blocks: usize,
+    pub(super) rows: std::ops::Range<usize>,
+    pub(super) segments: usize,
+    /// Shared-memory row capacity of the top-k launch for the tile's rows of at most
+    /// [`kernels::TOPK_SHORT_CAP`] keys (the longest such row with more than K keys,
+    /// rounded up to 8; 0: none).
+    pub(super) short_cap: u32,
+    /// The tile's longest row (keys).
+    pub(super) max_n: usize,
+}
+
+/// Rows x segments of a tile whose top-k is split across blocks (tiles of fewer than
+/// [`split_rows`] rows) on a GPU of `sms` SMs: at most this many segment selections of
+/// `K` ids each (two per SM).
+pub(super) fn split_segments_cap(sms: usize) -> usize {
+    2 * sms
+}
+/// The path counters on the device: the top-k's, then the logits kernels'.
+pub(super) const PATHS_BYTES: usize = (kernels::TOPK_PATHS.len() + kernels::LOGITS_PATHS.len()) * 4;
+/// Tiles with fewer rows than this (one per SM of a GPU of `sms` SMs) split each row's
+/// top-k across several blocks.
+pub(super) fn split_rows(sms: usize) -> usize {
+    sms
+}
+
+/// The footprint of the device (of `sms` SMs) for a problem with `rows` rows and
+/// `K = topk`: the per-row metadata and the split top-k's segment scratch
+/// (`split_segments_cap(sms) * K` ids).
+pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
+    RowFootprint {
+        align: ROW_ALIGN,
+        workers: 1,
+        worker_bytes: rows
+            .saturating_mul(META_BYTES_PER_ROW)
+            .saturating_add(
+                split_segments_cap(sms)
+                    .saturating_mul(topk)
+                    .saturating_mul(4),
+            )
+            .saturating_add(PATHS_BYTES),
+    }
+}
+
+/// Segments per row for a tile of `rows` rows whose longest row has `max_n` keys on a
+/// GPU of `sms` SMs (1: no split). Each segment keeps at least 8 K keys.
+pub(super) fn split_segments(rows: usize, max_n: usize, topk: usize, sms: usize) -> usize {
+    if rows == 0 || rows >= split_rows(sms) {
+        return 1;
+    }
+    (split_segments_cap(sms) / rows)
+        .min(16)
+        .min(max_n / (8 * topk.max(1)))
+        .max(1)
+}
+
+/// The shared-memory row capacity (keys) of a tile's short-row top-k launch: the longest
+/// of the tile's rows `ns` with `topk < n <= short` keys, rounded up to 8 (the kernel
+/// reads the row 8 keys at a time), or 0 when there is none or when it would not fit the
+/// dynamic shared memory beside a consumer's bitmap of `bitmap_words`. The tile's rows of
+/// at most this many keys take `topk_short_f32`, the others `topk_ragged_f32`.
+pub(super) fn short_row_cap(
+    ns: impl Iterator<Item = usize>,
+    topk: usize,
+    short: usize,
+    bitmap_words: u32,
+) -> u32 {
+    let longest = ns.filter(|&n| n > topk && n <= short).max().unwrap_or(0);
+    let cap = longest.next_multiple_of(8);
+    if longest > 0 && short_launch_smem(bitmap_words, cap) <= MAX_TOPK_DYNAMIC_SMEM {
+        cap as u32
+    } else {
+        0
+    }
+}
+
+/// Dynamic shared memory (bytes) of a `topk_short_f32` launch: the consumer bitmap's
+/// `bitmap_words`, rounded up to 16 bytes, then `row_cap` keys (`topk.cu`'s layout).
+pub(super) fn short_launch_smem(bitmap_words: u32, row_cap: usize) -> usize {
+    (bitmap_words as usize).next_multiple_of(4) * 4 + row_cap * 4
+}
+
+/// Check what the kernels support, before any allocation.
+pub(super) fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
+    if s.topk > MAX_TOPK {
+        return Err(Error::range(
+            "topk",
+            s.topk,
+            "at most 65536 on the CUDA backend",
+        ));
+    }
+    if batch.num_keys() >= (1usize << 31) {
+        return Err(Error::range(
+            "keys L",
+            batch.num_keys(),
+            "fewer than 2^31 keys on the CUDA backend",
+        ));
+    }
+    if batch.num_rows() >= (1usize << 31) {
+        return Err(Error::range(
+            "rows T",
+            batch.num_rows(),
+            "fewer than 2^31 rows on the CUDA backend",
+        ));
+    }
+    if s.consumer {
+        let max_n = batch.rows().iter().map(|r| r.n).max().unwrap_or(0);
+        let bytes = max_n.div_ceil(s.block_size).div_ceil(32) * 4;
+        if bytes > MAX_BITMAP_BYTES {
+            return Err(Error::range(
+                "block_size",
+                s.block_size,
+                "consumer rows need ceil(n / B) / 8 <= 160 KiB of shared memory on the CUDA backend",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A run's per-row metadata and per-tile launch geometry, computed on the host once per
+/// run (uploaded by the run's `begin`).
+#[derive(Debug, Clone)]
+pub(super) struct RowMeta {
+    /// Visible keys per row.
+    pub(super) row_n: Vec<u32>,
+    /// Flat key offset per row.
+    pub(super) row_ks: Vec<u32>,
+    /// Each row's offset (floats) in its tile's logits buffer.
+    pub(super) row_off: Vec<u64>,
+    /// Each row's published index (-1: does not publish).
+    pub(super) row_pub: Vec<i32>,
+    /// Each publishing row's offset in its tile's block keys.
+    pub(super) row_boff: Vec<u64>,
+    /// Row groups, 4 words each: first row, rows, longest row, 0.
+    pub(super) groups: Vec<u32>,
+    /// Per tile.
+    pub(super) geom: Vec<TileGeom>,
+    /// Publishing rows.
+    pub(super) npub: i32,
+    /// Words of a consumer row's bitmap of kept blocks (0: not a consumer).
+    pub(super) bitmap_words: u32,
+}
+
+/// What every tile's geometry is computed from.
+struct Layout<'a> {
+    rows: &'a [Row],
+    shape: &'a Shape,
+    fp: &'a RowFootprint,
+    publishes: &'a dyn Fn(usize) -> bool,
+    /// Rows of one logits block (a row group's most).
+    lg_rows: usize,
+    /// The GPU's SMs.
+    sms: usize,
+}
+
+impl RowMeta {
+    /// The metadata of `batch`'s rows for a layer of shape `shape` run in `plan`'s
+    /// tiles on a GPU of `sms` SMs, each row taking `fp.row_bytes(n)` of its tile's
+    /// logits buffer; rows `i` with `publishes(i)` publish their kept blocks.
+    pub(super) fn new(
+        batch: &Batch,
+        shape: &Shape,
+        plan: &Plan,
+        fp: &RowFootprint,
+        publishes: &dyn Fn(usize) -> bool,
+        sms: usize,
+    ) -> RowMeta {
+        let rows = batch.rows();
+        let t = rows.len();
+        let mut m = RowMeta {
+            row_n: Vec::with_capacity(t),
+            row_ks: Vec::with_capacity(t),
+            row_off: vec![0u64; t],
+            row_pub: vec![-1i32; t],
+            row_boff: vec![0u64; t],
+            groups: Vec::new(),
+            geom: Vec::with_capacity(plan.tiles.len()),
+            npub: 0,
+            bitmap_words: 0,
+        };
+        let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant());
+        for r in rows {
+            m.row_n.push(r.n as u32);
+            m.row_ks.push(r.ks as u32);
+        }
+        // A consumer row's bitmap of kept blocks, then (from a 16-byte boundary) the
+        // shared-memory row: the top-k launch's dynamic shared memory.
+        let longest = rows.iter().map(|r| r.n).max().unwrap_or(0);
+        m.bitmap_words = if shape.consumer {
+            longest.div_ceil(shape.block_size).div_ceil(32).max(1) as u32
+        } else {
+            0
+        };
+        let layout = Layout {
+            rows,
+            shape,
+            fp,
+            publishes,
+            lg_rows,
+            sms,
+        };
+        for tile in &plan.tiles {
+            m.push_tile(&layout, tile.rows.clone());
+        }
+        m
+    }
+
+    /// Append tile `tile`'s row groups, its rows' offsets and published indices, and
+    /// its geometry.
+    fn push_tile(&mut self, l: &Layout<'_>, tile: Range<usize>) {
+        let (rows, shape) = (l.rows, l.shape);
+        let (mut off, mut boff) = (0u64, 0u64);
+        let g0 = self.groups.len() / 4;
+        let mut max_blocks = 0usize;
+        let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), l.lg_rows);
+        let short_cap = short_row_cap(
+            rows[tile.clone()].iter().map(|r| r.n),
+            shape.topk,
+            kernels::topk_short_cap(),
+            self.bitmap_words,
+        );
+        for i in tile.clone() {
+            self.row_off[i] = off;
+            off += (l.fp.row_bytes(rows[i].n) / 4) as u64;
+            if (l.publishes)(i) {
+                self.row_pub[i] = self.npub;
+                self.npub += 1;
+                self.row_boff[i] = boff;
+                let nb = rows[i].n.div_ceil(shape.block_size);
+                boff += nb as u64;
+                max_blocks = max_blocks.max(nb);
+            }
+        }
+        self.geom.push(TileGeom {
+            groups: g0..self.groups.len() / 4,
+            chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
+            max_blocks,
+            rows: tile.clone(),
+            segments: split_segments(tile.len(), max_n, shape.topk, l.sms),
+            short_cap,
+            max_n,
+        });
+    }
+}
+
+/// Append the row groups of tile rows `tile` to `groups` (4 words each: first row, rows,
+/// longest row, 0) and return the tile's longest row. A row group: up to one logits
+/// block's `lg_rows` rows, consecutive, of one request.
+fn push_row_groups(
+    groups: &mut Vec<u32>,
+    rows: &[Row],
+    tile: Range<usize>,
+    lg_rows: usize,
+) -> usize {
+    let mut max_n = 0usize;
+    let mut i = tile.start;
+    while i < tile.end {
+        // A row group: up to one logits block's rows, consecutive, of one request.
+        let mut e = i + 1;
+        while e < tile.end
+            && e - i < lg_rows
+            && rows[e].ks == rows[i].ks
+            && rows[e].request == rows[i].request
+        {
+            e += 1;
+        }
+        let nmax = rows[i..e].iter().map(|r| r.n).max().unwrap_or(0);
+        groups.extend_from_slice(&[i as u32, (e - i) as u32, nmax as u32, 0]);
+        max_n = max_n.max(nmax);
+        i = e;
+    }
+    max_n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SMs of an H200 (and an H100 SXM).
+    const H200_SMS: usize = 132;
+    /// SMs of an H100 PCIe.
+    const H100_PCIE_SMS: usize = 114;
+
+    /// The split top-k's scratch is planned as `split_segments_cap(sms) * K` ids: every
+    /// tile's rows x segments must stay within it, and long rows of small tiles must
+    /// split.
+    #[test]
+    fn split_segments_stay_within_the_planned_scratch() {
+        for sms in [H200_SMS, H100_PCIE_SMS] {
+            for rows in 0..400 {
+                for max_n in [0usize, 1, 100, 4095, 4096, 65536, 1 << 20] {
+                    for topk in [1usize, 7, 512, 2048, 65536] {
+                        let s = split_segments(rows, max_n, topk, sms);
+                        assert!(s >= 1);
+                        if s > 1 {
+                            assert!(rows * s <= split_segments_cap(sms), "rows {rows} x {s}");
+                            assert!(max_n / s >= 8 * topk, "segments of >= 8 K keys");
+                        }
+                    }
+                }
+            }
+            assert!(split_segments(64, 1 << 20, 512, sms) > 1);
+            assert_eq!(split_segments(split_rows(sms), 1 << 20, 512, sms), 1);
+        }
+    }
+
+    /// The split geometry follows the GPU's SM count: on an H200 two segment
+    /// selections per SM (264) and tiles of fewer than 132 rows split.
+    #[test]
+    fn split_geometry_scales_with_the_sm_count() {
+        assert_eq!(split_segments_cap(H200_SMS), 264);
+        assert_eq!(split_rows(H200_SMS), 132);
+        assert_eq!(split_segments_cap(H100_PCIE_SMS), 228);
+        assert_eq!(split_rows(H100_PCIE_SMS), 114);
+        // 120 rows: split on an H200 (264 / 120 = 2 segments), not on an H100 PCIe.
+        assert_eq!(split_segments(120, 1 << 20, 512, H200_SMS), 2);
+        assert_eq!(split_segments(120, 1 << 20, 512, H100_PCIE_SMS), 1);
+    }
+
+    #[test]
+    fn short_row_cap_takes_the_longest_short_row_that_fits() {
+        let cap = kernels::TOPK_SHORT_CAP;
+        let k = 2048;
+        // Rows of at most K keys need no row buffer; rows above the cap are long.
+        assert_eq!(short_row_cap([1, 100, k].into_iter(), k, cap, 0), 0);
+        assert_eq!(short_row_cap([cap + 1, 1 << 20].into_iter(), k, cap, 0), 0);
+        assert_eq!(
+            short_row_cap([k + 1].into_iter(), k, cap, 0),
+            (k + 8) as u32
+        );
+        assert_eq!(
+            short_row_cap([5, k + 1, 9000, cap + 1].into_iter(), k, cap, 0),
+            9000
+        );
+        assert_eq!(
+            short_row_cap([cap - 1, cap].into_iter(), k, cap, 0),
+            cap as u32
+        );
+        // A rounded-up capacity: every row of the launch fits, read 8 keys at a time.
+        let c = short_row_cap([9001].into_iter(), k, cap, 0);
+        assert!(c as usize >= 9001 && c % 8 == 0 && c < 9001 + 8);
+        // With a consumer's bitmap the row buffer must still fit: else no short launch.
+        let room = ((MAX_TOPK_DYNAMIC_SMEM - 4 * 9008) / 4) as u32; // bitmap words
+        assert_eq!(room % 4, 0);
+        assert_eq!(short_row_cap([9001].into_iter(), k, cap, room), 9008);
+        assert_eq!(short_row_cap([9001].into_iter(), k, cap, room + 1), 0);
+        assert_eq!(short_launch_smem(room, 9008), MAX_TOPK_DYNAMIC_SMEM);
+        assert_eq!(
+            short_launch_smem(room + 1, 9008),
+            MAX_TOPK_DYNAMIC_SMEM + 16
+        );
+        // TK_SHORT=0 (short = 0): never.
+        assert_eq!(short_row_cap([k + 1].into_iter(), k, 0, 0), 0);
+    }
+
+    #[test]
+    fn footprint_counts_metadata_and_split_scratch() {
+        let fp = footprint(1000, 512, H200_SMS);
+        assert_eq!(fp.align, ROW_ALIGN);
+        assert_eq!(
+            fp.worker_bytes,
+            1000 * META_BYTES_PER_ROW + 2 * H200_SMS * 512 * 4 + PATHS_BYTES
+        );
+        assert_eq!(fp.row_bytes(17), 32 * 4);
+    }
+}

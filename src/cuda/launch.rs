@@ -1,0 +1,474 @@
+//! One launcher per kernel family of a run, each with its arguments as a struct whose
+//! fields are the kernel's parameters, in their order: the logits kernels
+//! (`kernels/logits.cu`), the source layer's block keys and kept blocks, and the top-k
+//! kernels (`kernels/topk.cu`). Device addresses are `u64` (0 = absent), counts `u32`,
+//! as the kernels declare them.
+
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+
+use super::device::drv;
+use super::kernels;
+use crate::error::Result;
+
+/// The most blocks a launch's grid may have along y: tiles of more row groups (or
+/// rows) take several launches.
+const MAX_GRID_Y: usize = 65535;
+
+/// Raise `f`'s dynamic shared-memory limit to `bytes` (a consumer row's bitmap on top of
+/// the top-k kernels' static 42 KiB exceeds the default 48 KiB); nothing for 0.
+pub(super) fn allow_dynamic_smem(f: &CudaFunction, bytes: u32) -> Result<()> {
+    if bytes > 0 {
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(drv("set shared memory size"))?;
+    }
+    Ok(())
+}
+
+/// The parameters of a logits kernel (`mqa_logits`, `mqa_logits_wgr`, `mqa_logits_w16`,
+/// `mqa_logits_w8`: one signature).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LogitsArgs {
+    /// Queries: E4M3 `[T, H, D]` or packed E2M1 `[T, H, D/2]`.
+    pub q: u64,
+    /// UE8M0 query group scales `[T, H, G]` (E2M1 queries).
+    pub q_scale: u64,
+    /// Keys: E4M3 `[L, D]` or packed E2M1 `[L, D/2]`.
+    pub k: u64,
+    /// UE8M0 key group scales `[L, G]` (E2M1 keys).
+    pub k_scale8: u64,
+    /// f32 per-key scales `[L]` (E4M3 keys).
+    pub k_scale32: u64,
+    /// Weights `[T, H]`.
+    pub w: u64,
+    /// Visible keys per row.
+    pub row_n: u64,
+    /// Flat key offset per row.
+    pub row_ks: u64,
+    /// Each row's offset (floats) in the logits tile.
+    pub row_off: u64,
+    /// Row groups `(row0, rows, nmax, 0)`.
+    pub groups: u64,
+    /// The launch's first row group (grid y counts from it); [`logits`] sets it for
+    /// each of its launches.
+    pub group0: u32,
+    /// The logits tile.
+    pub logits: u64,
+    /// The exact-class folding counters (`LG_PATH_*`).
+    pub paths: u64,
+}
+
+/// Launch logits kernel `f` (`threads` per block) over row groups `groups`, `gx` blocks
+/// of key tiles per group: one launch per [`MAX_GRID_Y`] groups.
+pub(super) fn logits(
+    s: &CudaStream,
+    f: &CudaFunction,
+    args: &LogitsArgs,
+    groups: std::ops::Range<usize>,
+    gx: u32,
+    threads: u32,
+) -> Result<()> {
+    let mut start = groups.start;
+    while start < groups.end {
+        let count = (groups.end - start).min(MAX_GRID_Y);
+        let a = LogitsArgs {
+            group0: start as u32,
+            ..*args
+        };
+        let mut l = s.launch_builder(f);
+        l.arg(&a.q)
+            .arg(&a.q_scale)
+            .arg(&a.k)
+            .arg(&a.k_scale8)
+            .arg(&a.k_scale32)
+            .arg(&a.w)
+            .arg(&a.row_n)
+            .arg(&a.row_ks)
+            .arg(&a.row_off)
+            .arg(&a.groups)
+            .arg(&a.group0)
+            .arg(&a.logits)
+            .arg(&a.paths);
+        // SAFETY: every pointer addresses a live device buffer of the shape the
+        // kernel reads (validated problem); writes stay inside each row's
+        // footprint in the logits tile, which the plan sized.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (gx, count as u32, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(drv("launch mqa_logits"))?;
+        start += count;
+    }
+    Ok(())
+}
+
+/// The parameters of `block_keys_f32`: the block keys of a tile's publishing rows.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct BlockKeysArgs {
+    /// The logits tile.
+    pub logits: u64,
+    /// Each row's offset (floats) in the logits tile.
+    pub row_off: u64,
+    /// Visible keys per row.
+    pub row_n: u64,
+    /// Each row's published index (-1: does not publish).
+    pub row_pub: u64,
+    /// Each publishing row's offset in the block keys.
+    pub row_boff: u64,
+    /// The launch's first row (grid y counts from it); [`block_keys`] sets it for each
+    /// of its launches.
+    pub row0: u32,
+    /// `B`.
+    pub block_size: u32,
+    /// The block keys (written).
+    pub bkeys: u64,
+}
+
+/// Launch `block_keys_f32` (`f`) over `rows` rows from `args.row0`, `gx` blocks per
+/// row: one launch per [`MAX_GRID_Y`] rows.
+pub(super) fn block_keys(
+    s: &CudaStream,
+    f: &CudaFunction,
+    args: &BlockKeysArgs,
+    rows: u32,
+    gx: u32,
+) -> Result<()> {
+    let mut r = 0u32;
+    while r < rows {
+        let count = (rows - r).min(MAX_GRID_Y as u32);
+        let a = BlockKeysArgs {
+            row0: args.row0 + r,
+            ..*args
+        };
+        let mut l = s.launch_builder(f);
+        l.arg(&a.logits)
+            .arg(&a.row_off)
+            .arg(&a.row_n)
+            .arg(&a.row_pub)
+            .arg(&a.row_boff)
+            .arg(&a.row0)
+            .arg(&a.block_size)
+            .arg(&a.bkeys);
+        // SAFETY: reads each publishing row's n logits, writes its
+        // ceil(n/B) block keys at its offset in the plan-sized buffer.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (gx, count, 1),
+                block_dim: (kernels::BLOCK_KEYS_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(drv("launch block_keys_f32"))?;
+        r += count;
+    }
+    Ok(())
+}
+
+/// The parameters of `kept_blocks_u32`: the kept blocks of a tile's publishing rows
+/// (SPEC 6).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct KeptBlocksArgs {
+    /// The block keys.
+    pub bkeys: u64,
+    /// Visible keys per row.
+    pub row_n: u64,
+    /// Each row's published index (-1: does not publish).
+    pub row_pub: u64,
+    /// Each publishing row's offset in the block keys.
+    pub row_boff: u64,
+    /// The tile's first row.
+    pub row0: u32,
+    /// `B`.
+    pub block_size: u32,
+    /// `NB`.
+    pub num_blocks: u32,
+    /// The published rows `[P, NB]` (written).
+    pub published: u64,
+}
+
+/// Launch `kept_blocks_u32` (`f`): one block per row of the tile's `rows`.
+pub(super) fn kept_blocks(
+    s: &CudaStream,
+    f: &CudaFunction,
+    a: &KeptBlocksArgs,
+    rows: u32,
+) -> Result<()> {
+    let mut l = s.launch_builder(f);
+    l.arg(&a.bkeys)
+        .arg(&a.row_n)
+        .arg(&a.row_pub)
+        .arg(&a.row_boff)
+        .arg(&a.row0)
+        .arg(&a.block_size)
+        .arg(&a.num_blocks)
+        .arg(&a.published);
+    // SAFETY: publishing rows read their block keys and write their NB-wide
+    // published row; rows with no blocks write only -1.
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: (rows, 1, 1),
+            block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .map_err(drv("launch kept_blocks_u32"))?;
+    Ok(())
+}
+
+/// The parameters of `topk_segments_f32`: each row's top-k split into segments, the K
+/// best of each segment into the scratch.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TopkSegmentsArgs {
+    /// The logits tile.
+    pub logits: u64,
+    /// Each row's offset (floats) in the logits tile.
+    pub row_off: u64,
+    /// Visible keys per row.
+    pub row_n: u64,
+    /// The tile's first row.
+    pub row0: u32,
+    /// `K`.
+    pub k: u32,
+    /// The split top-k's scratch `[rows, segments, K]` (written).
+    pub scratch: u64,
+    /// Consumer candidates `[T, NB]` (0: not a consumer).
+    pub cblocks: u64,
+    /// `NB`.
+    pub num_blocks: u32,
+    /// `B`.
+    pub block_size: u32,
+    /// Words of a consumer row's bitmap of kept blocks.
+    pub bitmap_words: u32,
+    /// The top-k path counters (`TK_PATH_*`).
+    pub paths: u64,
+}
+
+/// Launch `topk_segments_f32` (`f`): grid (`segments`, `rows`), `smem` bytes of dynamic
+/// shared memory.
+pub(super) fn topk_segments(
+    s: &CudaStream,
+    f: &CudaFunction,
+    a: &TopkSegmentsArgs,
+    segments: u32,
+    rows: u32,
+    smem: u32,
+) -> Result<()> {
+    let mut l = s.launch_builder(f);
+    l.arg(&a.logits)
+        .arg(&a.row_off)
+        .arg(&a.row_n)
+        .arg(&a.row0)
+        .arg(&a.k)
+        .arg(&a.scratch)
+        .arg(&a.cblocks)
+        .arg(&a.num_blocks)
+        .arg(&a.block_size)
+        .arg(&a.bitmap_words)
+        .arg(&a.paths);
+    // SAFETY: block (s, r) reads segment s of row r's logits and writes its K ids
+    // to scratch [r, s, :], sized rows * segments * K in begin.
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: (segments, rows, 1),
+            block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+            shared_mem_bytes: smem,
+        })
+    }
+    .map_err(drv("launch topk_segments_f32"))?;
+    Ok(())
+}
+
+/// The parameters of `topk_merge_f32`: each row's K best of its segments' ids, and the
+/// index assembly.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TopkMergeArgs {
+    /// The logits tile.
+    pub logits: u64,
+    /// Each row's offset (floats) in the logits tile.
+    pub row_off: u64,
+    /// Flat key offset per row.
+    pub row_ks: u64,
+    /// The tile's first row.
+    pub row0: u32,
+    /// `K`.
+    pub k: u32,
+    /// Segments per row.
+    pub segments: u32,
+    /// The split top-k's scratch `[rows, segments, K]`.
+    pub scratch: u64,
+    /// `raw [T, K]` (written).
+    pub raw: u64,
+    /// `page [T, page_cols]` (written).
+    pub page: u64,
+    /// `page_cols`.
+    pub page_cols: u32,
+    /// Pool slots `[L]` (0: the identity).
+    pub k_slots: u64,
+    /// The top-k path counters (`TK_PATH_*`).
+    pub paths: u64,
+}
+
+/// Launch `topk_merge_f32` (`f`): one block per row of the tile's `rows`.
+pub(super) fn topk_merge(
+    s: &CudaStream,
+    f: &CudaFunction,
+    a: &TopkMergeArgs,
+    rows: u32,
+) -> Result<()> {
+    let mut l = s.launch_builder(f);
+    l.arg(&a.logits)
+        .arg(&a.row_off)
+        .arg(&a.row_ks)
+        .arg(&a.row0)
+        .arg(&a.k)
+        .arg(&a.segments)
+        .arg(&a.scratch)
+        .arg(&a.raw)
+        .arg(&a.page)
+        .arg(&a.page_cols)
+        .arg(&a.k_slots)
+        .arg(&a.paths);
+    // SAFETY: row r reads its S*K scratch ids (each -1 or a visible key of the
+    // row) and their logits, and writes its rows of raw and page.
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: (rows, 1, 1),
+            block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .map_err(drv("launch topk_merge_f32"))?;
+    Ok(())
+}
+
+/// The parameters of the one-block-per-row top-k kernels `topk_short_f32` and
+/// `topk_ragged_f32` (one signature): selection and index assembly.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TopkRowsArgs {
+    /// The logits tile.
+    pub logits: u64,
+    /// Each row's offset (floats) in the logits tile.
+    pub row_off: u64,
+    /// Visible keys per row.
+    pub row_n: u64,
+    /// Flat key offset per row.
+    pub row_ks: u64,
+    /// The tile's first row.
+    pub row0: u32,
+    /// `K`.
+    pub k: u32,
+    /// `raw [T, K]` (written).
+    pub raw: u64,
+    /// `page [T, page_cols]` (written).
+    pub page: u64,
+    /// `page_cols`.
+    pub page_cols: u32,
+    /// Pool slots `[L]` (0: the identity).
+    pub k_slots: u64,
+    /// Consumer candidates `[T, NB]` (0: not a consumer).
+    pub cblocks: u64,
+    /// `NB`.
+    pub num_blocks: u32,
+    /// `B`.
+    pub block_size: u32,
+    /// Words of a consumer row's bitmap of kept blocks.
+    pub bitmap_words: u32,
+    /// The rows the launch takes: `topk_short_f32`'s `row_cap` (rows of at most this
+    /// many keys, which fit its shared memory), `topk_ragged_f32`'s `n_min` (rows of at
+    /// least this many).
+    pub row_bound: u32,
+    /// The top-k path counters (`TK_PATH_*`).
+    pub paths: u64,
+}
+
+/// Launch top-k kernel `f` (`name`: `topk_short_f32` or `topk_ragged_f32`): one block
+/// per row of the tile's `rows`, `dyn_smem` bytes of dynamic shared memory.
+pub(super) fn topk_rows(
+    s: &CudaStream,
+    f: &CudaFunction,
+    name: &str,
+    a: &TopkRowsArgs,
+    rows: u32,
+    dyn_smem: u32,
+) -> Result<()> {
+    let mut l = s.launch_builder(f);
+    l.arg(&a.logits)
+        .arg(&a.row_off)
+        .arg(&a.row_n)
+        .arg(&a.row_ks)
+        .arg(&a.row0)
+        .arg(&a.k)
+        .arg(&a.raw)
+        .arg(&a.page)
+        .arg(&a.page_cols)
+        .arg(&a.k_slots)
+        .arg(&a.cblocks)
+        .arg(&a.num_blocks)
+        .arg(&a.block_size)
+        .arg(&a.bitmap_words)
+        .arg(&a.row_bound)
+        .arg(&a.paths);
+    // SAFETY: each block reads its row's n logits (written by step 1, same
+    // stream) and writes its row of raw [T, K] and page [T, page_cols];
+    // topk_short_f32 takes only rows of n <= row_cap, whose keys fit the
+    // shared memory this launch sizes.
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: (rows, 1, 1),
+            block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
+            shared_mem_bytes: dyn_smem,
+        })
+    }
+    .map_err(drv(name))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kernels::Variant;
+    use super::*;
+    use crate::problem::Format;
+
+    #[test]
+    fn wgmma_runs_the_h32_exact_class_and_h64_e4m3_and_mma_sync_the_rest() {
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // an override changes the choice on purpose
+        }
+        for v in Variant::all() {
+            let Variant::Logits {
+                heads,
+                groups,
+                q,
+                k,
+            } = v
+            else {
+                continue;
+            };
+            let (name, rows, threads) = kernels::logits_kernel(v);
+            let wg = q == Format::E2m1 && k == Format::E2m1 && heads == 32 && groups >= 2;
+            let w16 = q == Format::E4m3 && k == Format::E4m3 && heads == 64;
+            // The exact class keeps its keys in registers by default (WG_RS=0: shared memory).
+            assert_eq!(name == "mqa_logits_wgr", wg, "{}", v.name());
+            // E4M3 x E4M3 at H = 64 on f16 wgmma by default (W8=1: fp8 wgmma).
+            assert_eq!(name == "mqa_logits_w16", w16, "{}", v.name());
+            assert!(!kernels::logits_on_fp8_accumulator(v), "{}", v.name());
+            assert_eq!(kernels::logits_wgmma(v), wg || w16, "{}", v.name());
+            if wg || w16 {
+                // One warpgroup per 2 rows: 2 x 32 heads = the 64 columns of its MMA, or
+                // 2 x 64 heads = 128.
+                assert_eq!((rows, threads), (2, 128), "{}", v.name());
+            } else {
+                assert_eq!(rows, kernels::logits_rows(heads), "{}", v.name());
+                assert_eq!(threads, rows * 32, "{}", v.name());
+            }
+            // The host's choice is in the variant's source (tests/nvrtc_compile.rs checks
+            // the compiled module's entries).
+            assert!(v.source().contains(&format!("{name}(")), "{}", v.name());
+        }
+    }
+}

@@ -1,0 +1,500 @@
+//! One run's device state and its per-tile steps: the inputs' device addresses, the
+//! per-row metadata and tile geometry uploaded once, the transient buffers (logits
+//! tile, block keys, split top-k scratch) allocated once and reused by every tile, and
+//! the outputs, which stay on the device.
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
+use super::alloc::Fill;
+use super::device::{drv, ptr, Device};
+use super::geometry::{footprint, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES};
+use super::kernels::{self, Variant};
+use super::launch::{
+    self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, TopkMergeArgs,
+    TopkRowsArgs, TopkSegmentsArgs,
+};
+use crate::batch::Batch;
+use crate::error::Result;
+use crate::plan::Plan;
+
+/// Raw device addresses of a run's inputs (0 = absent).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Ptrs {
+    pub(super) q: u64,
+    pub(super) q_scale: u64,
+    pub(super) k: u64,
+    pub(super) k_scale8: u64,
+    pub(super) k_scale32: u64,
+    pub(super) w: u64,
+    pub(super) k_slots: u64,
+    pub(super) cblocks: u64,
+}
+
+/// One run's device state.
+pub(super) struct Run {
+    shape: Shape,
+    ptrs: Ptrs,
+    // Metadata (transient, counted).
+    row_n: CudaSlice<u32>,
+    row_ks: CudaSlice<u32>,
+    row_off: CudaSlice<u64>,
+    row_pub: CudaSlice<i32>,
+    row_boff: CudaSlice<u64>,
+    groups: CudaSlice<u32>,
+    pub(super) logits: Option<CudaSlice<f32>>,
+    bkeys: Option<CudaSlice<u32>>,
+    split: Option<CudaSlice<i32>>,
+    geom: Vec<TileGeom>,
+    // Outputs.
+    pub(super) raw: CudaSlice<i32>,
+    pub(super) page: CudaSlice<i32>,
+    pub(super) published: Option<CudaSlice<i32>>,
+    /// Path counters: the top-k's (`kernels::TOPK_PATHS`), then the logits kernels'
+    /// (`kernels::LOGITS_PATHS`).
+    pub(super) paths: CudaSlice<u32>,
+    // Host-input uploads kept alive for the run (not transient).
+    _owned: Vec<OwnedBuf>,
+    pub(super) transient: usize,
+    bitmap_words: u32,
+}
+
+/// The device addresses of a run's buffers (0 = absent), taken once per step for the
+/// kernel arguments of both halves of a tile.
+#[derive(Debug, Clone, Copy)]
+struct RunAddrs {
+    logits: u64,
+    row_n: u64,
+    row_ks: u64,
+    row_off: u64,
+    row_pub: u64,
+    row_boff: u64,
+    groups: u64,
+    bkeys: u64,
+    split: u64,
+    raw: u64,
+    page: u64,
+    published: u64,
+    paths: u64,
+}
+
+impl Run {
+    fn addrs(&self, s: &CudaStream) -> RunAddrs {
+        let opt = |b: &Option<CudaSlice<_>>| b.as_ref().map_or(0, |b| ptr(b, s));
+        RunAddrs {
+            logits: self.logits.as_ref().map_or(0, |l| ptr(l, s)),
+            row_n: ptr(&self.row_n, s),
+            row_ks: ptr(&self.row_ks, s),
+            row_off: ptr(&self.row_off, s),
+            row_pub: ptr(&self.row_pub, s),
+            row_boff: ptr(&self.row_boff, s),
+            groups: ptr(&self.groups, s),
+            bkeys: self.bkeys.as_ref().map_or(0, |b| ptr(b, s)),
+            split: opt(&self.split),
+            raw: ptr(&self.raw, s),
+            page: ptr(&self.page, s),
+            published: opt(&self.published),
+            paths: ptr(&self.paths, s),
+        }
+    }
+}
+
+#[allow(dead_code)]
+pub(super) enum OwnedBuf {
+    U8(CudaSlice<u8>),
+    F32(CudaSlice<f32>),
+    I32(CudaSlice<i32>),
+}
+
+/// A run's per-row metadata on the device (transient, counted).
+struct MetaBufs {
+    row_n: CudaSlice<u32>,
+    row_ks: CudaSlice<u32>,
+    row_off: CudaSlice<u64>,
+    row_pub: CudaSlice<i32>,
+    row_boff: CudaSlice<u64>,
+    groups: CudaSlice<u32>,
+}
+
+impl MetaBufs {
+    /// Upload `meta`'s per-row arrays and row groups.
+    fn upload(dev: &Device, meta: &RowMeta) -> Result<MetaBufs> {
+        let up = |what: &str, e| drv(what)(e);
+        let row_n = dev
+            .allocate(Fill::Host(&meta.row_n))
+            .map_err(|e| up("upload row_n", e))?;
+        let row_ks = dev
+            .allocate(Fill::Host(&meta.row_ks))
+            .map_err(|e| up("upload row_ks", e))?;
+        let row_off = dev
+            .allocate(Fill::Host(&meta.row_off))
+            .map_err(|e| up("upload row_off", e))?;
+        let row_pub = dev
+            .allocate(Fill::Host(&meta.row_pub))
+            .map_err(|e| up("upload row_pub", e))?;
+        let row_boff = dev
+            .allocate(Fill::Host(&meta.row_boff))
+            .map_err(|e| up("upload row_boff", e))?;
+        let groups = dev
+            .allocate(Fill::Host(&meta.groups))
+            .map_err(|e| up("upload groups", e))?;
+        Ok(MetaBufs {
+            row_n,
+            row_ks,
+            row_off,
+            row_pub,
+            row_boff,
+            groups,
+        })
+    }
+}
+
+/// A run's transient buffers, reused by every tile: the logits tile, the block keys
+/// and the split top-k's scratch (each absent when the plan needs none).
+struct TransientBufs {
+    logits: Option<CudaSlice<f32>>,
+    bkeys: Option<CudaSlice<u32>>,
+    split: Option<CudaSlice<i32>>,
+}
+
+impl TransientBufs {
+    /// Allocate the plan's logits tile and block keys and the scratch of the tile of
+    /// `geom` that splits the most ids, adding their bytes to `transient`.
+    fn alloc(
+        dev: &Device,
+        plan: &Plan,
+        geom: &[TileGeom],
+        topk: usize,
+        transient: &mut usize,
+    ) -> Result<TransientBufs> {
+        let logits = if plan.peak.logits_tile > 0 {
+            *transient += plan.peak.logits_tile;
+            Some(
+                dev.allocate::<f32>(Fill::Zeros(plan.peak.logits_tile / 4))
+                    .map_err(drv("alloc logits tile"))?,
+            )
+        } else {
+            None
+        };
+        let bkeys = if plan.peak.block_scores > 0 {
+            *transient += plan.peak.block_scores;
+            Some(
+                dev.allocate::<u32>(Fill::Zeros(plan.peak.block_scores / 4))
+                    .map_err(drv("alloc block keys"))?,
+            )
+        } else {
+            None
+        };
+        let split_ids = geom
+            .iter()
+            .map(|g| {
+                if g.segments > 1 {
+                    g.rows.len() * g.segments * topk
+                } else {
+                    0
+                }
+            })
+            .max()
+            .unwrap_or(0);
+        let split = if split_ids > 0 {
+            *transient += split_ids * 4;
+            Some(
+                dev.allocate::<i32>(Fill::Zeros(split_ids))
+                    .map_err(drv("alloc split top-k scratch"))?,
+            )
+        } else {
+            None
+        };
+        Ok(TransientBufs {
+            logits,
+            bkeys,
+            split,
+        })
+    }
+}
+
+/// A run's outputs on the device, and its path counters.
+struct OutputBufs {
+    raw: CudaSlice<i32>,
+    page: CudaSlice<i32>,
+    published: Option<CudaSlice<i32>>,
+    paths: CudaSlice<u32>,
+}
+
+impl OutputBufs {
+    /// Allocate `raw [t, K]`, `page [t, page_cols]`, for a source layer the `npub`
+    /// published rows (at least one), and the path counters, all zero.
+    fn alloc(dev: &Device, t: usize, shape: &Shape, npub: i32) -> Result<OutputBufs> {
+        let raw = dev
+            .allocate::<i32>(Fill::Zeros(t * shape.topk))
+            .map_err(drv("alloc raw"))?;
+        let page = dev
+            .allocate::<i32>(Fill::Zeros(t * shape.page_cols))
+            .map_err(drv("alloc page"))?;
+        let published = if shape.tail.is_some() {
+            Some(
+                dev.allocate::<i32>(Fill::Zeros((npub as usize).max(1) * shape.num_blocks))
+                    .map_err(drv("alloc published"))?,
+            )
+        } else {
+            None
+        };
+        let paths = dev
+            .allocate::<u32>(Fill::Zeros(PATHS_BYTES / 4))
+            .map_err(drv("alloc path counters"))?;
+        Ok(OutputBufs {
+            raw,
+            page,
+            published,
+            paths,
+        })
+    }
+}
+
+impl Run {
+    /// Upload the metadata of `batch`'s rows for `plan`'s tiles and allocate the
+    /// transient buffers and the outputs (in that order), for a layer of shape `shape`
+    /// whose inputs are at `ptrs` (`owned`: host-input uploads the run keeps alive).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn begin(
+        dev: &Device,
+        batch: &Batch,
+        shape: Shape,
+        ptrs: Ptrs,
+        owned: Vec<OwnedBuf>,
+        plan: &Plan,
+        publishes: &dyn Fn(usize) -> bool,
+    ) -> Result<Run> {
+        let t = batch.rows().len();
+        let fp = footprint(t, shape.topk, dev.sm_count());
+        let meta = RowMeta::new(batch, &shape, plan, &fp, publishes, dev.sm_count());
+        let mut transient = 0usize;
+        let md = MetaBufs::upload(dev, &meta)?;
+        transient += t * (4 + 4 + 8 + 4 + 8) + meta.groups.len() * 4;
+        let tr = TransientBufs::alloc(dev, plan, &meta.geom, shape.topk, &mut transient)?;
+        let out = OutputBufs::alloc(dev, t, &shape, meta.npub)?;
+        transient += PATHS_BYTES;
+        Ok(Run {
+            shape,
+            ptrs,
+            row_n: md.row_n,
+            row_ks: md.row_ks,
+            row_off: md.row_off,
+            row_pub: md.row_pub,
+            row_boff: md.row_boff,
+            groups: md.groups,
+            logits: tr.logits,
+            bkeys: tr.bkeys,
+            split: tr.split,
+            geom: meta.geom,
+            raw: out.raw,
+            page: out.page,
+            published: out.published,
+            paths: out.paths,
+            _owned: owned,
+            transient,
+            bitmap_words: meta.bitmap_words,
+        })
+    }
+
+    /// Launch tile `t`: logits, (source) block keys and kept blocks, top-k + assembly.
+    pub(super) fn tile(&mut self, dev: &Device, t: usize) -> Result<()> {
+        self.logits_step(dev, t)?;
+        self.select_step(dev, t)
+    }
+
+    /// The logits kernel of tile `t`.
+    pub(super) fn logits_step(&mut self, dev: &Device, t: usize) -> Result<()> {
+        let g = self.geom[t].clone();
+        if g.rows.is_empty() {
+            return Ok(());
+        }
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let a = self.addrs(s);
+        // 1. Logits.
+        if g.chunks > 0 && a.logits != 0 {
+            let (name, _, threads) = kernels::logits_kernel(sh.logits_variant());
+            let f = dev.function(sh.logits_variant(), name)?;
+            // Key tiles per block: enough blocks to fill the GPU several times over, and
+            // up to kernels::logits_tiles_per_block() tiles per block so the query
+            // fragments are loaded once per that many.
+            let ngroups = g.groups.len().max(1);
+            let per_block = (g.chunks as usize * ngroups / (8 * dev.sm_count()))
+                .clamp(1, kernels::logits_tiles_per_block());
+            let gx = (g.chunks as usize).div_ceil(per_block) as u32;
+            let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
+            let args = LogitsArgs {
+                q: p.q,
+                q_scale: p.q_scale,
+                k: p.k,
+                k_scale8: p.k_scale8,
+                k_scale32: p.k_scale32,
+                w: p.w,
+                row_n: a.row_n,
+                row_ks: a.row_ks,
+                row_off: a.row_off,
+                groups: a.groups,
+                group0: g.groups.start as u32,
+                logits: a.logits,
+                paths: lpaths,
+            };
+            launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?;
+        }
+        Ok(())
+    }
+
+    /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer.
+    pub(super) fn select_step(&mut self, dev: &Device, t: usize) -> Result<()> {
+        let g = self.geom[t].clone();
+        if g.rows.is_empty() {
+            return Ok(());
+        }
+        let s = &dev.stream;
+        let a = self.addrs(s);
+        // 2. Source: block keys, then kept blocks.
+        if a.published != 0 && self.shape.tail.is_some() {
+            self.candidate_blocks_step(dev, &g, &a)?;
+        }
+        // 3. Top-k and index assembly.
+        if g.segments > 1 && a.split != 0 {
+            return self.split_topk_step(dev, &g, &a);
+        }
+        self.row_topk_step(dev, &g, &a)
+    }
+
+    /// A source layer's block keys and kept blocks of tile geometry `g`'s rows.
+    fn candidate_blocks_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let rows = g.rows.len() as u32;
+        let row0 = g.rows.start as u32;
+        let bs = sh.block_size as u32;
+        let nbk = sh.num_blocks as u32;
+        if g.max_blocks > 0 && a.bkeys != 0 && a.logits != 0 {
+            let f = dev.function(Variant::Topk, "block_keys_f32")?;
+            let gx = g.max_blocks.div_ceil(kernels::BLOCK_KEYS_THREADS).min(1024) as u32;
+            let args = BlockKeysArgs {
+                logits: a.logits,
+                row_off: a.row_off,
+                row_n: a.row_n,
+                row_pub: a.row_pub,
+                row_boff: a.row_boff,
+                row0,
+                block_size: bs,
+                bkeys: a.bkeys,
+            };
+            launch::block_keys(s, &f, &args, rows, gx)?;
+        }
+        let f = dev.function(Variant::Topk, "kept_blocks_u32")?;
+        let args = KeptBlocksArgs {
+            bkeys: a.bkeys,
+            row_n: a.row_n,
+            row_pub: a.row_pub,
+            row_boff: a.row_boff,
+            row0,
+            block_size: bs,
+            num_blocks: nbk,
+            published: a.published,
+        };
+        launch::kept_blocks(s, &f, &args, rows)
+    }
+
+    /// Dynamic shared memory of a top-k launch without the shared-memory row: a consumer
+    /// row's bitmap of kept blocks (up to 160 KiB).
+    fn topk_bitmap_smem(&self) -> u32 {
+        if self.shape.consumer {
+            self.bitmap_words * 4
+        } else {
+            0
+        }
+    }
+
+    /// The top-k of tile geometry `g`'s rows split into segments (tiles of few rows):
+    /// each segment's K best into the scratch, then the merge and index assembly.
+    fn split_topk_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let rows = g.rows.len() as u32;
+        let row0 = g.rows.start as u32;
+        let k = sh.topk as u32;
+        let smem = self.topk_bitmap_smem();
+        let segs = g.segments as u32;
+        let fs = dev.function(Variant::Topk, "topk_segments_f32")?;
+        allow_dynamic_smem(&fs, smem)?;
+        let args = TopkSegmentsArgs {
+            logits: a.logits,
+            row_off: a.row_off,
+            row_n: a.row_n,
+            row0,
+            k,
+            scratch: a.split,
+            cblocks: p.cblocks,
+            num_blocks: sh.num_blocks as u32,
+            block_size: sh.block_size as u32,
+            bitmap_words: self.bitmap_words,
+            paths: a.paths,
+        };
+        launch::topk_segments(s, &fs, &args, segs, rows, smem)?;
+        let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
+        let args = TopkMergeArgs {
+            logits: a.logits,
+            row_off: a.row_off,
+            row_ks: a.row_ks,
+            row0,
+            k,
+            segments: segs,
+            scratch: a.split,
+            raw: a.raw,
+            page: a.page,
+            page_cols: sh.page_cols as u32,
+            k_slots: p.k_slots,
+            paths: a.paths,
+        };
+        launch::topk_merge(s, &fm, &args, rows)
+    }
+
+    /// The top-k and index assembly of tile geometry `g`'s rows, one block per row.
+    fn row_topk_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let s = &dev.stream;
+        let sh = self.shape;
+        let p = self.ptrs;
+        let bw = self.bitmap_words;
+        let smem = self.topk_bitmap_smem();
+        // The tile's rows of at most short_cap keys select with the row in shared memory
+        // (topk_short_f32); the longer ones with passes over global memory and more
+        // blocks per SM (topk_ragged_f32, rows of at least n_min keys).
+        let row_cap = g.short_cap;
+        let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
+        let short = (row_cap > 0).then(|| {
+            let bytes = short_launch_smem(bw, row_cap as usize) as u32;
+            ("topk_short_f32", row_cap, bytes)
+        });
+        let long = (g.max_n >= n_min as usize).then_some(("topk_ragged_f32", n_min, smem));
+        for (name, bound, dyn_smem) in [short, long].into_iter().flatten() {
+            let f = dev.function(Variant::Topk, name)?;
+            allow_dynamic_smem(&f, dyn_smem)?;
+            let args = TopkRowsArgs {
+                logits: a.logits,
+                row_off: a.row_off,
+                row_n: a.row_n,
+                row_ks: a.row_ks,
+                row0: g.rows.start as u32,
+                k: sh.topk as u32,
+                raw: a.raw,
+                page: a.page,
+                page_cols: sh.page_cols as u32,
+                k_slots: p.k_slots,
+                cblocks: p.cblocks,
+                num_blocks: sh.num_blocks as u32,
+                block_size: sh.block_size as u32,
+                bitmap_words: bw,
+                row_bound: bound,
+                paths: a.paths,
+            };
+            launch::topk_rows(s, &f, name, &args, g.rows.len() as u32, dyn_smem)?;
+        }
+        Ok(())
+    }
+}
