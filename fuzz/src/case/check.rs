@@ -4,10 +4,12 @@
 
 use dsa_indexer::batch::Batch;
 use dsa_indexer::problem::{Params, Problem, Role};
-use dsa_indexer::reference;
+use dsa_indexer::reference::{self, Output};
 
 use super::defect::{corrupt_candidates, corrupt_inputs, corrupt_layout, corrupt_params, Defect};
-use super::oracle::{check_layout, check_logits, check_output, check_plan, select_from_scores};
+use super::oracle::{
+    check_layout, check_logits, check_output, check_plan, check_selection, select_from_scores,
+};
 use super::spec::{Layout, Spec};
 use super::subject::Subject;
 use super::synth::{inputs, Owned, OwnedKeys};
@@ -203,6 +205,8 @@ fn compare(p: &Problem, budgets: [usize; 2], threads: u8, backend: &mut dyn Subj
     check_output(p, &want);
     let want_logits = reference::logits(p);
     let bound = backend.bound(p);
+    // The first budget's outputs and logits: SPEC 7 and 4 hold them bitwise across budgets.
+    let mut first: Option<(Output, Option<Vec<f32>>)> = None;
     for budget in budgets {
         let got = backend.run(p, budget, threads);
         let logits = backend.logits(p, budget, threads);
@@ -221,23 +225,45 @@ fn compare(p: &Problem, budgets: [usize; 2], threads: u8, backend: &mut dyn Subj
         }
         let (out, plan) = got.unwrap_or_else(|e| panic!("valid run failed: {e}"));
         check_plan(p, &plan, budget);
-        // Bitwise logits: the reference's outputs. Within a bound: the reference's
-        // selection from the backend's own logits (SPEC 5: same scores, same bits).
-        let want = match (bound, own) {
-            (Some(_), Some(l)) => select_from_scores(p, &l),
-            _ => want.clone(),
-        };
-        assert_eq!(
-            out.raw, want.raw,
-            "raw differs from the reference (budget {budget})"
-        );
-        assert_eq!(
-            out.page, want.page,
-            "page differs from the reference (budget {budget})"
-        );
-        assert_eq!(
-            out.published, want.published,
-            "published candidates differ from the reference (budget {budget})"
-        );
+        match bound {
+            // Bitwise logits: the reference's outputs.
+            None => same_outputs(&out, &want, &format!("the reference (budget {budget})")),
+            // Within a bound: SPEC 5's rule on the reference's scores, and the
+            // reference's selection from the backend's own logits (SPEC 5: same scores,
+            // same selection).
+            Some(bound) => {
+                check_output(p, &out);
+                check_selection(p, &out, &want_logits, bound);
+                if let Some(l) = &own {
+                    let from_own = select_from_scores(p, l);
+                    let what = format!("the selection from the backend's logits (budget {budget})");
+                    same_outputs(&out, &from_own, &what);
+                }
+            }
+        }
+        match &first {
+            None => first = Some((out, own)),
+            Some((out0, own0)) => {
+                same_outputs(&out, out0, &format!("the first budget's (budget {budget})"));
+                let bits = |l: &Option<Vec<f32>>| {
+                    l.as_ref()
+                        .map(|l| l.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                };
+                assert!(
+                    bits(&own) == bits(own0),
+                    "logits differ between budgets (budget {budget})"
+                );
+            }
+        }
     }
+}
+
+/// `raw`, `page` and published candidates bitwise equal to `want`'s.
+fn same_outputs(out: &Output, want: &Output, what: &str) {
+    assert_eq!(out.raw, want.raw, "raw differs from {what}");
+    assert_eq!(out.page, want.page, "page differs from {what}");
+    assert_eq!(
+        out.published, want.published,
+        "published candidates differ from {what}"
+    );
 }

@@ -28,7 +28,8 @@ mod tests;
 pub use check::check;
 pub use defect::Defect;
 pub use oracle::{
-    check_layout, check_logits, check_output, check_plan, magnitude, select_from_scores,
+    check_layout, check_logits, check_output, check_plan, check_selection, magnitude,
+    select_from_scores,
 };
 pub use seeds::seeds;
 pub use spec::{Layout, Spec, MAX_ROWS};

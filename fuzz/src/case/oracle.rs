@@ -76,6 +76,10 @@ pub fn select_from_scores(p: &Problem, scores: &[f32]) -> Output {
 }
 
 /// Logits bitwise (`bound = None`) or within `bound(p, i, j, M)` of the reference's.
+/// Within a bound, a non-finite logit on either side must match the other exactly:
+/// the same infinity, or NaN on both sides (SPEC 5 ranks every NaN alike, as -inf).
+/// An infinity against a finite value, or against the other infinity, is an infinite
+/// difference, and NaN against anything but NaN has none: neither is within a bound.
 pub fn check_logits(p: &Problem, name: &str, got: &[f32], want: &[f32], bound: Option<LogitBound>) {
     assert_eq!(got.len(), want.len(), "{name}: logits length");
     let mut off = 0usize;
@@ -92,14 +96,13 @@ pub fn check_logits(p: &Problem, name: &str, got: &[f32], want: &[f32], bound: O
                 ),
                 Some(bound) if !same => {
                     let b = bound(p, i, j, magnitude(p, i, j));
-                    let ok = if x.is_finite() && r.is_finite() {
-                        (x as f64 - r as f64).abs() <= b
-                    } else {
-                        // Overflow: allowed only where the bound reaches f32's range.
-                        b >= f32::MAX as f64 * 2f64.powi(-24)
-                    };
                     assert!(
-                        ok,
+                        x.is_finite() && r.is_finite(),
+                        "{name}: logit [{i}, {j}] = {x:e}, reference {r:e}: a non-finite \
+                         logit must equal the other side's"
+                    );
+                    assert!(
+                        (x as f64 - r as f64).abs() <= b,
                         "{name}: logit [{i}, {j}] = {x:e}, reference {r:e}, bound {b:e}"
                     );
                 }
@@ -107,6 +110,154 @@ pub fn check_logits(p: &Problem, name: &str, got: &[f32], want: &[f32], bound: O
             }
         }
         off += row.n;
+    }
+}
+
+/// SPEC 5's ranking key of a score, in f64: NaN counts as -infinity (and -0.0 equals
+/// +0.0 under f64's `<`).
+fn rank(x: f32) -> f64 {
+    if x.is_nan() {
+        f64::NEG_INFINITY
+    } else {
+        x as f64
+    }
+}
+
+/// The `k`-th largest (from 1) of `v`.
+fn kth_largest(v: impl Iterator<Item = f64>, k: usize) -> f64 {
+    let mut v: Vec<f64> = v.collect();
+    v.sort_by(|a, b| b.total_cmp(a));
+    v[k - 1]
+}
+
+/// The candidates of row `i` (request-local `j < n`): every visible key, or for a
+/// consumer the visible keys of its kept blocks, computed from the published ids.
+fn candidates(p: &Problem, i: usize, n: usize) -> Vec<usize> {
+    match p.role {
+        Role::Consumer(c) => {
+            let mut keep = vec![false; n];
+            for &b in c.blocks.row(i).iter().filter(|&&b| b >= 0) {
+                let lo = (b as usize * p.block_size).min(n);
+                let hi = (lo + p.block_size).min(n);
+                keep[lo..hi].iter_mut().for_each(|k| *k = true);
+            }
+            (0..n).filter(|&j| keep[j]).collect()
+        }
+        _ => (0..n).collect(),
+    }
+}
+
+/// SPEC 5's correctness rule for a selection computed from scores within `bound` of
+/// the reference's, checked on the reference's scores `want` (rows concatenated):
+/// the row selects `min(m, K)` of its `m` candidates, all of them when `m <= K`;
+/// otherwise every selected key's reference score is at least the reference's `K`-th
+/// best minus the row's largest bound, and every unselected candidate's at most that
+/// plus the bound. And SPEC 7's rule for published blocks: the pinned block kept, the
+/// others the same rule on reference block scores (the best visible key of a block).
+pub fn check_selection(p: &Problem, out: &Output, want: &[f32], bound: LogitBound) {
+    let mut off = 0usize;
+    let mut k = 0usize;
+    for (i, row) in p.batch.rows().iter().enumerate() {
+        let (n, s) = (row.n, &want[off..off + row.n]);
+        off += n;
+        let b: Vec<f64> = (0..n).map(|j| bound(p, i, j, magnitude(p, i, j))).collect();
+        let cands = candidates(p, i, n);
+        let sel: Vec<usize> = out
+            .raw
+            .row(i)
+            .iter()
+            .filter(|&&j| j >= 0)
+            .map(|&j| j as usize)
+            .collect();
+        assert_eq!(
+            sel.len(),
+            cands.len().min(p.topk),
+            "row {i}: selected count"
+        );
+        assert!(
+            sel.iter().all(|j| cands.contains(j)),
+            "row {i}: selected a non-candidate"
+        );
+        if cands.len() > p.topk {
+            let kth = kth_largest(cands.iter().map(|&j| rank(s[j])), p.topk);
+            let rb = cands.iter().map(|&j| b[j]).fold(0f64, f64::max);
+            for &j in &cands {
+                let v = rank(s[j]);
+                if sel.contains(&j) {
+                    assert!(
+                        v >= kth - rb,
+                        "row {i}: selected {j} with {v:e} < {kth:e} - {rb:e}"
+                    );
+                } else {
+                    assert!(
+                        v <= kth + rb,
+                        "row {i}: left out {j} with {v:e} > {kth:e} + {rb:e}"
+                    );
+                }
+            }
+        }
+        if p.publishes(i) {
+            let pb = out.published.as_ref().expect("a source publishes");
+            check_kept_blocks(p, i, pb.blocks.row(k).as_slice().unwrap(), s, &b);
+            k += 1;
+        }
+    }
+}
+
+/// SPEC 6's kept blocks of row `i` (`ids`, `-1`-padded) against reference scores `s`
+/// within bounds `b`: the pinned block and `min(NB, nb) - 1` others whose reference
+/// block scores meet SPEC 5's rule among the unpinned blocks.
+fn check_kept_blocks(p: &Problem, i: usize, ids: &[i32], s: &[f32], b: &[f64]) {
+    let n = s.len();
+    let kept: Vec<usize> = ids
+        .iter()
+        .filter(|&&c| c >= 0)
+        .map(|&c| c as usize)
+        .collect();
+    if n == 0 {
+        assert!(
+            kept.is_empty(),
+            "row {i}: a row without keys keeps no block"
+        );
+        return;
+    }
+    let (bs, nb) = (p.block_size, n.div_ceil(p.block_size));
+    let pinned = (n - 1) / bs;
+    assert!(
+        kept.contains(&pinned),
+        "row {i}: pinned block {pinned} not kept"
+    );
+    assert_eq!(
+        kept.len(),
+        nb.min(p.num_blocks),
+        "row {i}: kept blocks count"
+    );
+    assert!(kept.iter().all(|&c| c < nb), "row {i}: kept a block past n");
+    let others = p.num_blocks.min(nb) - 1;
+    if others == 0 || nb - 1 <= others {
+        return;
+    }
+    let score = |c: usize| {
+        (c * bs..(c * bs + bs).min(n))
+            .map(|j| rank(s[j]))
+            .fold(f64::NEG_INFINITY, f64::max)
+    };
+    let rest: Vec<usize> = (0..nb).filter(|&c| c != pinned).collect();
+    let kth = kth_largest(rest.iter().map(|&c| score(c)), others);
+    let rb = b.iter().copied().fold(0f64, f64::max);
+    for &c in &rest {
+        let v = score(c);
+        if kept.contains(&c) {
+            assert!(
+                v >= kth - rb,
+                "row {i}: kept block {c} with {v:e} < {kth:e} - {rb:e}"
+            );
+        } else {
+            assert!(
+                v <= kth + rb,
+                "row {i}: left out block {c} with {v:e} > {kth:e} + {rb:e}"
+            );
+        }
     }
 }
 

@@ -22,8 +22,11 @@ pub trait Subject {
         threads: u8,
     ) -> Vec<(String, Result<Vec<f32>>)>;
     /// `None`: logits are held bitwise. `Some(b)`: logit `[i, j]` within
-    /// `b(p, i, j, M)` of the reference's (SPEC 4's `M`, from [`magnitude`]), and the
-    /// outputs must then be the reference's selection from the backend's logits.
+    /// `b(p, i, j, M)` of the reference's (SPEC 4's `M`, from
+    /// [`magnitude`](super::magnitude)), non-finite ones equal to it, and the outputs
+    /// must then meet SPEC 5's rule on the reference's scores
+    /// ([`check_selection`](super::check_selection)) and be the reference's selection
+    /// from the backend's own logits.
     fn bound(&self, p: &Problem) -> Option<LogitBound>;
 }
 
