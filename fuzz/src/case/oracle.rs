@@ -3,6 +3,8 @@
 //! bound), SPEC 5 and 6's output rules, SPEC 7's plan, and the reference's selection
 //! from given scores.
 
+use approx::abs_diff_eq;
+
 use dsa_indexer::batch::Batch;
 use dsa_indexer::plan::Plan;
 use dsa_indexer::problem::{Keys, Problem, Queries, Role};
@@ -102,7 +104,7 @@ pub fn check_logits(p: &Problem, name: &str, got: &[f32], want: &[f32], bound: O
                          logit must equal the other side's"
                     );
                     assert!(
-                        (x as f64 - r as f64).abs() <= b,
+                        abs_diff_eq!(x as f64, r as f64, epsilon = b),
                         "{name}: logit [{i}, {j}] = {x:e}, reference {r:e}, bound {b:e}"
                     );
                 }
