@@ -533,3 +533,256 @@ fn driver_entry_points_check_what_they_are_given() {
         "row-major",
     );
 }
+
+/// The error is a shape error on `field` with shape `got` where `expected` was due,
+/// and its message names the field and the shape.
+fn shape_error(r: Result<(), Error>, field: &str, got: &[usize], expected: &[usize]) {
+    let e = r.expect_err("expected a shape error");
+    assert_eq!(
+        e,
+        Error::Shape {
+            field: field.into(),
+            got: got.to_vec(),
+            expected: expected.to_vec(),
+        }
+    );
+    let m = e.to_string();
+    assert!(m.starts_with(&format!("{field}: shape {got:?}")), "{m}");
+}
+
+/// fp4 keys: `k_scale` is `[L, D/32]` (here `[9, 2]`); too narrow, too wide, too short.
+#[test]
+fn fp4_key_scale_of_the_wrong_shape() {
+    let o = owned();
+    for bad in [[9, 1], [9, 4], [8, 2], [10, 2]] {
+        let ks = Array2::<u8>::from_elem((bad[0], bad[1]), 127);
+        shape_error(
+            o.plain(Inputs {
+                k: Keys::E2m1 {
+                    packed: o.k4.view(),
+                    scale: ks.view(),
+                },
+                ..o.inputs()
+            }),
+            "k_scale",
+            &bad,
+            &[9, 2],
+        );
+    }
+}
+
+/// `D` comes from the queries; keys of another `D` are a shape error on `k`, in each
+/// key format and either way round.
+#[test]
+fn query_and_key_dims_must_agree() {
+    let o = owned();
+    // Queries D = 64 (E2M1 and E4M3), E4M3 keys of D = 32.
+    let k32 = Array2::<u8>::from_elem((9, 32), 0x30);
+    let e4m3_keys = Keys::E4m3 {
+        codes: k32.view(),
+        scale: o.kscale.view(),
+    };
+    shape_error(
+        o.plain(Inputs {
+            k: e4m3_keys,
+            ..o.inputs()
+        }),
+        "k",
+        &[9, 32],
+        &[9, 64],
+    );
+    shape_error(
+        o.plain(Inputs {
+            q: Queries::E4m3(o.q8.view()),
+            k: e4m3_keys,
+            ..o.inputs()
+        }),
+        "k",
+        &[9, 32],
+        &[9, 64],
+    );
+    // E2M1 keys of D = 32 (packed [9, 16], scales [9, 1]).
+    let k4_32 = Array2::<u8>::from_elem((9, 16), 0x12);
+    let ks4_32 = Array2::<u8>::from_elem((9, 1), 126);
+    shape_error(
+        o.plain(Inputs {
+            k: Keys::E2m1 {
+                packed: k4_32.view(),
+                scale: ks4_32.view(),
+            },
+            ..o.inputs()
+        }),
+        "k",
+        &[9, 16],
+        &[9, 32],
+    );
+    // Queries D = 32 against the D = 64 keys of both formats.
+    let q32 = Array3::<u8>::from_elem((7, 8, 32), 0x38);
+    shape_error(
+        o.plain(Inputs {
+            q: Queries::E4m3(q32.view()),
+            ..o.inputs()
+        }),
+        "k",
+        &[9, 64],
+        &[9, 32],
+    );
+    shape_error(
+        o.plain(Inputs {
+            q: Queries::E4m3(q32.view()),
+            k: Keys::E2m1 {
+                packed: o.k4.view(),
+                scale: o.ks4.view(),
+            },
+            ..o.inputs()
+        }),
+        "k",
+        &[9, 32],
+        &[9, 16],
+    );
+}
+
+/// `H = 4` is below SPEC 4's 8..=64, in both query formats, with weights of the
+/// matching `[T, 4]` shape (so only `heads` is wrong).
+#[test]
+fn four_heads_are_out_of_range() {
+    let o = owned();
+    let q8 = Array3::<u8>::from_elem((7, 4, 64), 0x38);
+    let q4 = Array3::<u8>::from_elem((7, 4, 32), 0x21);
+    let qs = Array3::<u8>::from_elem((7, 4, 2), 127);
+    let w = Array2::<f32>::from_elem((7, 4), 0.25);
+    for q in [
+        Queries::E4m3(q8.view()),
+        Queries::E2m1 {
+            packed: q4.view(),
+            scale: qs.view(),
+        },
+    ] {
+        let e = o
+            .plain(Inputs {
+                q,
+                weights: w.view(),
+                ..o.inputs()
+            })
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfRange { field, value, .. } if field == "heads" && value == "4"),
+            "{e:?}"
+        );
+        assert!(e.to_string().starts_with("heads = 4: "), "{e}");
+    }
+}
+
+/// A `-inf` weight on the host path (`Problem::new`) is a non-finite weight, named by
+/// its flat index, in every format pair.
+#[test]
+fn negative_infinite_weight_is_an_error_on_the_host_path() {
+    let o = owned();
+    let mut w = o.w.clone();
+    w[[3, 1]] = f32::NEG_INFINITY;
+    let e4m3_keys = Keys::E4m3 {
+        codes: o.k8.view(),
+        scale: o.kscale.view(),
+    };
+    let e2m1_keys = Keys::E2m1 {
+        packed: o.k4.view(),
+        scale: o.ks4.view(),
+    };
+    for q in [Queries::E4m3(o.q8.view()), o.inputs().q] {
+        for k in [e4m3_keys, e2m1_keys] {
+            let e = o
+                .plain(Inputs {
+                    q,
+                    k,
+                    weights: w.view(),
+                    ..o.inputs()
+                })
+                .unwrap_err();
+            assert_eq!(
+                e,
+                Error::BadFloat {
+                    field: "weights".into(),
+                    index: 25,
+                    value: f32::NEG_INFINITY,
+                    expected: "finite",
+                }
+            );
+            assert_eq!(e.to_string(), "weights[25] = -inf: finite");
+        }
+    }
+}
+
+/// `T * H * D` overflows usize only when `T >= 2^51` (`H * D <= 2^13`). Rows are
+/// materialised, so a batch of that many rows is refused as an overflow of `rows T`
+/// before any tensor is sized, contiguous or split over requests. The output sizes a
+/// caller's parameters set, `T * page_cols` and (for a source) `T * NB`, are checked
+/// the same way.
+#[test]
+fn sizes_that_overflow_with_the_row_count() {
+    let t = usize::MAX / (64 * 128) + 1;
+    assert!(t.checked_mul(64 * 128).is_none());
+    let rows_t = Error::Overflow {
+        field: "rows T".into(),
+    };
+    for (seq, q0) in [(vec![t], vec![0]), (vec![t / 2 + 1, t / 2], vec![0, 0])] {
+        let e = Batch::contiguous(&seq, &q0, 1).unwrap_err();
+        assert_eq!(e, rows_t, "{seq:?}");
+        assert_eq!(e.to_string(), "rows T: size overflows usize");
+    }
+    let o = owned();
+    let e = o
+        .problem(
+            o.inputs(),
+            Params {
+                page_cols: Some(usize::MAX / 4),
+                ..Params::new(4)
+            },
+            Role::Plain,
+        )
+        .unwrap_err();
+    assert_eq!(e.to_string(), "page [T, page_cols]: size overflows usize");
+    let e = o
+        .problem(
+            o.inputs(),
+            Params {
+                num_blocks: usize::MAX / 4,
+                ..Params::new(4)
+            },
+            Role::Source { tail: None },
+        )
+        .unwrap_err();
+    assert_eq!(e.to_string(), "published [rows, NB]: size overflows usize");
+}
+
+/// SPEC 5: without `page_cols`, `page` is `K` rounded up to a multiple of 64 wide:
+/// 65 becomes 128. Its columns past the selected keys are `-1`.
+#[test]
+fn page_cols_default_rounds_topk_up_to_a_multiple_of_64() {
+    let o = owned();
+    for (k, want) in [
+        (1, 64),
+        (63, 64),
+        (64, 64),
+        (65, 128),
+        (128, 128),
+        (129, 192),
+    ] {
+        let p = Problem::new(&o.batch, o.inputs(), Params::new(k), Role::Plain).unwrap();
+        assert_eq!(p.page_cols, want, "K = {k}");
+    }
+    let p = Problem::new(&o.batch, o.inputs(), Params::new(65), Role::Plain).unwrap();
+    let (out, _) = run_cpu(&p, 1 << 20).unwrap();
+    assert_eq!(out.raw.dim(), (7, 65));
+    assert_eq!(out.page.dim(), (7, 128));
+    // Every row has n <= 6 < K keys: all are selected, in order.
+    for (i, row) in o.batch.rows().iter().enumerate() {
+        for c in 0..128 {
+            let want = if c < row.n {
+                100 + (row.ks + c) as i32
+            } else {
+                -1
+            };
+            assert_eq!(out.page[[i, c]], want, "page[{i}, {c}]");
+        }
+    }
+}

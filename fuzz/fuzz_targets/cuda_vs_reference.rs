@@ -3,9 +3,12 @@
 //! bitwise the reference's. Tolerance class: logits within the backend's stated bound,
 //! `cuda::logit_bound` (`2^cuda::TOLERANCE_LOG2 * M` plus the absolute term of f32
 //! rounding in the subnormal range, without which it fails on results below 2^-126:
-//! fuzz/FINDINGS.md F3), and outputs bitwise the reference's selection from
-//! the device's own logits (SPEC 5: same scores, same selection). Defective inputs
-//! must come back as `Error`. No GPU is a failure at the first input, not a pass.
+//! fuzz/FINDINGS.md F3), a non-finite logit equal to the reference's (the same
+//! infinity, or NaN on both sides); outputs that meet SPEC 5's rule on the reference's
+//! scores (and SPEC 6's kept blocks the same rule on block scores), bitwise the
+//! reference's selection from the device's own logits (SPEC 5: same scores, same
+//! selection), and bitwise the same under both budgets. Defective inputs must come back
+//! as `Error`. No GPU is a failure at the first input, not a pass.
 #![no_main]
 
 use arbitrary::{Arbitrary, Unstructured};

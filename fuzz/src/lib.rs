@@ -3,6 +3,8 @@
 //! of `chunked_vs_reference` and `cuda_vs_reference`.
 
 pub mod case;
+#[cfg(test)]
+mod seeds;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
