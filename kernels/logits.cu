@@ -3,7 +3,6 @@
 // - mqa_logits: every variant on mma.sync (the fallback, and WGMMA=0);
 // - mqa_logits_wgr: the exact class for H = 32, D >= 64 on fp8 wgmma with the keys in
 //   registers (the default for those variants);
-// - mqa_logits_wg: the same through shared memory (WG_RS=0, the A/B baseline);
 // - mqa_logits_w16: E4M3 x E4M3 for H = 64 on f16 wgmma (f32 accumulation);
 // - mqa_logits_w8: the same on fp8 wgmma (W8=1, an A/B knob: it misses SPEC 4's bound
 //   on subnormal operands, see there).
@@ -614,7 +613,7 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
 // 8 (j % NTL) + 2 tig + e; key 16 warp + gid + 8 kk): heads (2 tig, +1) in the thread by
 // `quad` (head_quad or its tolerance-class form), lane offset 1 (even lanes keep key gid,
 // odd gid + 8), lane offset 2 (lanes with tig bit 1 keep row 1), then the NTL n-tiles
-// pairwise in the thread. Used by the wgmma kernels (mqa_logits_wg, _wgr, _w16).
+// pairwise in the thread. Used by mqa_logits_wgr.
 template <int NTL, class Quad>
 __device__ __forceinline__ float two_row_head_sum(const float (&a)[8 * NTL], const float (*sw)[H],
                                                   const int tig, const bool odd, const bool hi,
@@ -652,74 +651,23 @@ __device__ __forceinline__ u32 wg_off(u32 m, u32 kc, u32 rows) {
 }
 
 #if EXACT && H == 32 && G >= 2
-// ---- mqa_logits_wg: the exact class for H = 32 on wgmma ----------------------------
-// block: WG_GROUPS warpgroups (128 threads each) sharing one key tile, each with its own
-// WG_ROWS = 2 rows of one request (N = 64 columns: row r, head h at column 32r + h),
-// x key tiles of 64 (M) keys: c = blockIdx.x,
+// ---- mqa_logits_wgr: the exact class for H = 32 on fp8 wgmma, keys in registers -----
+// block: one warpgroup (128 threads), WG_ROWS = 2 rows of one request (N = 64 columns:
+// row r, head h at column 32r + h), x key tiles of 64 (M) keys: c = blockIdx.x,
 // blockIdx.x + gridDim.x, ... One m64n64k32 e4m3 wgmma per group g gives X_g for the
-// tile (fresh accumulator: no chained groups), from operands in shared memory: doubled
-// E2M1 values (times 2^s when folding, as above), exact in E4M3. Every product is an
-// integer times 2^(sq + sk) and every partial sum below 2^13 of that unit, so X_g is
-// exact even from an accumulator that keeps only 13 bits per addition, which is what
-// the bitwise tests hold it to. The epilogue is compute_tile's, with the two rows in
-// the place of its two m-tiles. Operand layout (wgmma's no-swizzle K-major canonical
-// form): 16-byte chunk kc of row m at kc * (rows / 8) * 128 + (m / 8) * 128 + (m % 8) * 16.
+// tile (fresh accumulator: no chained groups), from doubled E2M1 values (the queries
+// times 2^s when folding, as above), exact in E4M3. Every product is an integer times
+// 2^sq and every partial sum below 2^13 of that unit, so X_g is exact even from an
+// accumulator that keeps only 13 bits per addition, which is what the bitwise tests
+// hold it to. The epilogue is compute_tile's, with the two rows in the place of its two
+// m-tiles. B's layout (wgmma's no-swizzle K-major canonical form): 16-byte chunk kc of
+// row m at wg_off(m, kc, rows).
 #define WG_ROWS 2
 #define WG_N (WG_ROWS * H)
 #define WG_KEYS 64
-// Warpgroups per block: the key tile's decode and scale window are shared by their rows.
-// A/B on v41-chunk in one call: 2 groups 45.8 ms, 1 group 45.5 ms (logits), so 1. The
-// host reads the same override from $DSA_CUDA_DEFINES (kernels::logits_wg_groups).
-#ifndef WG_GROUPS
-#define WG_GROUPS 1
-#endif
-#define WG_THREADS (128 * WG_GROUPS)
-#define WG_BROWS (WG_ROWS * WG_GROUPS)  // rows per block
-// 16 warps per SM at <= 128 registers; A/B on v41-chunk with one warpgroup per block
-// (benches/RESULTS.md): 3 blocks 48.6 ms, 4 blocks 43.4 ms, 5 blocks 47.0 ms.
-#ifndef WG_MIN_BLOCKS
-#define WG_MIN_BLOCKS (4 / WG_GROUPS)
-#endif
 static_assert(WG_N == 64, "one m64n64 tile per group");
 
-// The tile's group sums on wgmma and SPEC 4's pairwise sum of the t_g (FOLD: the scales
-// are in the operands and t_g = X_g * cg[g]; else t_g = (X_g * qs) * kc): a[i] for
-// i = 4j + 2 kk + e, key 16 warp + gid + 8 kk, column 8j + 2 tig + e (row j / 4).
-template <bool FOLD>
-__device__ __forceinline__ void wg_group_sums(float (&a)[32], const u8 *sA, const u8 *sB,
-                                              const float (&cg)[G],
-                                              const float (*sqs)[G * H],
-                                              const float *skscale, const int warp,
-                                              const int gid, const int tig) {
-  auto scaled = [&](float x, int g, int i) -> float {
-    if (FOLD) return __fmul_rn(x, cg[g]);
-    const int j = i >> 2, kk = (i >> 1) & 1, e = i & 1;
-    const int r = j >> 2, h = (j & 3) * 8 + 2 * tig + e;
-    const int key = 16 * warp + gid + 8 * kk;
-    return __fmul_rn(__fmul_rn(x, sqs[r][g * H + h]), skscale[key * G + g]);
-  };
-  constexpr u32 lbo = (WG_KEYS / 8) * 128;  // = (WG_N / 8) * 128: chunk to chunk
-  float x0[32], x1[32];
-#pragma unroll
-  for (int g2 = 0; g2 < G; g2 += 2) {  // groups g2, g2 + 1: one pairwise level
-    wgmma_fence();
-    wgmma_m64n64k32_e4m3(x0, wgmma_desc(sA + 2 * g2 * lbo, lbo, 128),
-                         wgmma_desc(sB + 2 * g2 * lbo, lbo, 128));
-    wgmma_m64n64k32_e4m3(x1, wgmma_desc(sA + 2 * (g2 + 1) * lbo, lbo, 128),
-                         wgmma_desc(sB + 2 * (g2 + 1) * lbo, lbo, 128));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(x0);
-    fence_regs(x1);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const float p = __fadd_rn(scaled(x0[i], g2, i), scaled(x1[i], g2 + 1, i));
-      a[i] = g2 == 0 ? p : __fadd_rn(a[i], p);  // G = 4: (t0 + t1) + (t2 + t3)
-    }
-  }
-}
-
-// The common start of mqa_logits_wg and mqa_logits_wgr for a block of ROWS rows and
+// The start of mqa_logits_wgr for a block of ROWS rows and
 // THREADS threads: the rows' weights into sw, the folding tables into stab, the block's
 // query-scale window (whether its queries fold, the exponents qbase_g their operands are
 // scaled against) and the query scales sqs (2^(ebq_g - 129) when folding, else
@@ -754,113 +702,7 @@ __device__ __forceinline__ bool wg_prologue(const u8 *q_scale, const float *w, R
   return fold_q;
 }
 
-extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logits_wg(
-    const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
-    const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
-    const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
-    const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits, u32 *__restrict__ paths) {
-  __shared__ __align__(128) u8 sA[WG_KEYS * D];
-  __shared__ __align__(128) u8 sB[WG_GROUPS][WG_N * D];
-  __shared__ __align__(16) float skscale[WG_KEYS * G];
-  __shared__ __align__(8) float sqs[WG_BROWS][G * H];
-  __shared__ __align__(8) float sw[WG_BROWS][H];
-  __shared__ u32 stab[15][2];  // E4M3 words of doubled magnitudes times 2^(i - 9)
-  __shared__ u32 swq[2][4 * WG_GROUPS], swk[2][4 * WG_GROUPS];
-
-  const uint4 grp = groups[group0 + blockIdx.y];
-  const u32 nchunks = (grp.z + WG_KEYS - 1) / WG_KEYS;
-  if (blockIdx.x >= nchunks) return;
-  const u32 ks = row_ks[grp.x];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gid = lane >> 2, tig = lane & 3;
-  const int wg = warp >> 2, wwarp = warp & 3;  // warpgroup; warp in it (keys 16 wwarp ..)
-  const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
-  // Row r of the block (a missing row repeats the last present one; it is never stored).
-  auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
-
-  int qbase[G];
-  const bool fold_q = wg_prologue<WG_BROWS, WG_THREADS>(q_scale, w, row_of, sw, sqs, stab,
-                                                        swq[0], swq[1], qbase, tid, lane, warp);
-  // B: the block's query rows as doubled E4M3 (times 2^(eq - ebq_g) when folding).
-  for (int t = tid; t < WG_GROUPS * WG_N * (D / 16); t += WG_THREADS) {
-    const int b = t / (WG_N * (D / 16)), n = (t / (D / 16)) % WG_N, kc = t % (D / 16);
-    const int r = b * WG_ROWS + n / H, h = n % H, g = kc / 2;
-    const u64 qrow = (u64)row_of(r) * H + h;
-    const int sh = fold_q ? (int)q_scale[qrow * G + g] - qbase[g] : 0;
-    const uint2 codes = *reinterpret_cast<const uint2 *>(q + qrow * (D / 2) + kc * 8);
-    uint4 v;
-    e2m1_word_tab(codes.x, stab[sh + 9][0], stab[sh + 9][1], v.x, v.y);
-    e2m1_word_tab(codes.y, stab[sh + 9][0], stab[sh + 9][1], v.z, v.w);
-    *reinterpret_cast<uint4 *>(&sB[b][wg_off(n, kc, WG_N)]) = v;
-  }
-
-  // Key tiles: global loads of the next tile are in flight while this one is computed.
-  // 16-byte pieces (one key group each) per thread; threads past WG_KEYS * G hold none.
-  constexpr int PRE = (WG_KEYS * G + WG_THREADS - 1) / WG_THREADS;
-  uint4 pre[PRE];
-  u32 pre_s[PRE];
-  auto prefetch = [&](u32 c) {
-    const u32 j0 = c * WG_KEYS;
-    const u32 nk = min((u32)WG_KEYS, grp.z - j0);
-#pragma unroll
-    for (int i = 0; i < PRE; ++i) {
-      const int t = tid + i * WG_THREADS, kk = t / G, g = t % G;
-      pre[i] = make_uint4(0, 0, 0, 0);
-      pre_s[i] = 256u;
-      if (t < WG_KEYS * G && (u32)kk < nk) {
-        pre[i] = *reinterpret_cast<const uint4 *>(k + (u64)(ks + j0 + kk) * (D / 2) + g * 16);
-        pre_s[i] = k_scale8[(u64)(ks + j0 + kk) * G + g];
-      }
-    }
-  };
-  prefetch(blockIdx.x);
-  float cg[G];
-  int kbase[G];
-  bool two_mul = false;  // some tile ran unfolded
-  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const u32 j0 = c * WG_KEYS;
-    key_window(pre_s, swk[0], swk[1], lane, warp);
-    __syncthreads();  // also: every warp is done with the previous tile's operands
-    const bool fold = key_fold<4 * WG_GROUPS>(swk[0], swk[1], fold_q, qbase, kbase, cg);
-    two_mul = two_mul || !fold;
-    // A: this tile's keys, 32 codes (one group) per piece -> chunks 2g, 2g + 1.
-#pragma unroll
-    for (int i = 0; i < PRE; ++i) {
-      const int t = tid + i * WG_THREADS, kk = t / G, g = t % G;
-      if (t >= WG_KEYS * G) continue;
-      const int sh = (fold && pre_s[i] <= 255u) ? (int)pre_s[i] - kbase[g] : 0;
-      const u32 t0 = stab[sh + 9][0], t1 = stab[sh + 9][1];
-      uint4 a, b;
-      e2m1_word_tab(pre[i].x, t0, t1, a.x, a.y);
-      e2m1_word_tab(pre[i].y, t0, t1, a.z, a.w);
-      e2m1_word_tab(pre[i].z, t0, t1, b.x, b.y);
-      e2m1_word_tab(pre[i].w, t0, t1, b.z, b.w);
-      *reinterpret_cast<uint4 *>(&sA[wg_off(kk, 2 * g, WG_KEYS)]) = a;
-      *reinterpret_cast<uint4 *>(&sA[wg_off(kk, 2 * g + 1, WG_KEYS)]) = b;
-      skscale[t] = pre_s[i] <= 255u ? ue8m0_pow2(pre_s[i], 0) : 0.0f;
-    }
-    fence_proxy_async();
-    __syncthreads();
-    if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
-
-    // X_g for this thread's keys (16 warp + gid, + 8) and columns 8j + 2 tig (+1), then
-    // t_g and SPEC 4's pairwise group sum: a[i], i = 4j + 2 kk + e.
-    float a[32];
-    if (fold)
-      wg_group_sums<true>(a, sA, sB[wg], cg, sqs + wg * WG_ROWS, skscale, wwarp, gid, tig);
-    else
-      wg_group_sums<false>(a, sA, sB[wg], cg, sqs + wg * WG_ROWS, skscale, wwarp, gid, tig);
-    const float logit = two_row_head_sum<4>(a, sw + wg * WG_ROWS, tig, odd, hi, head_quad);
-    store_logit(logits, row_off, row_n, grp, wg * WG_ROWS + (hi ? 1u : 0u), j0 + 16 * wwarp + gid,
-                odd, logit);
-  }
-  count_fold_paths(paths, fold_q, two_mul);
-}
-
-// ---- mqa_logits_wgr: mqa_logits_wg with the keys in registers (the default) ----------
-// The same rows (2 per warpgroup, one warpgroup per block), 64-key tiles, query
-// folding and epilogue as mqa_logits_wg; the keys go from global memory straight into
+// The keys go from global memory straight into
 // each warp's A fragments (fp8 wgmma takes A from registers), so the key loop has no
 // shared memory and no barrier. Dims are permuted as in mqa_logits_w16: in group g,
 // thread tig of a quad takes dims 32 g + 8 tig + e (one u32 of 8 codes) as k = 4 tig + e
@@ -870,8 +712,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, WG_MIN_BLOCKS) mqa_logi
 // keys fold too, against the warp's window (its 16 keys: C_g multiplies only that
 // warp's accumulator rows, so no block-wide reduction is needed); measured slower.
 
-// The tile's t_g and SPEC 4's pairwise group sum, as wg_group_sums, from A fragments
-// af[g] in registers. `one` (per thread: the MMAs are outside the branch, so warps and
+// The tile's t_g and SPEC 4's pairwise group sum from A fragments af[g] in registers
+// (X_g: key 16 warp + gid + 8 kk, column 8j + 2 tig + e, a[i] for i = 4j + 2 kk + e). `one` (per thread: the MMAs are outside the branch, so warps and
 // lanes may differ): t_g = X_g * cf[kk][g], one multiply by a power of two; else
 // t_g = (X_g * qs) * kc, qs per row and head from shared memory and kc from esc[kk], the
 // packed scale bytes of this thread's keys (0 for keys past the group's, whose
@@ -1133,7 +975,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 // tig of a quad reads D / 4 contiguous bytes of each key (dims (D/4) tig + 4 s + e, e =
 // 0..3, are k = 2 tig + e (e < 2) and 2 tig + 6 + e (e >= 2) of k16 step s), and B (the
 // queries, staged once per block) uses the same order. E4M3 -> f16 by cvt (exact).
-// The epilogue is mqa_logits_wg's with the two rows in the place of its two m-tiles,
+// The epilogue is mqa_logits_wgr's with the two rows in the place of its two m-tiles,
 // eight n-tiles per row, then the key scale: SPEC 4's order, within the bound.
 #define W16_ROWS 2
 #define W16_N (W16_ROWS * H)

@@ -42,7 +42,7 @@ fn every_kernel_compiles_for_sm90a() {
                         &["mqa_logits", "mqa_logits_w8", "mqa_logits_w16"]
                     }
                     Variant::Logits { .. } if kernels::logits_wgmma(*v) => {
-                        &["mqa_logits", "mqa_logits_wgr", "mqa_logits_wg"]
+                        &["mqa_logits", "mqa_logits_wgr"]
                     }
                     Variant::Logits { .. } => &["mqa_logits"],
                     Variant::Topk => &[

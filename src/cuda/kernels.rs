@@ -37,10 +37,9 @@ pub fn logits_rows(heads: usize) -> usize {
     define_in("LG_ROWS", 1..=16).unwrap_or(default)
 }
 /// Whether the logits of this variant run on Hopper `wgmma` rather than `mqa_logits`
-/// (`mma.sync`): `mqa_logits_wgr` (or `mqa_logits_wg`, [`logits_wg_registers`]) for the
-/// exact class with `H = 32` and `D >= 64`, `mqa_logits_w16` (f16 operands) for
-/// E4M3 x E4M3 with `H = 64`. `WGMMA=0` in `$DSA_CUDA_DEFINES` turns both off (an A/B
-/// knob).
+/// (`mma.sync`): `mqa_logits_wgr` for the exact class with `H = 32` and `D >= 64`,
+/// `mqa_logits_w16` (f16 operands) for E4M3 x E4M3 with `H = 64`. `WGMMA=0` in
+/// `$DSA_CUDA_DEFINES` turns both off (the `mma.sync` fallback, forced).
 pub fn logits_wgmma(v: Variant) -> bool {
     let off = define_in("WGMMA", 0..=1) == Some(0);
     match v {
@@ -80,26 +79,8 @@ pub fn logits_on_fp8_accumulator(v: Variant) -> bool {
 /// = one 128-column MMA).
 pub const LOGITS_W16_ROWS: usize = 2;
 
-/// Rows per warpgroup of `mqa_logits_wg` (`WG_ROWS`: 2 rows x 32 heads = one 64-column
-/// MMA).
+/// Rows per `mqa_logits_wgr` block (`WG_ROWS`: 2 rows x 32 heads = one 64-column MMA).
 pub const LOGITS_WG_ROWS: usize = 2;
-/// Warpgroups per `mqa_logits_wg` block (`WG_GROUPS`, sharing a key tile; 2 measured no
-/// faster than 1 on v41-chunk). `mqa_logits_wgr` always has one.
-pub const LOGITS_WG_GROUPS: usize = 1;
-
-/// [`LOGITS_WG_GROUPS`], or a `WG_GROUPS=` override (1 or 2) in `$DSA_CUDA_DEFINES`
-/// (the kernel gets the same define).
-pub fn logits_wg_groups() -> usize {
-    define_in("WG_GROUPS", 1..=2).unwrap_or(LOGITS_WG_GROUPS)
-}
-
-/// Whether the `H = 32` exact class takes its keys into registers (`mqa_logits_wgr`, one
-/// warpgroup per block; the default) rather than through shared memory
-/// (`mqa_logits_wg`, `WG_RS=0` in `$DSA_CUDA_DEFINES`, an A/B knob). One call on
-/// v41-chunk: 40.2 vs 45.7 ms of logits (benches/RESULTS.md v8).
-pub fn logits_wg_registers() -> bool {
-    define_in("WG_RS", 0..=1) != Some(0)
-}
 
 /// `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs separated by spaces; tuning knobs for
 /// experiments, prepended to every kernel source as `#define`s), read once per process.
@@ -137,11 +118,7 @@ pub fn logits_kernel(v: Variant) -> (&'static str, usize, usize) {
             }
             return ("mqa_logits_w16", LOGITS_W16_ROWS, 128);
         }
-        if logits_wg_registers() {
-            return ("mqa_logits_wgr", LOGITS_WG_ROWS, 128);
-        }
-        let groups = logits_wg_groups();
-        return ("mqa_logits_wg", LOGITS_WG_ROWS * groups, 128 * groups);
+        return ("mqa_logits_wgr", LOGITS_WG_ROWS, 128);
     }
     let rows = logits_rows(heads);
     ("mqa_logits", rows, rows * 32)
