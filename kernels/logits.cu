@@ -708,9 +708,8 @@ __device__ __forceinline__ bool wg_prologue(const u8 *q_scale, const float *w, R
 // thread tig of a quad takes dims 32 g + 8 tig + e (one u32 of 8 codes) as k = 4 tig + e
 // (e < 4) and k = 12 + 4 tig + e (e >= 4) of the group's k32 step, and B is staged in
 // the same order. Keys are not folded into the operands: where the queries fold, each
-// group takes one multiply by the key's own power of two (below). With WGR_KFOLD=1 the
-// keys fold too, against the warp's window (its 16 keys: C_g multiplies only that
-// warp's accumulator rows, so no block-wide reduction is needed); measured slower.
+// group takes one multiply by the key's own power of two (below), which costs less
+// than a per-tile key window and a shifted decode in the key loop.
 
 // The tile's t_g and SPEC 4's pairwise group sum from A fragments af[g] in registers
 // (X_g: key 16 warp + gid + 8 kk, column 8j + 2 tig + e, a[i] for i = 4j + 2 kk + e). `one` (per thread: the MMAs are outside the branch, so warps and
@@ -765,25 +764,8 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
   }
 }
 
-// Per-tile key folding in mqa_logits_wgr (1), or only the queries' (0, the default: in
-// one call on v41-chunk the per-warp window and the shifted decode in the key loop cost
-// more than the multiply per group they save, 45.4 vs 40.1 ms; benches/RESULTS.md v8).
-#ifndef WGR_KFOLD
-#define WGR_KFOLD 0
-#endif
 #ifndef WGR_MIN_BLOCKS
 #define WGR_MIN_BLOCKS 4
-#endif
-// WGR_QSAFE=1 (the default): a block whose folded query bases all lie in [107, 129]
-// skips the per-key check that C is an f32 (it is, for every scale byte 0..254: see the
-// one-multiply form below). WGR_SC32=1 (the default): a key's G scale bytes in one load
-// when k_scale is G-byte aligned (always for the host backend's uploads; the engine's
-// device inputs may not be). Both 0: A/B knobs.
-#ifndef WGR_QSAFE
-#define WGR_QSAFE 1
-#endif
-#ifndef WGR_SC32
-#define WGR_SC32 1
 #endif
 extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
@@ -809,8 +791,9 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
   int qbase[G];
   const bool fold_q = wg_prologue<WG_ROWS, 128>(q_scale, w, row_of, sw, sqs, stab, swq[0],
                                                 swq[1], qbase, tid, lane, warp);
-  // Every key's C is an f32 (the one-multiply form below): no per-key check.
-  bool qsafe = WGR_QSAFE && fold_q;
+  // A block whose folded query bases all lie in [107, 129] skips the per-key check that
+  // C is an f32: it is, for every scale byte 0..254 (the one-multiply form below).
+  bool qsafe = fold_q;
 #pragma unroll
   for (int g = 0; g < G; ++g) qsafe = qsafe && qbase[g] >= 107 && qbase[g] <= 129;
   // B: column n (row n / H, head n % H), group g: the word of dims 32 g + 8 tt .. + 7
@@ -833,8 +816,9 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
   u32 raw[2][G], rsc[2];
   bool none[2];
   // The scale bytes of a key in one load (G = 4: u32, G = 2: u16) when k_scale8 is
-  // G-byte aligned (a uniform branch), else byte by byte.
-  const bool sc_word = WGR_SC32 && (G == 4 || G == 2) &&
+  // G-byte aligned (a uniform branch: always for the host backend's uploads), else byte
+  // by byte (the engine's device inputs may start anywhere).
+  const bool sc_word = (G == 4 || G == 2) &&
                        (reinterpret_cast<size_t>(k_scale8) & (size_t)(G - 1)) == 0;
   constexpr u32 none_sc = G == 4 ? 0x7F7F7F7Fu : G == 2 ? 0x7F7Fu : 0x7Fu;
   auto prefetch = [&](u32 c) {
@@ -865,37 +849,15 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
   bool two_mul = false;  // some tile ran the two multiplies
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * WG_KEYS;
-    int kbase[G];
-    float cg[G];
-#if WGR_KFOLD
-    // The warp's window per group (lanes of a quad hold the same keys: offsets 4, 8, 16).
-    u32 mx = 0u, mn = 0xFFFFFFFFu;
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk)
-      if (!none[kk]) {
-        mx = __vmaxu4(mx, rsc[kk]);
-        mn = __vminu4(mn, rsc[kk]);
-      }
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      mx = __vmaxu4(mx, __shfl_xor_sync(FULL_MASK, mx, o));
-      mn = __vminu4(mn, __shfl_xor_sync(FULL_MASK, mn, o));
-    }
-    const bool fold = key_fold<1>(&mx, &mn, fold_q, qbase, kbase, cg);
-#else
-    const bool fold = false;
-#pragma unroll
-    for (int g = 0; g < G; ++g) kbase[g] = 0, cg[g] = 0.0f;
-#endif
     u32 af[G][4];
     const u32 esc[2] = {rsc[0], rsc[1]};
-    // One multiply per group: by C_g when the key tile folds; else, when the queries
-    // fold, by C = 2^(ebq_g - 129) * 2^(ek - 127), this key's: X_g * 2^(ebq_g - 129) is
+    // One multiply per group when the queries fold, by C = 2^(ebq_g - 129) * 2^(ek - 127),
+    // this key's: X_g * 2^(ebq_g - 129) is
     // exact (qtop <= 244 keeps it finite, and every multiple of 2^-149 with 13
     // significant bits is an f32), so rounding X_g * C once is rounding the reference's
     // exact first product times 2^(ek - 127): bitwise. A key whose C is no f32 takes
     // both multiplies (for the thread's tile).
-    bool one = fold || fold_q;
+    bool one = fold_q;
     float cf[2][G];
     // C = qf_g * 2^(ek - 127), qf_g = 2^(ebq_g - 129) (sqs's value for every row and head
     // when the queries fold): a product of two powers of two, exact when C >= 2^-149 and
@@ -910,14 +872,14 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
       for (int g = 0; g < G; ++g) {
         const u32 e = (rsc[kk] >> (8 * g)) & 0xFFu;
         const float c = __fmul_rn(sqs[0][g * H], __uint_as_float(e ? e << 23 : 0x00400000u));
-        cf[kk][g] = fold ? cg[g] : c;
+        cf[kk][g] = c;
       }
     if (!qsafe) {
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
-        for (int g = 0; g < G; ++g)  // cf is C wherever fold is false
-          one = one && (fold || (cf[kk][g] != 0.0f && cf[kk][g] < __uint_as_float(0x7F800000u)));
+        for (int g = 0; g < G; ++g)
+          one = one && cf[kk][g] != 0.0f && cf[kk][g] < __uint_as_float(0x7F800000u);
     }
     two_mul = two_mul || !one;
     // fx: t_g + t_(g+1) = fma(X_g, C_g, t_(g+1)) is bitwise the rounded sum of the
@@ -937,19 +899,12 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        if (fold) {
-          const u32 e = (rsc[kk] >> (8 * g)) & 0xFFu;
-          const int sh = none[kk] ? 0 : (int)e - kbase[g];
-          e2m1_word_tab(raw[kk][g], stab[sh + 9][0], stab[sh + 9][1], af[g][kk], af[g][2 + kk]);
-        } else {
-          e2m1_word_tab(raw[kk][g], stab[9][0], stab[9][1], af[g][kk], af[g][2 + kk]);
-        }
-      }
+      for (int g = 0; g < G; ++g)
+        e2m1_word_tab(raw[kk][g], stab[9][0], stab[9][1], af[g][kk], af[g][2 + kk]);
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
 
     float a[32];
-    wgr_group_sums(a, af, sB, one, fx && !fold, cf, sqs, esc, tig);
+    wgr_group_sums(a, af, sB, one, fx, cf, sqs, esc, tig);
     const float logit = two_row_head_sum<4>(a, sw, tig, odd, hi, head_quad);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, logit);
   }
