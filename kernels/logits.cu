@@ -610,22 +610,21 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
 
 // term_h = w_h * relu(a_h) and SPEC 4's pairwise head sum over a warpgroup's tile of
 // two rows (sw[0], sw[1]) x 8 NTL heads, a[i] for i = 4j + 2kk + e (row j / NTL, head
-// 8 (j % NTL) + 2 tig + e; key 16 warp + gid + 8 kk): heads (2 tig, +1) in the thread by
-// `quad` (head_quad or its tolerance-class form), lane offset 1 (even lanes keep key gid,
-// odd gid + 8), lane offset 2 (lanes with tig bit 1 keep row 1), then the NTL n-tiles
-// pairwise in the thread. Used by mqa_logits_wgr.
-template <int NTL, class Quad>
+// 8 (j % NTL) + 2 tig + e; key 16 warp + gid + 8 kk): heads (2 tig, +1) in the thread
+// (head_quad), lane offset 1 (even lanes keep key gid, odd gid + 8), lane offset 2 (lanes
+// with tig bit 1 keep row 1), then the NTL n-tiles pairwise in the thread. Used by
+// mqa_logits_wgr.
+template <int NTL>
 __device__ __forceinline__ float two_row_head_sum(const float (&a)[8 * NTL], const float (*sw)[H],
-                                                  const int tig, const bool odd, const bool hi,
-                                                  Quad quad) {
+                                                  const int tig, const bool odd, const bool hi) {
   float s[NTL];
 #pragma unroll
   for (int nt = 0; nt < NTL; ++nt) {
     const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
     const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
     const int i0 = 4 * nt, i1 = 4 * (NTL + nt);
-    const float v0 = quad(w0, a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3], odd);
-    const float v1 = quad(w1, a[i1], a[i1 + 1], a[i1 + 2], a[i1 + 3], odd);
+    const float v0 = head_quad(w0, a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3], odd);
+    const float v1 = head_quad(w1, a[i1], a[i1 + 1], a[i1 + 2], a[i1 + 3], odd);
     s[nt] = lane_pair_sum(v0, v1, hi);  // lanes with tig bit 1 clear keep row 0
   }
   return pairwise_f32<NTL>(s);
@@ -905,7 +904,7 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 
     float a[32];
     wgr_group_sums(a, af, sB, one, fx, cf, sqs, esc, tig);
-    const float logit = two_row_head_sum<4>(a, sw, tig, odd, hi, head_quad);
+    const float logit = two_row_head_sum<4>(a, sw, tig, odd, hi);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, logit);
   }
   count_fold_paths(paths, fold_q, two_mul);
@@ -930,8 +929,8 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 // tig of a quad reads D / 4 contiguous bytes of each key (dims (D/4) tig + 4 s + e, e =
 // 0..3, are k = 2 tig + e (e < 2) and 2 tig + 6 + e (e >= 2) of k16 step s), and B (the
 // queries, staged once per block) uses the same order. E4M3 -> f16 by cvt (exact).
-// The epilogue is mqa_logits_wgr's with the two rows in the place of its two m-tiles,
-// eight n-tiles per row, then the key scale: SPEC 4's order, within the bound.
+// The epilogue: the tolerance class's head sum of the two rows (tol_lane_heads,
+// tol_quad_sum), then the key scale.
 #define W16_ROWS 2
 #define W16_N (W16_ROWS * H)
 #define W16_KEYS 64
@@ -942,27 +941,10 @@ extern "C" __global__ void __launch_bounds__(128, WGR_MIN_BLOCKS) mqa_logits_wgr
 #define W16_MIN_BLOCKS 4
 #endif
 static_assert(W16_N == 128, "one m64n128 tile per k16 step");
-// W16_FMA=1 (the default; 0 is an A/B knob): head_quad's second product and first add
-// as one fma. The tolerance class allows it (one rounding fewer). One call: v32-64k
-// logits 67.6 ms against 69.6 (benches/RESULTS.md v8).
-#ifndef W16_FMA
-#define W16_FMA 1
-#endif
-__device__ __forceinline__ float w16_head_quad(const float2 wv, const float a0, const float a1,
-                                               const float a2, const float a3, const bool odd) {
-#if W16_FMA
-  const float u0 = __fmaf_rn(wv.y, RELU(a1), __fmul_rn(wv.x, RELU(a0)));
-  const float u1 = __fmaf_rn(wv.y, RELU(a3), __fmul_rn(wv.x, RELU(a2)));
-  const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
-  return __fadd_rn(odd ? u1 : u0, r1);
-#else
-  return head_quad(wv, a0, a1, a2, a3, odd);
-#endif
-}
-
-// The tolerance class's head sum for H = 64 on wgmma (mqa_logits_w16 with W16_EPI=1,
-// mqa_logits_w8), in the cheapest order its bound allows (cuda::TOLERANCE_LOG2's
-// derivation): this lane's 16 heads of row r
+// The tolerance class's head sum for H = 64 on wgmma (mqa_logits_w16, mqa_logits_w8),
+// in the cheapest order its bound allows (cuda::TOLERANCE_LOG2's derivation): one fma
+// per term in the thread, then two transposed shuffle steps, about 90 instructions per
+// tile fewer than SPEC 4's order. This lane's 16 heads of row r
 // (columns 8 nt + 2 tig + e of sums a[4 nt + 2 kk + e]) summed in the thread, one fma
 // per term, for its two keys kk = 0, 1; then tol_quad_sum adds the quad's four lanes.
 __device__ __forceinline__ void tol_lane_heads(const float *a, const float *swr, const int tig,
@@ -990,13 +972,6 @@ __device__ __forceinline__ float tol_quad_sum(const float p00, const float p01, 
   const float q1 = __fadd_rn(odd ? p11 : p10, __shfl_xor_sync(FULL_MASK, odd ? p10 : p11, 1));
   return __fadd_rn(hi ? q1 : q0, __shfl_xor_sync(FULL_MASK, hi ? q0 : q1, 2));
 }
-
-// W16_EPI=1 (the default; 0 is an A/B knob): the head sum as tol_lane_heads and
-// tol_quad_sum (one fma per term in the thread, then two transposed shuffle steps)
-// instead of two_row_head_sum's SPEC 4 order (about 90 fewer instructions per tile).
-#ifndef W16_EPI
-#define W16_EPI 1
-#endif
 
 // The W16_S words of one key (or query head) row this thread's fragments take: bytes
 // (D / 4) tig .. + D / 4.
@@ -1099,14 +1074,10 @@ extern "C" __global__ void __launch_bounds__(128, W16_MIN_BLOCKS) mqa_logits_w16
 
     // acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8);
     // the head sum over the eight n-tiles of each row, then the key scale.
-#if W16_EPI
     float p[2][2];
     tol_lane_heads(&acc[0], sw[0], tig, p[0][0], p[0][1]);
     tol_lane_heads(&acc[32], sw[1], tig, p[1][0], p[1][1]);
     const float hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
-#else
-    const float hsum = two_row_head_sum<8>(acc, sw, tig, odd, hi, w16_head_quad);
-#endif
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }
