@@ -8,7 +8,7 @@
 # With no arguments it runs the first four parts (ncu: hardware counters, on request).
 # Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED,
-# WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W8, W8_SPLIT, W8_MIN_BLOCKS, RELU_FMAX, TK_SAMPLE_WIDE,
+# WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W8, W8_SPLIT, W8_MIN_BLOCKS, TK_SAMPLE_WIDE,
 # TK_SAMPLE_RATIO, TK_SHORT, TK_SHORT_STAGE, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS;
 # host side: LG_PER_BLOCK).
 set -uo pipefail
@@ -28,15 +28,13 @@ if has tests; then
   echo "rc=$?" >> "$OUT/tests.txt"
   grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
   # Test filters again under a knob's other side: the mma.sync kernel where wgmma is the
-  # default, relu as
-  # compare-and-select.
+  # default.
   knob_tests() {
     local defs="$1"; shift
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   }
   knob_tests "WGMMA=0" exact_class boundary special golden
-  knob_tests "RELU_FMAX=0" exact_class special golden tolerance e4m3_h64
   # Short rows through the two-pass and general paths (the shared-memory row off).
   knob_tests "TK_SHORT=0" boundary topk_ special golden same_bits
   knob_tests "TK_SHORT_STAGE=0" topk_short boundary
@@ -68,7 +66,7 @@ fi
 
 if has ab; then
   # workload:defines, each against the same call's default run above ($AB: a shorter list).
-  AB="${AB:-v41-chunk:RELU_FMAX=0;v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:RELU_FMAX=0;v32-16k:WGMMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-64k:TK_SAMPLE_WIDE=0;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0;v32-16k:TK_SHORT_STAGE=0}"
+  AB="${AB:-v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:WGMMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-64k:TK_SAMPLE_WIDE=0;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0;v32-16k:TK_SHORT_STAGE=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="${ab#*:}"

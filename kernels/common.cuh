@@ -97,8 +97,10 @@ __device__ __forceinline__ u32 rank_key(float x) {
   return b ^ ((u32)((int)b >> 31) | 0x80000000u);
 }
 
-// relu(x) = x > 0 ? x : +0.0 (NaN -> +0.0).
-__device__ __forceinline__ float relu_f32(float x) { return x > 0.0f ? x : 0.0f; }
+// SPEC 4's relu(x) = x > 0 ? x : +0.0 (NaN -> +0.0) as one max.f32: the PTX ISA defines
+// max.f32 without .NaN as "NaN operand -> the other operand, else (x > y) ? x : y, with
+// +0.0 > -0.0", so max(x, +0.0) is SPEC 4's relu for every x: NaN -> +0, -0 -> +0.
+__device__ __forceinline__ float relu_f32(float x) { return fmaxf(x, 0.0f); }
 
 // ---- tensor cores ---------------------------------------------------------------------
 

@@ -106,19 +106,6 @@ static_assert(G == 1 || G == 2 || G == 4, "D must be 32, 64 or 128");
 static_assert(LG_KEYS % 32 == 0, "keys per block: whole pairs of 16-key m-tiles");
 static_assert((KSTRIDE / 4) % 8 == 4, "key row stride must rotate banks by 4 words");
 
-// relu as one max.f32 (RELU_FMAX=1, the default): the PTX ISA defines max.f32 without
-// .NaN as "NaN operand -> the other operand, else (x > y) ? x : y, with +0.0 > -0.0",
-// so max(x, +0.0) is SPEC 4's x > 0 ? x : +0.0 for every x: NaN -> +0, -0 -> +0.
-// RELU_FMAX=0 spells it as SPEC 4 writes it (a compare and a select), an A/B knob.
-#ifndef RELU_FMAX
-#define RELU_FMAX 1
-#endif
-#if RELU_FMAX
-#define RELU(x) fmaxf((x), 0.0f)
-#else
-#define RELU(x) relu_f32(x)
-#endif
-
 // Pairwise sum P of N values in place (N a power of two): SPEC 4's order.
 template <int N>
 __device__ __forceinline__ float pairwise_f32(float (&x)[N]) {
@@ -143,8 +130,8 @@ __device__ __forceinline__ double pairwise_f64(double (&x)[N]) {
 // and odd lanes key gid + 8.
 __device__ __forceinline__ float head_quad(const float2 wv, const float a0, const float a1,
                                            const float a2, const float a3, const bool odd) {
-  const float u0 = __fadd_rn(__fmul_rn(wv.x, RELU(a0)), __fmul_rn(wv.y, RELU(a1)));
-  const float u1 = __fadd_rn(__fmul_rn(wv.x, RELU(a2)), __fmul_rn(wv.y, RELU(a3)));
+  const float u0 = __fadd_rn(__fmul_rn(wv.x, relu_f32(a0)), __fmul_rn(wv.y, relu_f32(a1)));
+  const float u1 = __fadd_rn(__fmul_rn(wv.x, relu_f32(a2)), __fmul_rn(wv.y, relu_f32(a3)));
   const float r1 = __shfl_xor_sync(FULL_MASK, odd ? u0 : u1, 1);
   return __fadd_rn(odd ? u1 : u0, r1);
 }
@@ -953,14 +940,14 @@ __device__ __forceinline__ void tol_lane_heads(const float *a, const float *swr,
   for (int nt = 0; nt < 8; ++nt) {
     const float2 wv = *reinterpret_cast<const float2 *>(&swr[nt * 8 + 2 * tig]);
     if (nt == 0) {
-      p0 = __fmul_rn(wv.x, RELU(a[0]));
-      p1 = __fmul_rn(wv.x, RELU(a[2]));
+      p0 = __fmul_rn(wv.x, relu_f32(a[0]));
+      p1 = __fmul_rn(wv.x, relu_f32(a[2]));
     } else {
-      p0 = __fmaf_rn(wv.x, RELU(a[4 * nt]), p0);
-      p1 = __fmaf_rn(wv.x, RELU(a[4 * nt + 2]), p1);
+      p0 = __fmaf_rn(wv.x, relu_f32(a[4 * nt]), p0);
+      p1 = __fmaf_rn(wv.x, relu_f32(a[4 * nt + 2]), p1);
     }
-    p0 = __fmaf_rn(wv.y, RELU(a[4 * nt + 1]), p0);
-    p1 = __fmaf_rn(wv.y, RELU(a[4 * nt + 3]), p1);
+    p0 = __fmaf_rn(wv.y, relu_f32(a[4 * nt + 1]), p0);
+    p1 = __fmaf_rn(wv.y, relu_f32(a[4 * nt + 3]), p1);
   }
 }
 // The quad's sum of the lane partials p[r][kk], transposed: after lane offset 1 a lane
