@@ -8,8 +8,8 @@
 # With no arguments it runs the first four parts (ncu: hardware counters, on request).
 # Variants are compiled per process from
 # $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED,
-# WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W8, W8_SPLIT, W8_MIN_BLOCKS, TK_SAMPLE_WIDE,
-# TK_SAMPLE_RATIO, TK_SHORT, TK_SHORT_STAGE, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS;
+# WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W8, W8_SPLIT, W8_MIN_BLOCKS,
+# TK_SAMPLE_RATIO, TK_SHORT, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, LG_ROWS, LG_MIN_BLOCKS;
 # host side: LG_PER_BLOCK).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -37,7 +37,6 @@ if has tests; then
   knob_tests "WGMMA=0" exact_class boundary special golden
   # Short rows through the two-pass and general paths (the shared-memory row off).
   knob_tests "TK_SHORT=0" boundary topk_ special golden same_bits
-  knob_tests "TK_SHORT_STAGE=0" topk_short boundary
   # E4M3 x E4M3 at H = 64 on fp8 wgmma (mqa_logits_w8), held to SPEC 4's 2^-8 M: its
   # subnormal accumulator case fails (a finding, logged, not a gate), the others pass.
   knob_tests "W8=1" fp8_wgmma e4m3_h64 tolerance
@@ -66,7 +65,7 @@ fi
 
 if has ab; then
   # workload:defines, each against the same call's default run above ($AB: a shorter list).
-  AB="${AB:-v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:WGMMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-64k:TK_SAMPLE_WIDE=0;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0;v32-16k:TK_SHORT_STAGE=0}"
+  AB="${AB:-v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:WGMMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="${ab#*:}"

@@ -43,13 +43,6 @@ static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thr
 // Longest row the host sends to the shared-memory row (kernels::TOPK_SHORT_CAP).
 #define TK_SHORT_CAP 16384
 
-// TK_SHORT_STAGE=0: the shared-memory row writes each selected id straight to global
-// memory at its output position, as the other paths' ordered pass does (an A/B knob);
-// 1: staged in shared memory, then copied out coalesced.
-#ifndef TK_SHORT_STAGE
-#define TK_SHORT_STAGE 1
-#endif
-
 // Where a row's keys come from. Index j is local to the row (or segment): 0 .. n-1.
 // MODE 0: f32 logits at scores[lo + j] (ranking key computed here), optional consumer
 //         bitmap over blocks of (lo + j).
@@ -117,14 +110,10 @@ static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits
 // TK_CAND_CAP); rows of at least TK_SAMPLE_MIN keys and n > TK_SAMPLE_RATIO K. The narrowest margin
 // is K = 2048's, +-20 %: for n <= 64 K that is at least 2.5 standard deviations of the
 // sampled estimate (rank r >= 160), and a miss only costs the two-pass path. (The
-// midpoint for every K, tried first, cost v41-1m at 256 MiB 46 -> 62 ms of selection:
-// at K = 512 and n = 1 M the rank is 7, and the narrower upper margin missed often.)
-// TK_SAMPLE_WIDE=0: K <= 1024 only (the v5 rule), an A/B knob.
+// midpoint for every K misses often at small K: at K = 512 and n = 1 M the rank is 7,
+// and the upper margin is narrower.)
 #ifndef TK_SAMPLED
 #define TK_SAMPLED 1
-#endif
-#ifndef TK_SAMPLE_WIDE
-#define TK_SAMPLE_WIDE 1
 #endif
 // Rows take the sampled path when n > TK_SAMPLE_RATIO * K (and n >= TK_SAMPLE_MIN). One
 // call on v32-64k (K = 2048): 8 selects in 11.23 ms, 16 in 12.09 (benches/RESULTS.md v8).
@@ -445,7 +434,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
   if (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > (u32)TK_SAMPLE_RATIO * K &&
-      3u * K <= (TK_SAMPLE_WIDE ? 2u : 1u) * TK_CAND_CAP &&
+      3u * K <= 2u * TK_CAND_CAP &&
       sampled_candidates<MODE>(sm, src, n, K)) {
     need = K;  // every candidate is a key >= t; none selected yet
     *path = TK_PATH_SAMPLED;
@@ -633,9 +622,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   // The shared-memory row stages its selected ids in buf (in place: output position
   // <= key index, and a chunk's keys are in registers before its writes) and copies them
   // out in order at the end, instead of one scattered 4-byte store per id.
-  constexpr bool STAGE = SHORT && TK_SHORT_STAGE;
-  if (SHORT && ge && !STAGE) take_eq = 0xFFFFFFFFu;  // every key equal to T is taken
-  if (SHORT && STAGE && ge) {
+  if (SHORT && ge) {
     // Keys >= T, one compare per key; gt_before counts them.
     for (u32 base = 0; base < n; base += chunk) {
       const u32 j0 = base + tid * TK_ITEMS;
@@ -688,7 +675,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
       const bool is_eq = keys[i] == T && keys[i] != 0u;
       if (is_gt || (is_eq && e < take_eq)) {
         const u32 pos = g + min(e, take_eq);
-        if (STAGE && buf != nullptr) {
+        if (SHORT && buf != nullptr) {
           buf[pos] = j;
         } else {
           const i32 id = out_id<MODE>(src, j);
@@ -702,7 +689,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     gt_before += tot >> 16;
     eq_before += tot & 0xFFFFu;
   }
-  if (STAGE && buf != nullptr) {
+  if (SHORT && buf != nullptr) {
     const u32 count = gt_before + min(eq_before, take_eq);
     __syncthreads();
     for (u32 c = tid; c < count; c += TK_THREADS) {
