@@ -81,6 +81,8 @@ def entries(path):
             decls.append((mo.group(2), line))
     out = {}
     for n, b in funcs.items():
+        while b and not b[-1].strip():
+            b = b[:-1]  # blank lines before the next function, or the end of the file
         text = ''.join(b)
         used = [l for (sym, l) in decls if re.search(r'\b%s\b' % re.escape(sym), text)]
         out[n] = used + canon(b, per_entry=True)
