@@ -423,6 +423,7 @@ mod tests {
             ("TK_CAND_CAP", TOPK_CAND_CAP),
             ("TK_PATHS", TOPK_PATHS.len()),
             ("TK_SHORT_CAP", TOPK_SHORT_CAP),
+            ("BK_THREADS", BLOCK_KEYS_THREADS),
         ] {
             pinned(TOPK, "topk.cu", name, v);
         }
