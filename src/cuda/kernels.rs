@@ -96,10 +96,10 @@ pub fn logits_kernels(v: Variant) -> Vec<&'static str> {
 
 /// Whether E4M3 x E4M3 with `H = 64` runs on fp8 `wgmma` (`mqa_logits_w8`, `W8=1` in
 /// `$DSA_CUDA_DEFINES`; the fast precision mode is to use it) rather than on f16 `wgmma`
-/// (`mqa_logits_w16`, the default). Not the default because fp8 `wgmma` misses SPEC 4's bound when a subnormal
-/// E4M3 operand is in a k32 step's product of largest exponent fields (measured `2^-6
-/// M`; [`crate::cuda::FP8_WGMMA_TOLERANCE_LOG2`]). The two state different bounds:
-/// [`crate::cuda::tolerance_log2`].
+/// (`mqa_logits_w16`, the default). Not the default because fp8 `wgmma` misses SPEC 4's
+/// bound when a subnormal E4M3 operand is in a k32 step's product of largest exponent
+/// fields (`2^-6 M` on the H200; [`crate::cuda::FP8_WGMMA_TOLERANCE_LOG2`]). The two
+/// state different bounds: [`crate::cuda::tolerance_log2`].
 pub fn logits_fp8_wgmma() -> bool {
     define_in("W8", 0..=1) == Some(1)
 }
@@ -215,7 +215,8 @@ pub const VALIDATE_SEGMENTS: usize = 5;
 /// One compiled module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
-    /// `mqa_logits` for `H` heads, `G = D/32` groups and a format pair.
+    /// The logits kernel for `H` heads, `G = D/32` groups and a format pair (one of
+    /// [`logits_kernels`]).
     Logits {
         /// `H`.
         heads: usize,
@@ -226,7 +227,8 @@ pub enum Variant {
         /// Key format.
         k: Format,
     },
-    /// `topk_ragged_f32`, `block_keys_f32`, `kept_blocks_u32`, `decode_codes`.
+    /// `topk_ragged_f32`, `topk_short_f32`, `topk_segments_f32`, `topk_merge_f32`,
+    /// `block_keys_f32`, `kept_blocks_u32`, `decode_codes`.
     Topk,
     /// `validate_inputs`: SPEC 8's value checks of device inputs.
     Validate,
