@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# One device call on the H200: every GPU test, the CLI checks, the issue-7 benchmark and
-# its A/B variants, each writing its log under $OUT (default ./gpu-out).
+# One device call on the H200: every GPU test, the CLI checks, the benchmark and its
+# A/B variants, and the compute-sanitizer checks, each writing its log under $OUT
+# (default ./gpu-out).
 #
-#   ../shared/gpu/stage && cp -r ../shared/golden .gpu/golden    # here
-#   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu]   # there, carry .gpu
+#   ../shared/gpu/stage                                                     # here
+#   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu] [ncutk] [sanitize]
+#        # there, carry .gpu
 #
-# With no arguments it runs the first four parts (ncu: hardware counters, on request).
-# Variants are compiled per process from
-# $DSA_CUDA_DEFINES (kernels/*.cu knobs: WGMMA, SCALE_FOLD, TK_SAMPLED, WG_GROUPS, WG_RS,
-# WGR_KFOLD, WGR_MIN_BLOCKS, W16_MIN_BLOCKS, W16_EPI, W8, W8_SPLIT, W8_MIN_BLOCKS, W16_FMA, RELU_FMAX, TK_SAMPLE_WIDE,
-# TK_SAMPLE_RATIO, TK_SHORT, TK_SHORT_STAGE, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, WGR_QSAFE, WGR_SC32, LG_ROWS, LG_MIN_BLOCKS;
-# host side: LG_PER_BLOCK).
+# With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
+# sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
+# `run --device cuda`, about 4 minutes; each on request). The golden files are read from
+# tests/golden unless $DSA_GOLDEN_DIR says otherwise.
+#
+# Variants are compiled per process with $DSA_CUDA_DEFINES prepended as #defines:
+# - forced fallbacks: WGMMA=0 (mma.sync everywhere), SCALE_FOLD=0 (the exact class's
+#   two-multiply epilogue), TK_SHORT=0 (no shared-memory row), TK_SAMPLED=0 (no sampled
+#   threshold);
+# - the fp8 wgmma kernel for E4M3 x E4M3 at H = 64: W8=1, W8_SPLIT=0;
+# - tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, W16_MIN_BLOCKS,
+#   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS; host side:
+#   LG_PER_BLOCK.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 B=.gpu/bin
-export DSA_GOLDEN_DIR="${DSA_GOLDEN_DIR:-$PWD/.gpu/golden}"
+export DSA_GOLDEN_DIR="${DSA_GOLDEN_DIR:-$PWD/tests/golden}"
 parts="${*:-tests bench ab torch}"
 has() { [[ " $parts " == *" $1 "* ]]; }
 log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
@@ -27,25 +36,19 @@ if has tests; then
   DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
   echo "rc=$?" >> "$OUT/tests.txt"
   grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
-  # Test filters again under a knob's other side: the mma.sync kernel where wgmma is the
-  # default, the exact class through shared memory and with per-tile key folding, relu as
-  # compare-and-select.
+  # Test filters again on the other side of each forced fallback: the mma.sync kernel
+  # where wgmma is the default, the exact class without scale folding, short rows
+  # through the two-pass and general paths (the shared-memory row off), long rows
+  # without the sampled threshold.
   knob_tests() {
     local defs="$1"; shift
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   }
   knob_tests "WGMMA=0" exact_class boundary special golden
-  knob_tests "WG_RS=0" exact_class boundary special golden same_bits
-  knob_tests "WGR_KFOLD=1" exact_class boundary special golden same_bits
-  knob_tests "RELU_FMAX=0" exact_class special golden tolerance e4m3_h64
-  # Short rows through the two-pass and general paths (the shared-memory row off).
+  knob_tests "SCALE_FOLD=0" exact_class boundary special golden same_bits
   knob_tests "TK_SHORT=0" boundary topk_ special golden same_bits
-  knob_tests "TK_SHORT_STAGE=0" topk_short boundary
-  # mqa_logits_wgr's per-key check of C in every block, and its scale bytes byte by byte.
-  knob_tests "WGR_QSAFE=0 WGR_SC32=0" exact_class boundary special golden same_bits engine_api_accepts
-  # mqa_logits_w16's head sum in SPEC 4's order (the epilogue before W16_EPI).
-  knob_tests "W16_EPI=0" tolerance e4m3_h64 fp8_wgmma special golden
+  knob_tests "TK_SAMPLED=0" boundary topk_ golden same_bits
   # E4M3 x E4M3 at H = 64 on fp8 wgmma (mqa_logits_w8), held to SPEC 4's 2^-8 M: its
   # subnormal accumulator case fails (a finding, logged, not a gate), the others pass.
   knob_tests "W8=1" fp8_wgmma e4m3_h64 tolerance
@@ -74,7 +77,7 @@ fi
 
 if has ab; then
   # workload:defines, each against the same call's default run above ($AB: a shorter list).
-  AB="${AB:-v41-chunk:RELU_FMAX=0;v41-chunk:WG_RS=0;v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:RELU_FMAX=0;v32-16k:W16_FMA=0;v32-16k:WGMMA=0;v32-64k:W16_FMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-64k:TK_SAMPLE_WIDE=0;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0;v32-16k:TK_SHORT_STAGE=0;v41-chunk:WGR_QSAFE=0;v41-chunk:WGR_SC32=0}"
+  AB="${AB:-v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:WGMMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="${ab#*:}"
@@ -106,4 +109,45 @@ if has torch; then
   log "torch.topk"
   timeout 120 python3 benches/torch_topk.py 2>&1 | tail -5 >> "$OUT/summary.txt"
 fi
+if has sanitize; then
+  # compute-sanitizer over the GPU tests (.gpu/bin/cuda) and `run --device cuda`: each
+  # tool with --error-exitcode 1, its log under $OUT/sanitize/, and one summary line
+  # with the exit status, the tool's error count and its hazards (racecheck); a line
+  # with a nonzero rc, errors, hazards or TIMEOUT fails the part. The filters keep each
+  # run within its timeout under the tool's slowdown: memcheck takes every test but the
+  # slowest (plan_and_measured_peak allocates multi-GiB workloads), racecheck the
+  # top-k kernels' shared-memory traffic and the wgmma kernels' staging, initcheck and
+  # synccheck the suites that reach every kernel.
+  log "compute-sanitizer"
+  mkdir -p "$OUT/sanitize"
+  san_fail=0
+  san() {  # san NAME TOOL SECONDS COMMAND...
+    local name="$1" tool="$2" secs="$3"; shift 3
+    local logf="$OUT/sanitize/$name.txt"
+    DSA_REQUIRE_GPU=1 timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      --print-limit 50 --log-file "$logf" "$@" > "$OUT/sanitize/$name.out" 2>&1
+    local rc=$?
+    cat "$OUT/sanitize/$name.out" >> "$logf"; rm -f "$OUT/sanitize/$name.out"
+    local errors hazards status=ok
+    errors=$(grep -oE "ERROR SUMMARY: [0-9]+" "$logf" | tail -1 | grep -oE "[0-9]+$")
+    hazards=$(grep -oE "RACECHECK SUMMARY: [0-9]+ hazard" "$logf" | tail -1 | grep -oE "[0-9]+ " | tr -d ' ')
+    [ "$rc" -eq 124 ] && status=TIMEOUT
+    if [ "$rc" -ne 0 ] || [ "${errors:-0}" != 0 ] || [ "${hazards:-0}" != 0 ]; then
+      [ "$status" = ok ] && status=FAILED
+      san_fail=$((san_fail + 1))
+    fi
+    echo "sanitize $name ($tool, ${secs}s): $status rc=$rc errors=${errors:-?} hazards=${hazards:--}" \
+      | tee -a "$OUT/summary.txt"
+  }
+  T="$B/cuda --test-threads=1"
+  san memcheck memcheck 110 $T --skip plan_and_measured_peak
+  san racecheck racecheck 50 $T --exact topk_short_rows_in_shared_memory_match_a_full_sort \
+    boundary_sizes_from_the_kernel_constants topk_sampled_threshold_matches_a_full_sort
+  san initcheck initcheck 30 $T special_values golden_vectors
+  san synccheck synccheck 30 $T special_values golden_vectors
+  san run-memcheck memcheck 40 $B/dsa-indexer run --device cuda --json
+  echo "sanitize: $san_fail of 5 runs failed" | tee -a "$OUT/summary.txt"
+fi
+
 log "done"
+[ "${san_fail:-0}" -eq 0 ]

@@ -15,7 +15,7 @@ typedef long long i64;
 
 #define FULL_MASK 0xffffffffu
 
-// ---- codecs (SPEC 2) --------------------------------------------------------------
+// ==== codecs (SPEC 2) ====
 
 // E4M3 byte of the E2M1 magnitude of index 0..7: {0, .5, 1, 1.5, 2, 3, 4, 6}.
 #define E2M1_AS_E4M3 0x4C4844403C383000ull
@@ -83,7 +83,7 @@ __device__ __forceinline__ float e4m3_decode(u32 b) {
   return (b & 0x80u) ? -v : v;
 }
 
-// ---- SPEC 5 ranking key -------------------------------------------------------------
+// ==== SPEC 5 ranking key ====
 
 // Order-preserving key: NaN as -inf, -0.0 as +0.0, larger = better. Never 0: the
 // smallest key (-inf) is 0x007FFFFF, so 0 is free for "not a candidate".
@@ -91,16 +91,18 @@ __device__ __forceinline__ u32 rank_key(float x) {
   // x + (+0) is x in round to nearest, except -0 + +0 = +0: one add ranks -0 as +0 (no
   // flush to zero: subnormals pass unchanged). Then NaN as -inf, and the sign flip as
   // one xor with (sign mask | 0x80000000): negatives invert, positives gain the top bit.
-  // Five instructions; the compare-and-select form took seven (benches/RESULTS.md v12).
+  // Five instructions (a compare-and-select form takes seven).
   const float y = __fadd_rn(x, 0.0f);
   const u32 b = y != y ? 0xFF800000u : __float_as_uint(y);
   return b ^ ((u32)((int)b >> 31) | 0x80000000u);
 }
 
-// relu(x) = x > 0 ? x : +0.0 (NaN -> +0.0).
-__device__ __forceinline__ float relu_f32(float x) { return x > 0.0f ? x : 0.0f; }
+// SPEC 4's relu(x) = x > 0 ? x : +0.0 (NaN -> +0.0) as one max.f32: the PTX ISA defines
+// max.f32 without .NaN as "NaN operand -> the other operand, else (x > y) ? x : y, with
+// +0.0 > -0.0", so max(x, +0.0) is SPEC 4's relu for every x: NaN -> +0, -0 -> +0.
+__device__ __forceinline__ float relu_f32(float x) { return fmaxf(x, 0.0f); }
 
-// ---- tensor cores ---------------------------------------------------------------------
+// ==== tensor cores ====
 
 // D = A(16x32 e4m3, row) * B(32x8 e4m3, col) + C, f32 accumulate.
 __device__ __forceinline__ void mma_e4m3(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -180,7 +182,7 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// ---- Hopper warpgroup MMA (wgmma) -------------------------------------------------
+// ==== Hopper warpgroup MMA (wgmma) ====
 
 // Shared-memory matrix descriptor, no swizzle: start address, LBO (bytes between core
 // matrices adjacent in K) and SBO (adjacent in M or N); a core matrix is 8 rows of 16
@@ -232,7 +234,7 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const u3
 // D (+)= A(64x32 e4m3, registers: the mma.sync m16n8k32 A fragment of each warp's 16
 // rows) * B(32x128 e4m3, smem, K-major); scale_d = 0 overwrites D. Accumulator layout as
 // in wgmma_m64n64k32_e4m3, with j = 0..15. The tensor core adds the products with
-// about 13 bits kept (../shared/GPU.md's probe): the tolerance class's fp8 path only.
+// about 13 bits kept (a probe on the H200): the tolerance class's fp8 path only.
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3_rs(float (&d)[64], const u32 (&a)[4], u64 db,
                                                          u32 scale_d) {
   asm volatile(
@@ -261,7 +263,7 @@ __device__ __forceinline__ u32 e4m3x2_f16x2(u32 b) {
   return r;
 }
 
-// ---- block-wide helpers -----------------------------------------------------------
+// ==== block-wide helpers ====
 
 // Exclusive prefix sum of v over the block (blockDim.x a multiple of 32, <= 1024);
 // *total receives the block sum. `scratch` holds 33 u32. Ends with a barrier.

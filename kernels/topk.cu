@@ -18,14 +18,76 @@
 //   K-th key T and how many keys equal to T are taken (the lowest j first: SPEC 5's
 //   total order), then an ordered pass writes the ids in place with one block scan per
 //   chunk: output position = (keys > T before) + min(ties before, taken).
-// The first two end with the selected ids sorted in shared memory (or hand T to the
-// ordered pass when the row is short next to K).
+// The sampled threshold and the two passes end with the selected ids sorted in shared
+// memory (or hand T to the ordered pass when the row is short next to K).
+//
+// Kernels: topk_ragged_f32 and topk_short_f32 (one row per block, split by length),
+// topk_segments_f32 and topk_merge_f32 (a long row over several blocks), block_keys_f32
+// and kept_blocks_u32 (SPEC 6), decode_codes (the device codec check).
 
+// ==== configuration ====
+
+// Threads per top-k block (kernels::TOPK_THREADS): the shared-memory row's digit scan
+// gives each thread 4 of the TK_BINS bins.
 #define TK_THREADS 512
-#define TK_ITEMS 8  // consecutive ids per thread in the ordered pass
+// Consecutive ids per thread in the ordered pass: two 16-byte loads of the shared-memory
+// row (kernels::TOPK_CHUNK = TK_THREADS * TK_ITEMS).
+#define TK_ITEMS 8
+// Pass-1 histogram on the key's top 11 bits.
+#define TK_BINS 2048
+// Selected ids held for the final sort: the fast paths serve K <= this
+// (kernels::TOPK_SEL_CAP).
+#define TK_SEL_CAP 4096
+// Candidate keys held for the exact resolution; with it TopkSmem is 41 KiB, so that four
+// blocks share an SM (kernels::TOPK_CAND_CAP).
+#define TK_CAND_CAP 3072
+// Longest row the host sends to the shared-memory row: 64 KiB of keys in dynamic shared
+// memory (kernels::TOPK_SHORT_CAP).
+#define TK_SHORT_CAP 16384
+// 16-byte loads in flight per thread in the shared-memory row's pass over global memory.
+#define TK_SHORT_LOADS 4
+// Rows take the sampled path when n > TK_SAMPLE_RATIO * K and n >= TK_SAMPLE_MIN: at a
+// ratio of 16 the selection of v32-64k (K = 2048) ran slower than at 8.
+#ifndef TK_SAMPLE_RATIO
+#define TK_SAMPLE_RATIO 8
+#endif
+// Shortest row of the sampled path: its sample of TK_SEL_CAP keys is at most a quarter
+// of the row.
+#define TK_SAMPLE_MIN 16384
+// Loads in flight per thread in the sampled path's collecting pass.
+#ifndef TK_UNROLL
+#define TK_UNROLL 4
+#endif
+// Rows of at most TK_ORDERED_RATIO * K keys finish a fast path with the ordered pass from
+// the exact threshold, cheaper there than the sort of the selected ids.
+#define TK_ORDERED_RATIO 16
+// Blocks per SM the ragged top-k's registers must allow: 4 (32 registers) fits four
+// blocks' 41 KiB of shared memory and 2048 threads, so a tile of up to 4 * 132 rows is
+// one wave (at ptxas's own 40 registers, 3 blocks, a 512-row tile took two waves).
+#ifndef TK_RAGGED_MIN_BLOCKS
+#define TK_RAGGED_MIN_BLOCKS 4
+#endif
+// Blocks per SM of topk_segments_f32: four (32 registers, no spills).
+#define TK_SEGMENTS_MIN_BLOCKS 4
+// Threads per block_keys_f32 block, one block key each (kernels::BLOCK_KEYS_THREADS).
+#define BK_THREADS 256
+// Forced fallbacks (test hooks): TK_SHORT=0 never takes the shared-memory row (the host
+// reads it too and launches every row through topk_ragged_f32); TK_SAMPLED=0 never takes
+// the sampled threshold.
+#ifndef TK_SHORT
+#define TK_SHORT 1
+#endif
+#ifndef TK_SAMPLED
+#define TK_SAMPLED 1
+#endif
 static_assert(TK_THREADS % 32 == 0 && TK_THREADS <= 1024, "block size");
 static_assert(TK_THREADS * TK_ITEMS <= 65535, "per-chunk counts are packed in 16 bits");
 static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thread");
+static_assert(TK_BINS == 2048, "the digit scan gives each lane 64 bins");
+static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits a thread");
+static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunks");
+
+// ==== path counters ====
 
 // Which path selected a row, counted per launch in `paths[TK_PATH_*]` when the caller
 // passes a counter array (src/cuda/kernels.rs mirrors these ids).
@@ -35,20 +97,8 @@ static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thr
 #define TK_PATH_TWO 3      // two passes, the threshold bin resolved in shared memory
 #define TK_PATH_GENERAL 4  // four digit passes over the row
 #define TK_PATHS 5
-// TK_SHORT=0: never take the shared-memory row path (an A/B knob; the host reads it too
-// and then launches every row through topk_ragged_f32).
-#ifndef TK_SHORT
-#define TK_SHORT 1
-#endif
-// Longest row the host sends to the shared-memory row (kernels::TOPK_SHORT_CAP).
-#define TK_SHORT_CAP 16384
 
-// TK_SHORT_STAGE=0: the shared-memory row writes each selected id straight to global
-// memory at its output position, as the other paths' ordered pass does (an A/B knob);
-// 1: staged in shared memory, then copied out coalesced.
-#ifndef TK_SHORT_STAGE
-#define TK_SHORT_STAGE 1
-#endif
+// ==== a row's keys ====
 
 // Where a row's keys come from. Index j is local to the row (or segment): 0 .. n-1.
 // MODE 0: f32 logits at scores[lo + j] (ranking key computed here), optional consumer
@@ -104,39 +154,9 @@ __device__ __forceinline__ void load_keys(u32 (&key)[U], const RowSrc &src, cons
   }
 }
 
-// ---- fast path: two passes over the row, the rest in shared memory ----------------
-#define TK_BINS 2048       // pass-1 histogram on the key's top 11 bits
-#define TK_SEL_CAP 4096    // selected ids held for the final sort (K <= this)
-#define TK_CAND_CAP 3072   // candidate keys held for the exact resolution
-static_assert(TK_BINS == 2048, "the digit scan below gives each lane 64 bins");
-static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits a thread");
-// Sampled threshold (one pass over long rows): a sample of TK_SEL_CAP keys in chunks of
-// 32, its rank-r key t with about `target` keys of the row expected at or above it:
-// TK_CAND_CAP / 2 when 3 K <= TK_CAND_CAP (K <= 1024), else (K + TK_CAND_CAP) / 2,
-// midway between too few (< K) and too many (> TK_CAND_CAP), for K up to 2048 (3 K <= 2
-// TK_CAND_CAP); rows of at least TK_SAMPLE_MIN keys and n > TK_SAMPLE_RATIO K. The narrowest margin
-// is K = 2048's, +-20 %: for n <= 64 K that is at least 2.5 standard deviations of the
-// sampled estimate (rank r >= 160), and a miss only costs the two-pass path. (The
-// midpoint for every K, tried first, cost v41-1m at 256 MiB 46 -> 62 ms of selection:
-// at K = 512 and n = 1 M the rank is 7, and the narrower upper margin missed often.)
-// TK_SAMPLE_WIDE=0: K <= 1024 only (the v5 rule), an A/B knob.
-#ifndef TK_SAMPLED
-#define TK_SAMPLED 1
-#endif
-#ifndef TK_SAMPLE_WIDE
-#define TK_SAMPLE_WIDE 1
-#endif
-// Rows take the sampled path when n > TK_SAMPLE_RATIO * K (and n >= TK_SAMPLE_MIN). One
-// call on v32-64k (K = 2048): 8 selects in 11.23 ms, 16 in 12.09 (benches/RESULTS.md v8).
-#ifndef TK_SAMPLE_RATIO
-#define TK_SAMPLE_RATIO 8
-#endif
-#define TK_SAMPLE_MIN 16384
-#ifndef TK_UNROLL
-#define TK_UNROLL 4  // loads in flight per thread in the collecting pass
-#endif
-static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunks");
+// ==== radix select ====
 
+// The fast paths' shared memory (the sampled threshold and the two passes).
 struct TopkSmem {
   union {  // the pass-1 histogram is dead before the candidates are written
     u32 hist[TK_BINS];
@@ -209,6 +229,8 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
   return true;
 }
 
+// ==== the shared-memory row ====
+
 // The shared-memory row's static shared memory (TopkSmem's fields of the same names).
 struct ShortSmem {
   u32 hist[TK_BINS + 4];  // short_row_threshold counts non-matching keys at TK_BINS
@@ -251,7 +273,7 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
       reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(src.scores) + src.lo);
   uint4 *buf4 = reinterpret_cast<uint4 *>(buf);
   const u32 n4 = (n + 3u) / 4u;
-  constexpr int V = 4;  // 16-byte loads in flight per thread
+  constexpr int V = TK_SHORT_LOADS;
   for (u32 base = 0; base < n4; base += V * TK_THREADS) {
     float4 v[V];
 #pragma unroll
@@ -334,6 +356,18 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
   take = need;
   return true;
 }
+
+// ==== the sampled threshold ====
+
+// Sampled threshold (one pass over long rows): a sample of TK_SEL_CAP keys in chunks of
+// 32, its rank-r key t with about `target` keys of the row expected at or above it:
+// TK_CAND_CAP / 2 when 3 K <= TK_CAND_CAP (K <= 1024), else (K + TK_CAND_CAP) / 2,
+// midway between too few (< K) and too many (> TK_CAND_CAP), for K up to 2048
+// (3 K <= 2 TK_CAND_CAP); rows of at least TK_SAMPLE_MIN keys and n > TK_SAMPLE_RATIO K.
+// The narrowest margin is K = 2048's, +-20 %: for n <= 64 K that is at least 2.5
+// standard deviations of the sampled estimate (rank r >= 160), and a miss only costs the
+// two-pass path. (The midpoint for every K misses often at small K: at K = 512 and
+// n = 1 M the rank is 7, and the upper margin is narrower.)
 
 // The end of the sampled threshold's collecting pass: whether its count of keys >= t
 // (misc[4]) lies in K .. TK_CAND_CAP. Every thread reads the count after the pass's
@@ -440,11 +474,14 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
   return sampled_count_fits(sm, K);
 }
 
-// Returns false (having written nothing) when the row needs the general path: K above
-// TK_SEL_CAP, or more than TK_CAND_CAP keys in the threshold bin.
-// Returns TK_FALLBACK (nothing written: the general path), TK_DONE (outputs written),
-// or TK_THRESHOLD (exact K-th key in *T_out, ties to take in *take_out: the ordered
-// pass finishes, cheaper than the sort for rows short next to K).
+// ==== the fast paths ====
+
+// The sampled threshold or the two passes, then the exact selection in shared memory.
+// The general path is needed for K above TK_SEL_CAP, or more than TK_CAND_CAP keys in
+// the threshold bin. Returns TK_FALLBACK (nothing written: the general path), TK_DONE
+// (outputs written), or TK_THRESHOLD (exact K-th key in *T_out, ties to take in
+// *take_out: the ordered pass finishes, cheaper than the sort for rows of at most
+// TK_ORDERED_RATIO * K keys).
 #define TK_FALLBACK 0
 #define TK_DONE 1
 #define TK_THRESHOLD 2
@@ -457,7 +494,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
   if (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > (u32)TK_SAMPLE_RATIO * K &&
-      3u * K <= (TK_SAMPLE_WIDE ? 2u : 1u) * TK_CAND_CAP &&
+      3u * K <= 2u * TK_CAND_CAP &&
       sampled_candidates<MODE>(sm, src, n, K)) {
     need = K;  // every candidate is a key >= t; none selected yet
     *path = TK_PATH_SAMPLED;
@@ -525,7 +562,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   // Exact threshold among the bin's keys, then the lowest ids among its ties.
   u32 T, take;
   radix_select<false>(sm.h256, sm.misc, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T, take);
-  if (n <= 16u * K) {
+  if (n <= (u32)TK_ORDERED_RATIO * K) {
     *T_out = T;
     *take_out = take;
     return TK_THRESHOLD;
@@ -589,6 +626,8 @@ __device__ __forceinline__ void buf_load8(u32 (&keys)[TK_ITEMS], const u32 *buf,
   keys[4] = b.x, keys[5] = b.y, keys[6] = b.z, keys[7] = b.w;
 }
 
+// ==== one row ====
+
 // One row's selection. SHORT: buf is shared memory for the row's keys (capacity at
 // least ceil8(n), 16-byte aligned), the shared-memory row path (a template parameter so
 // that the other kernels carry none of its registers); else buf is null. paths: null, or
@@ -645,9 +684,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   // The shared-memory row stages its selected ids in buf (in place: output position
   // <= key index, and a chunk's keys are in registers before its writes) and copies them
   // out in order at the end, instead of one scattered 4-byte store per id.
-  constexpr bool STAGE = SHORT && TK_SHORT_STAGE;
-  if (SHORT && ge && !STAGE) take_eq = 0xFFFFFFFFu;  // every key equal to T is taken
-  if (SHORT && STAGE && ge) {
+  if (SHORT && ge) {
     // Keys >= T, one compare per key; gt_before counts them.
     for (u32 base = 0; base < n; base += chunk) {
       const u32 j0 = base + tid * TK_ITEMS;
@@ -685,7 +722,8 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
 #pragma unroll
       for (int i = 0; i < TK_ITEMS; ++i) {
         const u32 j = base + tid * TK_ITEMS + i;
-        keys[i] = j < n ? (all && MODE == 0 && src.bitmap == nullptr ? 1u : load_key<MODE>(src, j)) : 0u;
+        keys[i] = j < n ? (all && MODE == 0 && src.bitmap == nullptr ? 1u : load_key<MODE>(src, j))
+                        : 0u;
         ngt += keys[i] > T;
         neq += (keys[i] == T && keys[i] != 0u);
       }
@@ -700,7 +738,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
       const bool is_eq = keys[i] == T && keys[i] != 0u;
       if (is_gt || (is_eq && e < take_eq)) {
         const u32 pos = g + min(e, take_eq);
-        if (STAGE && buf != nullptr) {
+        if (SHORT && buf != nullptr) {
           buf[pos] = j;
         } else {
           const i32 id = out_id<MODE>(src, j);
@@ -714,7 +752,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     gt_before += tot >> 16;
     eq_before += tot & 0xFFFFu;
   }
-  if (STAGE && buf != nullptr) {
+  if (SHORT && buf != nullptr) {
     const u32 count = gt_before + min(eq_before, take_eq);
     __syncthreads();
     for (u32 c = tid; c < count; c += TK_THREADS) {
@@ -728,6 +766,8 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   if (out_page)
     for (u32 c = count + tid; c < page_cols; c += TK_THREADS) out_page[c] = -1;
 }
+
+// ==== kernels ====
 
 // Consumer row `row`'s kept blocks (its NB candidate ids in cblocks, -1 for none) as a
 // bitmap over blocks in shared memory. Ends with a barrier.
@@ -768,13 +808,7 @@ __device__ __forceinline__ void topk_tile_row(
                                  page_cols, k_slots, row_ks[row], buf, paths);
 }
 
-// Blocks per SM the ragged top-k's registers must allow: 4 (32 registers) fits four
-// blocks' 42 KiB of shared memory and 2048 threads, so a tile of up to 4 * 132 rows is
-// one wave (3 blocks, ptxas's own choice of 40 registers, left v41-1m's 512-row tiles
-// two waves, the second 30 % full); an A/B knob.
-#ifndef TK_RAGGED_MIN_BLOCKS
-#define TK_RAGGED_MIN_BLOCKS 4
-#endif
+// block: row row0 + blockIdx.x if n >= n_min -> raw[row, 0:K], page[row, 0:page_cols]
 extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_RAGGED_MIN_BLOCKS) topk_ragged_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
@@ -786,6 +820,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_RAGGED_MIN_BLOCKS) t
                        cblocks, num_blocks, block_size, bitmap_words, n_min, 0u, paths, dsmem);
 }
 
+// block: row row0 + blockIdx.x if n <= row_cap -> raw[row, 0:K], page[row, 0:page_cols]
 extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_short_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
@@ -801,9 +836,9 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_short_f32(
 // selects the K best of one segment of its row (ids sorted, -1 padded) into scratch
 // [rows, S, K]; a merge block per row then selects the K best of those S*K ids. The
 // row's K best (SPEC 5's total order) are each among their segment's K best, so the
-// merge returns exactly the row's selection. grid: (S, tile rows). Four blocks per SM
-// (32 registers, no spills), as before the path counters' argument.
-extern "C" __global__ void __launch_bounds__(TK_THREADS, 4) topk_segments_f32(
+// merge returns exactly the row's selection. grid: (S, tile rows).
+// block: segment blockIdx.x of row row0 + blockIdx.y -> scratch[blockIdx.y, blockIdx.x, 0:K]
+extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_SEGMENTS_MIN_BLOCKS) topk_segments_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, u32 row0, u32 K, i32 *__restrict__ scratch,
     const i32 *__restrict__ cblocks, u32 num_blocks, u32 block_size, u32 bitmap_words,
@@ -822,6 +857,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, 4) topk_segments_f32(
 }
 
 // The merge of topk_segments_f32: grid (tile rows), S segments of K ids each.
+// block: scratch[blockIdx.x, 0:S, 0:K] of row row0 + blockIdx.x -> raw[row, 0:K], page[row, :]
 extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_merge_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_ks, u32 row0, u32 K, u32 S, const i32 *__restrict__ scratch,
@@ -836,7 +872,9 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_merge_f32(
 
 // Block keys of the tile's publishing rows: max ranking key over each block of B keys.
 // grid: (row blocks, tile rows).
-extern "C" __global__ void __launch_bounds__(256) block_keys_f32(
+// block: row row0 + blockIdx.y's blocks c = blockIdx.x * blockDim.x + threadIdx.x, + the
+// grid's threads -> bkeys[row_boff[row] + c]
+extern "C" __global__ void __launch_bounds__(BK_THREADS) block_keys_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const i32 *__restrict__ row_pub,
     const u64 *__restrict__ row_boff, u32 row0, u32 block_size, u32 *__restrict__ bkeys) {
@@ -856,6 +894,7 @@ extern "C" __global__ void __launch_bounds__(256) block_keys_f32(
 
 // Kept blocks of the tile's publishing rows (SPEC 6): the pinned block (n-1)/B first,
 // then the best min(NB, nb) - 1 others; ids ascending, -1 padded to NB.
+// block: publishing row row0 + blockIdx.x -> published[row_pub[row], 0:NB]
 extern "C" __global__ void __launch_bounds__(TK_THREADS) kept_blocks_u32(
     const u32 *__restrict__ bkeys, const u32 *__restrict__ row_n,
     const i32 *__restrict__ row_pub, const u64 *__restrict__ row_boff, u32 row0,

@@ -1,10 +1,29 @@
 //! Every kernel variant compiles for sm_90a with NVRTC (no GPU needed). CI installs
 //! NVRTC 13.0.88 and runs this with `DSA_REQUIRE_NVRTC=1`, under which a missing
 //! libnvrtc fails instead of skipping.
+//!
+//! With `DSA_PTX_DIR=dir` it writes each module's PTX there: `VARIANT.ptx` for the top-k
+//! and validation modules, `VARIANT.KERNEL.ptx` for each logits kernel that can serve the
+//! variant (`benches/ptx_equiv.py` compares two such folders kernel by kernel).
 #![cfg(feature = "cuda")]
 
-use dsa_indexer::cuda::kernels::{self, compile, nvrtc_present, Variant};
-use dsa_indexer::problem::Format;
+use dsa_indexer::cuda::kernels::{self, compile, compile_logits, nvrtc_present, Variant};
+
+/// Checks one module's PTX: sm_90a, and every entry the backend loads from it by name.
+fn check(name: &str, src: &str, entries: &[&str]) {
+    assert!(src.contains(".target sm_90a"), "{name}: not sm_90a PTX");
+    for e in entries {
+        assert!(
+            src.contains(&format!(".entry {e}(")),
+            "{name}: no entry {e}"
+        );
+    }
+    if let Ok(dir) = std::env::var("DSA_PTX_DIR") {
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {dir}: {e}"));
+        let path = format!("{dir}/{name}.ptx");
+        std::fs::write(&path, src).unwrap_or_else(|e| panic!("writing {path}: {e}"));
+    }
+}
 
 #[test]
 fn every_kernel_compiles_for_sm90a() {
@@ -23,57 +42,54 @@ fn every_kernel_compiles_for_sm90a() {
         "top-k and validation kernels listed"
     );
     let mut failures = Vec::new();
+    let mut modules = 0;
     for v in &variants {
-        match compile(*v) {
-            Ok(ptx) => {
-                let src = ptx.to_src();
+        match v {
+            Variant::Logits { .. } => {
+                // Every kernel that can serve the variant, the host's pick among them:
+                // the wgmma kernels of its shape and the mma.sync fallback (WGMMA=0).
+                let serving = kernels::logits_kernels(*v);
                 assert!(
-                    src.contains(".target sm_90a"),
-                    "{}: not sm_90a PTX",
+                    serving.contains(&kernels::logits_kernel(*v).0),
+                    "{}: the host's kernel is one of {serving:?}",
                     v.name()
                 );
-                // Every kernel the backend loads by name is in its module.
-                let entries: &[&str] = match v {
-                    // The wgmma kernel the host picks, its A/B alternatives, and the
-                    // mma.sync fallback (WGMMA=0).
-                    Variant::Logits {
-                        q: Format::E4m3, ..
-                    } if kernels::logits_wgmma(*v) => {
-                        &["mqa_logits", "mqa_logits_w8", "mqa_logits_w16"]
+                for kernel in serving {
+                    modules += 1;
+                    match compile_logits(*v, kernel) {
+                        Ok(ptx) => {
+                            check(&format!("{}.{kernel}", v.name()), &ptx.to_src(), &[kernel])
+                        }
+                        Err(e) => failures.push(e.to_string()),
                     }
-                    Variant::Logits { .. } if kernels::logits_wgmma(*v) => {
-                        &["mqa_logits", "mqa_logits_wgr", "mqa_logits_wg"]
-                    }
-                    Variant::Logits { .. } => &["mqa_logits"],
-                    Variant::Topk => &[
+                }
+            }
+            Variant::Topk | Variant::Validate => {
+                let entries: &[&str] = if *v == Variant::Topk {
+                    &[
                         "topk_ragged_f32",
+                        "topk_short_f32",
                         "topk_segments_f32",
                         "topk_merge_f32",
                         "block_keys_f32",
                         "kept_blocks_u32",
                         "decode_codes",
-                    ],
-                    Variant::Validate => &["validate_inputs"],
+                    ]
+                } else {
+                    &["validate_inputs"]
                 };
-                for e in entries {
-                    assert!(
-                        src.contains(&format!(".entry {e}(")),
-                        "{}: no entry {e}",
-                        v.name()
-                    );
-                }
-                if let Ok(dir) = std::env::var("DSA_PTX_DIR") {
-                    std::fs::write(format!("{dir}/{}.ptx", v.name()), src).unwrap();
+                modules += 1;
+                match compile(*v) {
+                    Ok(ptx) => check(&v.name(), &ptx.to_src(), entries),
+                    Err(e) => failures.push(e.to_string()),
                 }
             }
-            Err(e) => failures.push(e.to_string()),
         }
     }
     assert!(
         failures.is_empty(),
-        "{} of {} variants failed:\n{}",
+        "{} of {modules} modules failed:\n{}",
         failures.len(),
-        variants.len(),
         failures.join("\n")
     );
 }

@@ -1,17 +1,30 @@
 //! Kernel sources (embedded), their variants, and NVRTC compilation for `sm_90a`.
 //!
-//! Every kernel is `kernels/common.cuh` + the variant's `#define`s + one `.cu` file,
-//! compiled at run time by NVRTC with `--fmad=false --ftz=false` (SPEC 4 forbids
-//! contracted multiply-adds and flushing subnormals) and no toolkit headers. Compilation
-//! needs only libnvrtc, not a GPU: [`compile`] is what the NVRTC compile test calls.
+//! A module is the variant's `#define`s + `kernels/common.cuh` + its kernel files: for a
+//! logits variant `kernels/logits_common.cuh` and the one family file of the kernel that
+//! serves it ([`logits_kernel`]; the H = 64 wgmma kernels also `logits_e4m3_h64.cuh`),
+//! for top-k `topk.cu`, for validation `validate.cu`. NVRTC compiles it at run time with
+//! `--fmad=false --ftz=false` (SPEC 4 forbids contracted multiply-adds and flushing
+//! subnormals) and no toolkit headers. Compilation needs only libnvrtc, not a GPU:
+//! [`compile`] and [`compile_logits`] are what the NVRTC compile test calls.
 
 use crate::error::{Error, Result};
 use crate::problem::Format;
 
 /// `kernels/common.cuh`.
 pub const COMMON: &str = include_str!("../../kernels/common.cuh");
-/// `kernels/logits.cu`.
-pub const LOGITS: &str = include_str!("../../kernels/logits.cu");
+/// `kernels/logits_common.cuh`: what every logits kernel shares.
+pub const LOGITS_COMMON: &str = include_str!("../../kernels/logits_common.cuh");
+/// `kernels/mqa_logits_mma.cu`: `mqa_logits` (`mma.sync`).
+pub const LOGITS_MMA: &str = include_str!("../../kernels/mqa_logits_mma.cu");
+/// `kernels/mqa_logits_wgr.cu`: `mqa_logits_wgr` (the exact class at `H = 32` on `wgmma`).
+pub const LOGITS_WGR: &str = include_str!("../../kernels/mqa_logits_wgr.cu");
+/// `kernels/logits_e4m3_h64.cuh`: the tile of `mqa_logits_w16` and `mqa_logits_w8`.
+pub const LOGITS_E4M3_H64: &str = include_str!("../../kernels/logits_e4m3_h64.cuh");
+/// `kernels/mqa_logits_w16.cu`: `mqa_logits_w16` (E4M3 x E4M3 at `H = 64`, f16 `wgmma`).
+pub const LOGITS_W16: &str = include_str!("../../kernels/mqa_logits_w16.cu");
+/// `kernels/mqa_logits_w8.cu`: `mqa_logits_w8` (E4M3 x E4M3 at `H = 64`, fp8 `wgmma`).
+pub const LOGITS_W8: &str = include_str!("../../kernels/mqa_logits_w8.cu");
 /// `kernels/topk.cu`.
 pub const TOPK: &str = include_str!("../../kernels/topk.cu");
 /// `kernels/validate.cu`.
@@ -20,9 +33,11 @@ pub const VALIDATE: &str = include_str!("../../kernels/validate.cu");
 /// Target architecture: Hopper with its arch-specific instructions.
 pub const ARCH: &str = "sm_90a";
 
-/// Rows per logits block (one warp each) for `H < 32`; must match `LG_ROWS` in `logits.cu`.
+/// Rows per `mqa_logits` block (one warp each) for `H < 32` (`LG_ROWS` in
+/// `mqa_logits_mma.cu`).
 pub const LOGITS_ROWS: usize = 8;
-/// Rows per logits block for `H >= 32` (register-bound: several 4-warp blocks per SM).
+/// Rows per `mqa_logits` block for `H >= 32` (register-bound: several 4-warp blocks per
+/// SM).
 pub const LOGITS_ROWS_LARGE_H: usize = 4;
 
 /// Rows per logits block for `heads` in this process: [`LOGITS_ROWS`] or
@@ -37,35 +52,54 @@ pub fn logits_rows(heads: usize) -> usize {
     define_in("LG_ROWS", 1..=16).unwrap_or(default)
 }
 /// Whether the logits of this variant run on Hopper `wgmma` rather than `mqa_logits`
-/// (`mma.sync`): `mqa_logits_wgr` (or `mqa_logits_wg`, [`logits_wg_registers`]) for the
-/// exact class with `H = 32` and `D >= 64`, `mqa_logits_w16` (f16 operands) for
-/// E4M3 x E4M3 with `H = 64`. `WGMMA=0` in `$DSA_CUDA_DEFINES` turns both off (an A/B
-/// knob).
+/// (`mma.sync`): `mqa_logits_wgr` for the exact class with `H = 32` and `D >= 64`,
+/// `mqa_logits_w16` (f16 operands) for E4M3 x E4M3 with `H = 64`. `WGMMA=0` in
+/// `$DSA_CUDA_DEFINES` turns both off (the `mma.sync` fallback, forced).
 pub fn logits_wgmma(v: Variant) -> bool {
-    let off = define_in("WGMMA", 0..=1) == Some(0);
+    define_in("WGMMA", 0..=1) != Some(0) && wgmma_family(v).is_some()
+}
+
+/// The `wgmma` kernels that can serve variant `v`, default first, whatever
+/// `$DSA_CUDA_DEFINES` says: `mqa_logits_wgr` for the exact class with `H = 32` and
+/// `D >= 64`, `mqa_logits_w16` and `mqa_logits_w8` for E4M3 x E4M3 with `H = 64`.
+fn wgmma_family(v: Variant) -> Option<&'static [&'static str]> {
     match v {
         Variant::Logits {
-            heads,
+            heads: 32,
             groups,
             q: Format::E2m1,
             k: Format::E2m1,
-        } => heads == 32 && groups >= 2 && !off,
+        } if groups >= 2 => Some(&["mqa_logits_wgr"]),
         Variant::Logits {
-            heads,
+            heads: 64,
             q: Format::E4m3,
             k: Format::E4m3,
             ..
-        } => heads == 64 && !off,
-        _ => false,
+        } => Some(&["mqa_logits_w16", "mqa_logits_w8"]),
+        _ => None,
+    }
+}
+
+/// Every logits kernel that can serve variant `v` (empty for the top-k and validation
+/// variants): `mqa_logits` (`mma.sync`) and the `wgmma` kernels of its shape.
+/// [`logits_kernel`] picks one of them; [`compile_logits`] compiles any.
+pub fn logits_kernels(v: Variant) -> Vec<&'static str> {
+    match v {
+        Variant::Logits { .. } => {
+            let mut k = vec!["mqa_logits"];
+            k.extend(wgmma_family(v).unwrap_or(&[]));
+            k
+        }
+        _ => Vec::new(),
     }
 }
 
 /// Whether E4M3 x E4M3 with `H = 64` runs on fp8 `wgmma` (`mqa_logits_w8`, `W8=1` in
-/// `$DSA_CUDA_DEFINES`, an A/B knob) rather than on f16 `wgmma` (`mqa_logits_w16`, the
-/// default). Not the default because fp8 `wgmma` misses SPEC 4's bound when a subnormal
-/// E4M3 operand is in a k32 step's product of largest exponent fields (measured `2^-6
-/// M`; [`crate::cuda::FP8_WGMMA_TOLERANCE_LOG2`]). The two state different bounds:
-/// [`crate::cuda::tolerance_log2`].
+/// `$DSA_CUDA_DEFINES`; the fast precision mode is to use it) rather than on f16 `wgmma`
+/// (`mqa_logits_w16`, the default). Not the default because fp8 `wgmma` misses SPEC 4's
+/// bound when a subnormal E4M3 operand is in a k32 step's product of largest exponent
+/// fields (`2^-6 M` on the H200; [`crate::cuda::FP8_WGMMA_TOLERANCE_LOG2`]). The two
+/// state different bounds: [`crate::cuda::tolerance_log2`].
 pub fn logits_fp8_wgmma() -> bool {
     define_in("W8", 0..=1) == Some(1)
 }
@@ -76,30 +110,17 @@ pub fn logits_on_fp8_accumulator(v: Variant) -> bool {
     logits_kernel(v).0 == "mqa_logits_w8"
 }
 
-/// Rows per `mqa_logits_w16` (and `mqa_logits_w8`) block (`W16_ROWS`: 2 rows x 64 heads
-/// = one 128-column MMA).
+/// Rows per `mqa_logits_w16` and `mqa_logits_w8` block (`H64_ROWS` in
+/// `logits_e4m3_h64.cuh`: 2 rows x 64 heads = one 128-column MMA).
 pub const LOGITS_W16_ROWS: usize = 2;
 
-/// Rows per warpgroup of `mqa_logits_wg` (`WG_ROWS`: 2 rows x 32 heads = one 64-column
-/// MMA).
-pub const LOGITS_WG_ROWS: usize = 2;
-/// Warpgroups per `mqa_logits_wg` block (`WG_GROUPS`, sharing a key tile; 2 measured no
-/// faster than 1 on v41-chunk). `mqa_logits_wgr` always has one.
-pub const LOGITS_WG_GROUPS: usize = 1;
+/// Rows per `mqa_logits_wgr` block (`WGR_ROWS` in `mqa_logits_wgr.cu`: 2 rows x 32 heads
+/// = one 64-column MMA).
+pub const LOGITS_WGR_ROWS: usize = 2;
 
-/// [`LOGITS_WG_GROUPS`], or a `WG_GROUPS=` override (1 or 2) in `$DSA_CUDA_DEFINES`
-/// (the kernel gets the same define).
-pub fn logits_wg_groups() -> usize {
-    define_in("WG_GROUPS", 1..=2).unwrap_or(LOGITS_WG_GROUPS)
-}
-
-/// Whether the `H = 32` exact class takes its keys into registers (`mqa_logits_wgr`, one
-/// warpgroup per block; the default) rather than through shared memory
-/// (`mqa_logits_wg`, `WG_RS=0` in `$DSA_CUDA_DEFINES`, an A/B knob). One call on
-/// v41-chunk: 40.2 vs 45.7 ms of logits (benches/RESULTS.md v8).
-pub fn logits_wg_registers() -> bool {
-    define_in("WG_RS", 0..=1) != Some(0)
-}
+/// Threads per block of the `wgmma` logits kernels: one warpgroup (`WGR_THREADS`,
+/// `H64_THREADS`).
+pub const LOGITS_WG_THREADS: usize = 128;
 
 /// `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs separated by spaces; tuning knobs for
 /// experiments, prepended to every kernel source as `#define`s), read once per process.
@@ -131,25 +152,21 @@ pub fn logits_kernel(v: Variant) -> (&'static str, usize, usize) {
         _ => (0, false),
     };
     if logits_wgmma(v) {
-        if !exact {
-            if logits_fp8_wgmma() {
-                return ("mqa_logits_w8", LOGITS_W16_ROWS, 128);
-            }
-            return ("mqa_logits_w16", LOGITS_W16_ROWS, 128);
+        if exact {
+            return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
         }
-        if logits_wg_registers() {
-            return ("mqa_logits_wgr", LOGITS_WG_ROWS, 128);
+        if logits_fp8_wgmma() {
+            return ("mqa_logits_w8", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
         }
-        let groups = logits_wg_groups();
-        return ("mqa_logits_wg", LOGITS_WG_ROWS * groups, 128 * groups);
+        return ("mqa_logits_w16", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
     }
     let rows = logits_rows(heads);
     ("mqa_logits", rows, rows * 32)
 }
 
-/// Keys per logits block; must match `LG_KEYS` in `logits.cu`.
+/// Keys per logits tile, every logits kernel (`LG_KEYS`, `WGR_KEYS`, `H64_KEYS`).
 pub const LOGITS_KEYS: usize = 64;
-/// Threads of a top-k block; must match `TK_THREADS` in `topk.cu`.
+/// Threads of a top-k block (`TK_THREADS` in `topk.cu`).
 pub const TOPK_THREADS: usize = 512;
 /// Ids per top-k chunk of the ordered pass (`TK_THREADS * TK_ITEMS`).
 pub const TOPK_CHUNK: usize = 512 * 8;
@@ -158,16 +175,13 @@ pub const TOPK_SEL_CAP: usize = 4096;
 /// Keys of the threshold bin the fast path resolves in shared memory (`TK_CAND_CAP`).
 pub const TOPK_CAND_CAP: usize = 3072;
 /// Most key tiles one logits block walks (the launch gives each block up to this many
-/// so that a block's query staging is paid once per that many tiles). 128: one call at
-/// 28c5d16 measured v41-chunk's logits at 34.09 ms with 16 tiles, 32.23 with 32, 31.32
-/// with 64, and v32-16k's at 3.99 with 16, 3.76 with 32; the next, at ca2744a, v41-chunk
-/// end to end at 32.45 with 64 and 32.21 with 128, v32-16k at 4.12 and 4.08
-/// (benches/RESULTS.md v12). The launch takes fewer tiles per block where more would
-/// leave fewer than 8 x 132 blocks.
+/// so that a block's query staging is paid once per that many tiles): the logits ran
+/// faster with each doubling from 16 to 128 tiles (benches/RESULTS.md). The launch takes
+/// fewer tiles per block where more would leave fewer than 8 x 132 blocks.
 pub const LOGITS_TILES_PER_BLOCK: usize = 128;
 
 /// [`LOGITS_TILES_PER_BLOCK`], or an `LG_PER_BLOCK=` override (1..=1024) in
-/// `$DSA_CUDA_DEFINES` (a host-side A/B knob).
+/// `$DSA_CUDA_DEFINES` (a host-side tuning number).
 pub fn logits_tiles_per_block() -> usize {
     define_in("LG_PER_BLOCK", 1..=1024).unwrap_or(LOGITS_TILES_PER_BLOCK)
 }
@@ -176,8 +190,8 @@ pub fn logits_tiles_per_block() -> usize {
 /// each, in the top-k block's dynamic shared memory): `topk.cu`'s shared-memory row.
 pub const TOPK_SHORT_CAP: usize = 16384;
 
-/// [`TOPK_SHORT_CAP`], or 0 under `TK_SHORT=0` in `$DSA_CUDA_DEFINES` (an A/B knob: every
-/// row through the two-pass and general paths, launched as before the shared-memory row).
+/// [`TOPK_SHORT_CAP`], or 0 under `TK_SHORT=0` in `$DSA_CUDA_DEFINES` (the fallback,
+/// forced: every row through the two-pass and general paths of `topk_ragged_f32`).
 pub fn topk_short_cap() -> usize {
     if define_in("TK_SHORT", 0..=1) == Some(0) {
         0
@@ -187,10 +201,10 @@ pub fn topk_short_cap() -> usize {
 }
 /// Path counters of the top-k kernels, in `topk.cu`'s `TK_PATH_*` order.
 pub const TOPK_PATHS: [&str; 5] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL"];
-/// Exact-class folding counters of the logits kernels, in `logits.cu`'s `LG_PATH_*`
-/// order.
+/// Exact-class folding counters of the logits kernels, in `logits_common.cuh`'s
+/// `LG_PATH_*` order.
 pub const LOGITS_PATHS: [&str; 4] = ["QFOLD", "QPLAIN", "ONE", "TWO"];
-/// Threads of a block-keys block.
+/// Threads of a `block_keys_f32` block (`BK_THREADS` in `topk.cu`).
 pub const BLOCK_KEYS_THREADS: usize = 256;
 /// Threads of a `validate_inputs` block (`VAL_THREADS`, prepended to `validate.cu`).
 pub const VALIDATE_THREADS: usize = 256;
@@ -201,7 +215,8 @@ pub const VALIDATE_SEGMENTS: usize = 5;
 /// One compiled module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
-    /// `mqa_logits` for `H` heads, `G = D/32` groups and a format pair.
+    /// The logits kernel for `H` heads, `G = D/32` groups and a format pair (one of
+    /// [`logits_kernels`]).
     Logits {
         /// `H`.
         heads: usize,
@@ -212,7 +227,8 @@ pub enum Variant {
         /// Key format.
         k: Format,
     },
-    /// `topk_ragged_f32`, `block_keys_f32`, `kept_blocks_u32`, `decode_codes`.
+    /// `topk_ragged_f32`, `topk_short_f32`, `topk_segments_f32`, `topk_merge_f32`,
+    /// `block_keys_f32`, `kept_blocks_u32`, `decode_codes`.
     Topk,
     /// `validate_inputs`: SPEC 8's value checks of device inputs.
     Validate,
@@ -261,35 +277,60 @@ impl Variant {
         }
     }
 
-    /// The full NVRTC source of this variant. `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
-    /// separated by spaces) is prepended as `#define`s: a tuning knob for experiments
-    /// (e.g. `LG_MIN_BLOCKS=2`), read once per process.
+    /// The full NVRTC source of this variant's module: for a logits variant, that of the
+    /// kernel [`logits_kernel`] picks ([`logits_source`]). `$DSA_CUDA_DEFINES`
+    /// (`NAME=VALUE` pairs separated by spaces) is prepended as `#define`s: forced
+    /// fallbacks and tuning numbers for experiments (e.g. `LG_MIN_BLOCKS=2`), read once
+    /// per process.
     pub fn source(&self) -> String {
-        let extra: String = defines()
-            .iter()
-            .map(|(k, v)| format!("#define {k} {v}\n"))
-            .collect();
-        extra + &self.source_plain()
-    }
-
-    fn source_plain(&self) -> String {
         match *self {
-            Variant::Logits {
-                heads,
-                groups,
-                q,
-                k,
-            } => format!(
-                "#define DSA_H {heads}\n#define DSA_G {groups}\n#define DSA_QF {}\n#define DSA_KF {}\n{COMMON}\n{LOGITS}",
-                fmt_code(q),
-                fmt_code(k)
-            ),
-            Variant::Topk => format!("{COMMON}\n{TOPK}"),
-            Variant::Validate => format!(
+            Variant::Logits { .. } => logits_source(*self, logits_kernel(*self).0)
+                .unwrap_or_else(|| unreachable!("logits_kernel picks one of logits_kernels")),
+            Variant::Topk => with_defines(&format!("{COMMON}\n{TOPK}")),
+            Variant::Validate => with_defines(&format!(
                 "#define VAL_SEGS {VALIDATE_SEGMENTS}\n#define VAL_THREADS {VALIDATE_THREADS}\n{COMMON}\n{VALIDATE}"
-            ),
+            )),
         }
     }
+}
+
+/// `src` after the `#define`s of `$DSA_CUDA_DEFINES`.
+fn with_defines(src: &str) -> String {
+    let extra: String = defines()
+        .iter()
+        .map(|(k, v)| format!("#define {k} {v}\n"))
+        .collect();
+    extra + src
+}
+
+/// The source of the module of logits variant `v` that holds `kernel` (one of
+/// [`logits_kernels`]): `$DSA_CUDA_DEFINES`, the variant's macros, `common.cuh`,
+/// `logits_common.cuh` and the kernel's family file. None when `kernel` cannot serve `v`.
+pub fn logits_source(v: Variant, kernel: &str) -> Option<String> {
+    let Variant::Logits {
+        heads,
+        groups,
+        q,
+        k,
+    } = v
+    else {
+        return None;
+    };
+    let family = match kernel {
+        "mqa_logits" => LOGITS_MMA.to_string(),
+        "mqa_logits_wgr" => LOGITS_WGR.to_string(),
+        "mqa_logits_w16" => format!("{LOGITS_E4M3_H64}\n{LOGITS_W16}"),
+        "mqa_logits_w8" => format!("{LOGITS_E4M3_H64}\n{LOGITS_W8}"),
+        _ => return None,
+    };
+    if !logits_kernels(v).contains(&kernel) {
+        return None;
+    }
+    Some(with_defines(&format!(
+        "#define DSA_H {heads}\n#define DSA_G {groups}\n#define DSA_QF {}\n#define DSA_KF {}\n{COMMON}\n{LOGITS_COMMON}\n{family}",
+        fmt_code(q),
+        fmt_code(k)
+    )))
 }
 
 /// Whether libnvrtc can be loaded (cudarc panics on first use otherwise).
@@ -298,8 +339,25 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Compile one variant to PTX for [`ARCH`]. Needs libnvrtc, not a GPU.
+/// Compile one variant's module ([`Variant::source`]) to PTX for [`ARCH`]. Needs
+/// libnvrtc, not a GPU.
 pub fn compile(v: Variant) -> Result<cudarc::nvrtc::Ptx> {
+    compile_source(&v.name(), v.source())
+}
+
+/// Compile the module of logits variant `v` that holds `kernel` ([`logits_source`]), as
+/// [`compile`] does for the kernel the host picks; an error when `kernel` cannot serve
+/// `v`.
+pub fn compile_logits(v: Variant, kernel: &str) -> Result<cudarc::nvrtc::Ptx> {
+    let src = logits_source(v, kernel).ok_or_else(|| Error::Backend {
+        backend: "cuda",
+        problem: format!("{kernel} does not serve variant {}", v.name()),
+    })?;
+    compile_source(&format!("{}.{kernel}", v.name()), src)
+}
+
+/// NVRTC on one module's source; `name` names it in errors.
+fn compile_source(name: &str, src: String) -> Result<cudarc::nvrtc::Ptx> {
     if !nvrtc_present() {
         return Err(Error::Backend {
             backend: "cuda",
@@ -313,11 +371,11 @@ pub fn compile(v: Variant) -> Result<cudarc::nvrtc::Ptx> {
         fmad: Some(false),
         use_fast_math: Some(false),
         arch: Some(ARCH),
-        name: Some(format!("{}.cu", v.name())),
+        name: Some(format!("{name}.cu")),
         options: vec!["-std=c++17".into()],
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(v.source(), opts).map_err(|e| {
+    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| {
         let detail = match &e {
             cudarc::nvrtc::CompileError::CompileError { log, .. } => {
                 log.to_string_lossy().into_owned()
@@ -326,7 +384,7 @@ pub fn compile(v: Variant) -> Result<cudarc::nvrtc::Ptx> {
         };
         Error::Backend {
             backend: "cuda",
-            problem: format!("NVRTC failed on {}: {detail}", v.name()),
+            problem: format!("NVRTC failed on {name}: {detail}"),
         }
     })
 }
@@ -335,35 +393,143 @@ pub fn compile(v: Variant) -> Result<cudarc::nvrtc::Ptx> {
 mod tests {
     use super::*;
 
+    /// The value of `#define name VALUE` in `src` (the rest of the line, without a
+    /// trailing `//` comment), if `src` has one.
+    fn define(src: &str, name: &str) -> Option<String> {
+        src.lines().find_map(|l| {
+            let rest = l
+                .trim_start()
+                .strip_prefix("#define ")?
+                .strip_prefix(name)?;
+            let rest = rest.strip_prefix(' ')?;
+            Some(rest.split("//").next().unwrap_or("").trim().to_string())
+        })
+    }
+
+    /// `#define name` in file `file` (`src`) is `want`.
+    fn pinned(src: &str, file: &str, name: &str, want: impl std::fmt::Display) {
+        assert_eq!(
+            define(src, name),
+            Some(want.to_string()),
+            "{name} in kernels/{file}"
+        );
+    }
+
     /// The host's copies of `topk.cu`'s constants and of both path-counter orders.
     #[test]
     fn topk_constants_match_the_kernel() {
         for (name, v) in [
             ("TK_THREADS", TOPK_THREADS),
+            ("TK_ITEMS", TOPK_CHUNK / TOPK_THREADS),
             ("TK_SEL_CAP", TOPK_SEL_CAP),
             ("TK_CAND_CAP", TOPK_CAND_CAP),
             ("TK_PATHS", TOPK_PATHS.len()),
             ("TK_SHORT_CAP", TOPK_SHORT_CAP),
+            ("BK_THREADS", BLOCK_KEYS_THREADS),
         ] {
-            assert!(
-                TOPK.contains(&format!("#define {name} {v}")),
-                "{name} is not {v} in topk.cu"
-            );
-        }
-        assert!(TOPK.contains("#define TK_ITEMS 8"));
-        assert!(LOGITS.contains(&format!("#define LG_PATHS {}", LOGITS_PATHS.len())));
-        for (i, name) in LOGITS_PATHS.iter().enumerate() {
-            assert!(
-                LOGITS.contains(&format!("#define LG_PATH_{name} {i}")),
-                "LG_PATH_{name} is not {i} in logits.cu"
-            );
+            pinned(TOPK, "topk.cu", name, v);
         }
         assert_eq!(TOPK_CHUNK, TOPK_THREADS * 8);
         for (i, name) in TOPK_PATHS.iter().enumerate() {
-            assert!(
-                TOPK.contains(&format!("#define TK_PATH_{name} {i}")),
-                "TK_PATH_{name} is not {i} in topk.cu"
+            pinned(TOPK, "topk.cu", &format!("TK_PATH_{name}"), i);
+        }
+        pinned(
+            LOGITS_COMMON,
+            "logits_common.cuh",
+            "LG_PATHS",
+            LOGITS_PATHS.len(),
+        );
+        for (i, name) in LOGITS_PATHS.iter().enumerate() {
+            pinned(
+                LOGITS_COMMON,
+                "logits_common.cuh",
+                &format!("LG_PATH_{name}"),
+                i,
             );
         }
+    }
+
+    /// The host's copies of the logits kernels' tile and block constants, which the
+    /// launches ([`logits_kernel`], [`LOGITS_KEYS`]) use.
+    #[test]
+    fn logits_constants_match_the_kernels() {
+        let mma = "mqa_logits_mma.cu";
+        pinned(LOGITS_MMA, mma, "LG_KEYS", LOGITS_KEYS);
+        pinned(
+            LOGITS_MMA,
+            mma,
+            "LG_ROWS",
+            format!("(H >= 32 ? {LOGITS_ROWS_LARGE_H} : {LOGITS_ROWS})"),
+        );
+        pinned(LOGITS_MMA, mma, "LG_THREADS", "(LG_ROWS * 32)");
+        let wgr = "mqa_logits_wgr.cu";
+        pinned(LOGITS_WGR, wgr, "WGR_KEYS", LOGITS_KEYS);
+        pinned(LOGITS_WGR, wgr, "WGR_ROWS", LOGITS_WGR_ROWS);
+        pinned(LOGITS_WGR, wgr, "WGR_THREADS", LOGITS_WG_THREADS);
+        let h64 = "logits_e4m3_h64.cuh";
+        pinned(LOGITS_E4M3_H64, h64, "H64_KEYS", LOGITS_KEYS);
+        pinned(LOGITS_E4M3_H64, h64, "H64_ROWS", LOGITS_W16_ROWS);
+        pinned(LOGITS_E4M3_H64, h64, "H64_THREADS", LOGITS_WG_THREADS);
+        // Each kernel's launch bounds are its own block size.
+        for (src, bounds) in [
+            (
+                LOGITS_MMA,
+                "__launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logits(",
+            ),
+            (
+                LOGITS_WGR,
+                "__launch_bounds__(WGR_THREADS, WGR_MIN_BLOCKS) mqa_logits_wgr(",
+            ),
+            (
+                LOGITS_W16,
+                "__launch_bounds__(H64_THREADS, W16_MIN_BLOCKS) mqa_logits_w16(",
+            ),
+            (
+                LOGITS_W8,
+                "__launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_logits_w8(",
+            ),
+        ] {
+            assert!(src.contains(bounds), "{bounds}");
+        }
+    }
+
+    /// A logits module holds the family file of its kernel and no other, and every
+    /// kernel that can serve a variant has a source.
+    #[test]
+    fn logits_modules_hold_one_kernel_family() {
+        let all = [
+            "mqa_logits",
+            "mqa_logits_wgr",
+            "mqa_logits_w16",
+            "mqa_logits_w8",
+        ];
+        for v in Variant::all() {
+            let serving = logits_kernels(v);
+            if let Variant::Logits { .. } = v {
+                assert_eq!(serving[0], "mqa_logits", "{}", v.name());
+            }
+            for kernel in all {
+                let Some(src) = logits_source(v, kernel) else {
+                    assert!(!serving.contains(&kernel), "{} {kernel}", v.name());
+                    continue;
+                };
+                assert!(serving.contains(&kernel), "{} {kernel}", v.name());
+                for other in all {
+                    let defined = src.contains(&format!(") {other}(\n"));
+                    assert_eq!(defined, other == kernel, "{} {kernel}: {other}", v.name());
+                }
+            }
+        }
+        assert!(logits_source(Variant::Topk, "mqa_logits").is_none());
+        assert!(logits_source(
+            Variant::Logits {
+                heads: 32,
+                groups: 4,
+                q: Format::E2m1,
+                k: Format::E2m1
+            },
+            "mqa_logits_w16"
+        )
+        .is_none());
     }
 }

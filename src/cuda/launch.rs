@@ -452,7 +452,7 @@ mod tests {
             let (name, rows, threads) = kernels::logits_kernel(v);
             let wg = q == Format::E2m1 && k == Format::E2m1 && heads == 32 && groups >= 2;
             let w16 = q == Format::E4m3 && k == Format::E4m3 && heads == 64;
-            // The exact class keeps its keys in registers by default (WG_RS=0: shared memory).
+            // The exact class at H = 32, D >= 64 on wgmma, its keys in registers.
             assert_eq!(name == "mqa_logits_wgr", wg, "{}", v.name());
             // E4M3 x E4M3 at H = 64 on f16 wgmma by default (W8=1: fp8 wgmma).
             assert_eq!(name == "mqa_logits_w16", w16, "{}", v.name());
