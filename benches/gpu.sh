@@ -4,7 +4,8 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage                                                     # here
-#   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu] [ncutk] [sanitize]
+#   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu] [ncutk] [sanitize] [old]
+#        [replay] [peers]
 #        # there, carry .gpu
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
@@ -149,5 +150,51 @@ if has sanitize; then
   echo "sanitize: $san_fail of 5 runs failed" | tee -a "$OUT/summary.txt"
 fi
 
+if has old; then
+  # The benchmark on a build of an earlier commit, staged in .gpu/old/ (its bench
+  # binary, and its GPU tests binary for racecheck), in the same run as `bench`: the
+  # regression check of a change, workload by workload.
+  if [ -x .gpu/old/dsa-cuda-bench ]; then
+    log "bench at the earlier build (.gpu/old, median of 5)"
+    timeout 300 .gpu/old/dsa-cuda-bench $W --reps 5 > "$OUT/bench-old.jsonl" 2>> "$OUT/summary.txt"
+    cat "$OUT/bench-old.jsonl" >> "$OUT/summary.txt"
+  fi
+  if [ -x .gpu/old/cuda ]; then
+    log "racecheck at the earlier build"
+    DSA_REQUIRE_GPU=1 timeout 120 compute-sanitizer --tool racecheck --print-limit 20 \
+      .gpu/old/cuda --test-threads=1 --exact topk_short_rows_in_shared_memory_match_a_full_sort \
+      > "$OUT/racecheck-old.txt" 2>&1
+    grep -E "RACECHECK SUMMARY|ERROR SUMMARY|test result" "$OUT/racecheck-old.txt" | sed 's/^/earlier build: /' \
+      | tee -a "$OUT/summary.txt"
+  fi
+fi
+
+if has replay; then
+  # Every flat golden file through `replay --device cuda`: each must be identical.
+  log "replay --device cuda over the golden files"
+  rp_fail=0
+  for f in "$DSA_GOLDEN_DIR"/*.safetensors; do
+    case "$(basename "$f")" in quantizers*) continue ;; esac
+    v=$(timeout 60 $B/dsa-indexer replay "$f" --device cuda 2>&1 | grep '^verdict' || echo "verdict: (none)")
+    echo "replay $(basename "$f"): $v" | tee -a "$OUT/summary.txt"
+    [ "$v" = "verdict: identical" ] || rp_fail=$((rp_fail + 1))
+  done
+  echo "replay: $rp_fail files not identical" | tee -a "$OUT/summary.txt"
+fi
+
+if has peers; then
+  # DeepGEMM's logits, torch.topk (and FlashInfer's top-k where it imports) on the same
+  # workload shapes; the wheels travel in .whl/ (benches/peers.py says how).
+  log "peers"
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  PYTHONUNBUFFERED=1 timeout 400 python3 benches/peers.py --check > "$OUT/peers.txt" 2>&1
+  echo "peers rc=$?" | tee -a "$OUT/summary.txt"
+  grep '^{' "$OUT/peers.txt" > "$OUT/peers.jsonl"
+  tail -30 "$OUT/peers.txt" >> "$OUT/summary.txt"
+fi
+
 log "done"
-[ "${san_fail:-0}" -eq 0 ]
+[ "${san_fail:-0}" -eq 0 ] && [ "${rp_fail:-0}" -eq 0 ]
