@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use ndarray::{Array1, Array2, Array3};
+use ndarray::{Array1, Array2, Array3, Axis};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
@@ -408,6 +408,30 @@ fn truncated(buf: &[u8]) -> Option<Error> {
     ))
 }
 
+/// The visible logits of rows `sel`, from all rows' `flat` (`[sum n]`).
+fn select_logits(batch: &Batch, flat: Option<&[f32]>, sel: &[usize]) -> Result<Option<Vec<f32>>> {
+    let Some(l) = flat else {
+        return Ok(None);
+    };
+    let mut off = Vec::with_capacity(batch.num_rows() + 1);
+    off.push(0usize);
+    for r in batch.rows() {
+        off.push(off[off.len() - 1] + r.n);
+    }
+    let total = off[off.len() - 1];
+    if l.len() != total {
+        return Err(derr(
+            "expected_logits",
+            format!("{} values, expected sum n = {total}", l.len()),
+        ));
+    }
+    Ok(Some(
+        sel.iter()
+            .flat_map(|&i| l[off[i]..off[i + 1]].iter().copied())
+            .collect(),
+    ))
+}
+
 impl Dump {
     /// Parse a dump. Any problem is an [`Error::Dump`] naming the tensor.
     pub fn from_bytes(buf: &[u8]) -> Result<Dump> {
@@ -736,6 +760,102 @@ impl Dump {
             ));
         }
         Ok(p)
+    }
+
+    /// The dump restricted to rows `sel` of `batch` (the dump's batch), in that order:
+    /// an explicit layout, and every per-row tensor (expected ones included) cut to
+    /// those rows. Published rows keep those among `sel`, renumbered.
+    pub fn select_rows(&self, batch: &Batch, sel: &[usize]) -> Result<Dump> {
+        let t = batch.num_rows();
+        if let Some(&i) = sel.iter().find(|&&i| i >= t) {
+            return Err(Error::range("rows", i, "rows of the dump"));
+        }
+        let rows_of = |name: &str, shape: &[usize]| -> Result<()> {
+            if shape.first() != Some(&t) {
+                return Err(derr(name, format!("shape {shape:?}, expected {t} rows")));
+            }
+            Ok(())
+        };
+        let rows3 = |name: &str, a: &Array3<u8>| -> Result<Array3<u8>> {
+            rows_of(name, a.shape())?;
+            Ok(a.select(Axis(0), sel))
+        };
+        let rows2 = |name: &str, a: &Option<Array2<i32>>| -> Result<Option<Array2<i32>>> {
+            a.as_ref()
+                .map(|a| rows_of(name, a.shape()).map(|_| a.select(Axis(0), sel)))
+                .transpose()
+        };
+        let pick = |name: &str, v: &Option<Vec<i32>>| -> Result<Option<Vec<i32>>> {
+            v.as_ref()
+                .map(|v| rows_of(name, &[v.len()]).map(|_| sel.iter().map(|&i| v[i]).collect()))
+                .transpose()
+        };
+        let q = match &self.q {
+            QData::E4m3(q) => QData::E4m3(rows3("q", q)?),
+            QData::E2m1 { packed, scale } => QData::E2m1 {
+                packed: rows3("q", packed)?,
+                scale: rows3("q_scale", scale)?,
+            },
+        };
+        rows_of("weights", self.weights.shape())?;
+        let e = &self.expected;
+        let (published, published_rows) = match (&e.published, &e.published_rows) {
+            (Some(pb), Some(pr)) => {
+                let pos: HashMap<usize, usize> = sel
+                    .iter()
+                    .enumerate()
+                    .map(|(new, &old)| (old, new))
+                    .collect();
+                let keep: Vec<(usize, i32)> = pr
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(k, &r)| {
+                        let new = pos.get(&usize::try_from(r).ok()?)?;
+                        Some((k, *new as i32))
+                    })
+                    .collect();
+                if let Some(&(k, _)) = keep.iter().find(|x| x.0 >= pb.nrows()) {
+                    return Err(derr(
+                        "expected_published_rows",
+                        format!("entry {k}: expected_published has {} rows", pb.nrows()),
+                    ));
+                }
+                (
+                    Some(pb.select(Axis(0), &keep.iter().map(|x| x.0).collect::<Vec<_>>())),
+                    Some(keep.iter().map(|x| x.1).collect()),
+                )
+            }
+            _ => (None, None),
+        };
+        Ok(Dump {
+            meta: self.meta.clone(),
+            seq_lens: self.seq_lens.clone(),
+            layout: Layout::Explicit {
+                requests: sel.iter().map(|&i| batch.rows()[i].request).collect(),
+                positions: sel.iter().map(|&i| batch.rows()[i].position).collect(),
+            },
+            q,
+            k: self.k.clone(),
+            weights: self.weights.select(Axis(0), sel),
+            k_slots: self.k_slots.clone(),
+            candidates: rows2("candidates", &self.candidates)?,
+            engine_logits: match &self.engine_logits {
+                Some(a) => {
+                    rows_of("engine_logits", a.shape())?;
+                    Some(a.select(Axis(0), sel))
+                }
+                None => None,
+            },
+            expected: Expected {
+                ks: pick("expected_ks", &e.ks)?,
+                ke: pick("expected_ke", &e.ke)?,
+                logits: select_logits(batch, e.logits.as_deref(), sel)?,
+                raw: rows2("expected_raw", &e.raw)?,
+                page: rows2("expected_page", &e.page)?,
+                published,
+                published_rows,
+            },
+        })
     }
 
     /// Serialise to safetensors bytes.

@@ -48,5 +48,6 @@ pub mod indexer;
 pub mod plan;
 pub mod problem;
 pub mod reference;
+pub mod verdict;
 
 pub use error::{Error, Result};

@@ -22,6 +22,7 @@ use dsa_indexer::indexer::{Backend, CpuBackend, RowFootprint, CPU_ROW_ALIGN};
 use dsa_indexer::plan::{self, PlanParams, PlanRole, DEFAULT_BUDGET};
 use dsa_indexer::problem::{Class, Format};
 use dsa_indexer::reference::Output;
+use dsa_indexer::verdict::{class_name, human_bytes};
 use serde_json::json;
 
 use errors::Result;
@@ -419,22 +420,6 @@ fn parse_range(s: &str) -> std::result::Result<(usize, usize), String> {
     Ok((p(a)?, p(b)?))
 }
 
-/// Bytes in binary units, 2 decimals.
-pub fn human_bytes(b: u128) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < units.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", units[u])
-    }
-}
-
 /// Run `f` on the CUDA backend, or say why there is none.
 pub fn cuda_backend<T>(f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<T> {
     #[cfg(feature = "cuda")]
@@ -465,13 +450,6 @@ fn checksum(out: &Output) -> u64 {
         pb.blocks.iter().for_each(|&v| eat(v));
     }
     h
-}
-
-fn class_name(c: Class) -> &'static str {
-    match c {
-        Class::Exact => "exact",
-        Class::Tolerance => "tolerance",
-    }
 }
 
 fn cmd_run(a: &RunArgs) -> Result<i32> {
