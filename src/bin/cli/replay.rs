@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use dsa_indexer::batch::Batch;
 use dsa_indexer::dump::Dump;
-use dsa_indexer::indexer::{self, Backend};
+use dsa_indexer::indexer::{self, Backend, TileEvent};
 use dsa_indexer::problem::Problem;
 use dsa_indexer::reference::Output;
 use dsa_indexer::verdict::{self, Layer, ReplayReport, RowReport, Seconds};
@@ -140,40 +140,37 @@ pub fn run_driver(p: &Problem, device: Device, budget: usize, progress: bool) ->
     }
 }
 
-/// The chunked driver's loop ([`indexer::run`]) with a progress bar.
+/// [`indexer::run_observed`] with a progress bar of its tiles on a terminal.
 pub fn drive<B: Backend + ?Sized>(
     b: &mut B,
     p: &Problem,
     budget: usize,
     progress: bool,
 ) -> Result<Output> {
-    let plan = indexer::plan_for(b, p, budget)?;
-    let bar = if progress && std::io::stderr().is_terminal() {
-        let bar = indicatif::ProgressBar::new(plan.tiles.len() as u64);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{spinner} replay [{bar:40}] {pos}/{len} tiles, {elapsed_precise} (eta {eta})",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        Some(bar)
-    } else {
-        None
-    };
-    let mut out = Output::alloc(p);
-    b.begin(p, &plan)?;
-    for t in 0..plan.tiles.len() {
-        if let Err(e) = b.tile(p, &plan, t, &mut out) {
-            let _ = b.end(p, &mut out);
-            return Err(e.into());
+    let show = progress && std::io::stderr().is_terminal();
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let res = indexer::run_observed(b, p, budget, |e| match e {
+        TileEvent::Planned { tiles } if show => bar = Some(progress_bar(tiles)),
+        TileEvent::Done { .. } => {
+            if let Some(bar) = &bar {
+                bar.inc(1);
+            }
         }
-        if let Some(bar) = &bar {
-            bar.inc(1);
-        }
-    }
-    b.end(p, &mut out)?;
+        _ => {}
+    });
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    Ok(out)
+    Ok(res?.0)
+}
+
+fn progress_bar(tiles: usize) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(tiles as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} replay [{bar:40}] {pos}/{len} tiles, {elapsed_precise} (eta {eta})",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar
 }
