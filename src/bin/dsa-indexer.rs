@@ -1,8 +1,12 @@
 //! `dsa-indexer`: run the indexer on a built-in workload, write synthetic dumps, replay
 //! engine dumps against the CPU reference, plan memory, and benchmark.
 //!
-//! Exit codes: 0 success (for `replay`: identical or equal up to ties and tolerance),
-//! 1 `replay` found a difference, 2 bad input (malformed dump, bad option value).
+//! The bare command prints help; `dsa-indexer run` runs the default workload.
+//!
+//! Exit codes (`docs/cli.md`): 0 success (for `replay`: identical or equal up to ties
+//! and tolerance), 1 `replay` found a difference, 2 bad input (malformed dump, bad
+//! option value), 3 the environment (no GPU or no `cuda` feature, a CUDA or NVRTC
+//! failure, an I/O error).
 
 #[macro_use]
 #[path = "cli/errors.rs"]
@@ -15,11 +19,11 @@ mod workload;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use dsa_indexer::batch::Batch;
 use dsa_indexer::dump::{Dump, RoleKind};
 use dsa_indexer::indexer::{Backend, CpuBackend, RowFootprint, CPU_ROW_ALIGN};
-use dsa_indexer::plan::{self, PlanParams, PlanRole, DEFAULT_BUDGET};
+use dsa_indexer::plan::{self, PlanParams, PlanRole};
 use dsa_indexer::problem::{Class, Format};
 use dsa_indexer::reference::Output;
 use dsa_indexer::verdict::{class_name, human_bytes};
@@ -32,7 +36,9 @@ use workload::Shape;
 #[command(
     name = "dsa-indexer",
     version,
-    about = "The indexer of DeepSeek sparse attention under a memory budget: run, gen, replay, plan, bench"
+    about = "The indexer of DeepSeek sparse attention under a memory budget: run, gen, replay, plan, bench",
+    after_help = "Exit codes: 0 success, 1 replay found a difference, 2 bad input, \
+                  3 no GPU, a CUDA or NVRTC failure, or an I/O error (docs/cli.md)."
 )]
 struct Cli {
     /// Worker threads of the CPU engine (default: one per core, or RAYON_NUM_THREADS).
@@ -51,7 +57,8 @@ enum Cmd {
     /// reference's outputs as the expected tensors.
     Gen(GenArgs),
     /// Replay a dump on the reference through the chunked driver and diff its expected
-    /// outputs (exit 0 identical or equal up to ties/tolerance, 1 different, 2 bad dump).
+    /// outputs (exit 0 identical or equal up to ties/tolerance, 1 different, 2 bad dump, 3 no file
+    /// or device).
     Replay(ReplayArgs),
     /// Plan a layer under a byte budget: the seed engine's unbounded transient next to
     /// the planned peak, term by term.
@@ -376,9 +383,9 @@ fn bench_workload(name: &str, a: &BenchArgs) -> Result<i32> {
 
 #[cfg(not(feature = "cuda"))]
 fn bench_workload(name: &str, _a: &BenchArgs) -> Result<i32> {
-    bail!(
+    Err(errors::CliError::environment(format!(
         "--workload {name}: built without the cuda feature (cargo build --release --features cuda)"
-    );
+    )))
 }
 
 /// `2GiB`, `512MiB`, `64KiB`, `1.5G`, or a plain byte count.
@@ -430,7 +437,9 @@ pub fn cuda_backend<T>(f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<
     #[cfg(not(feature = "cuda"))]
     {
         let _ = f;
-        bail!("--device cuda: built without the cuda feature (rebuild with `--features cuda`)")
+        Err(errors::CliError::environment(
+            "--device cuda: built without the cuda feature (rebuild with `--features cuda`)",
+        ))
     }
 }
 
@@ -546,7 +555,7 @@ fn cmd_gen(a: &GenArgs) -> Result<i32> {
     workload::set_expected(&mut dump, &batch, &out, logits);
     let bytes = dump.to_bytes()?;
     std::fs::write(&a.out, &bytes)
-        .map_err(|e| errors::CliError::input(format!("{}: {e}", a.out.display())))?;
+        .map_err(|e| errors::CliError::environment(format!("{}: {e}", a.out.display())))?;
     println!(
         "wrote {}: preset {} (seed {}), {} rows, {} keys, H={} D={} K={}, {} x {}, {}, {}, expected tensors from the {} in {:.2} s",
         a.out.display(),
@@ -800,26 +809,25 @@ fn main() {
     if let Some(n) = cli.threads {
         if n == 0 {
             eprintln!("error: --threads 0: expected at least one thread");
-            std::process::exit(2);
+            std::process::exit(errors::BAD_INPUT);
         }
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()
         {
             eprintln!("error: --threads {n}: {e}");
-            std::process::exit(2);
+            std::process::exit(errors::BAD_INPUT);
         }
     }
-    let res = match &cli.cmd {
-        None => cmd_run(&RunArgs {
-            shape: ShapeArgs::parse_default(),
-            budget: DEFAULT_BUDGET,
-            device: Device::Cpu,
-            json: false,
-        }),
-        Some(Cmd::Run(a)) => cmd_run(a),
-        Some(Cmd::Gen(a)) => cmd_gen(a),
-        Some(Cmd::Replay(a)) => replay::replay(&replay::Opts {
+    let Some(cmd) = &cli.cmd else {
+        // The bare command: what there is to run.
+        let _ = Cli::command().print_help();
+        std::process::exit(0);
+    };
+    let res = match cmd {
+        Cmd::Run(a) => cmd_run(a),
+        Cmd::Gen(a) => cmd_gen(a),
+        Cmd::Replay(a) => replay::replay(&replay::Opts {
             file: a.file.clone(),
             rows: a.rows,
             request: a.request,
@@ -830,35 +838,14 @@ fn main() {
             max_show: a.show,
             verbose: a.verbose,
         }),
-        Some(Cmd::Plan(a)) => cmd_plan(a),
-        Some(Cmd::Bench(a)) => cmd_bench(a),
+        Cmd::Plan(a) => cmd_plan(a),
+        Cmd::Bench(a) => cmd_bench(a),
     };
     match res {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("error: {}", e.msg);
             std::process::exit(e.code);
-        }
-    }
-}
-
-impl ShapeArgs {
-    fn parse_default() -> ShapeArgs {
-        ShapeArgs {
-            preset: "default".into(),
-            seed: 0,
-            heads: None,
-            dim: None,
-            topk: None,
-            ratio: None,
-            q_format: None,
-            k_format: None,
-            role: None,
-            tail: None,
-            block_size: None,
-            num_blocks: None,
-            seq_lens: None,
-            query_starts: None,
         }
     }
 }

@@ -65,8 +65,9 @@ fn default_budget(batch: &Batch) -> usize {
 pub fn replay(o: &Opts) -> Result<i32> {
     let t0 = Instant::now();
     let name = o.file.display().to_string();
-    let bytes = std::fs::read(&o.file).map_err(|e| CliError::input(format!("{name}: {e}")))?;
-    let with_name = |e: dsa_indexer::Error| CliError::input(format!("{name}: {e}"));
+    let bytes =
+        std::fs::read(&o.file).map_err(|e| CliError::environment(format!("{name}: {e}")))?;
+    let with_name = |e: dsa_indexer::Error| CliError::lib(&name, e);
     let full = Dump::from_bytes(&bytes).map_err(with_name)?;
     drop(bytes);
     let full_batch = full.batch().map_err(with_name)?;
