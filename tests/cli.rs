@@ -478,6 +478,24 @@ fn bench_json_and_cuda_without_the_feature() {
 }
 
 #[test]
+fn named_gpu_workloads_need_the_gpu() {
+    // A named workload on the CPU is a usage error.
+    let (code, _, se) = run(&["bench", "v41-chunk", "--reps", "1"]);
+    assert_eq!(code, 2, "{se}");
+    assert!(se.contains("--device cuda"), "{se}");
+    if cfg!(feature = "cuda") {
+        // An unknown name is bad input, found before any device is opened.
+        let (code, _, se) = run(&["bench", "--device", "cuda", "v41-nope"]);
+        assert_eq!(code, 2, "{se}");
+        assert!(se.contains("v41-nope"), "{se}");
+    } else {
+        let (code, _, se) = run(&["bench", "--device", "cuda", "--json", "v41-chunk"]);
+        assert_eq!(code, 3, "{se}");
+        assert!(se.contains("built without the cuda feature"), "{se}");
+    }
+}
+
+#[test]
 fn engine_logits_are_compared_inside_ks_ke_only() {
     let dir = tempfile::tempdir().unwrap();
     let f = gen(dir.path(), "small.safetensors", &["--preset", "small"]);

@@ -11,6 +11,8 @@
 #[macro_use]
 #[path = "cli/errors.rs"]
 mod errors;
+#[path = "cli/bench.rs"]
+mod bench;
 #[path = "cli/replay.rs"]
 mod replay;
 #[path = "cli/workload.rs"]
@@ -21,7 +23,7 @@ use std::time::Instant;
 
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use dsa_indexer::batch::Batch;
-use dsa_indexer::dump::{Dump, RoleKind};
+use dsa_indexer::dump::RoleKind;
 use dsa_indexer::indexer::{Backend, CpuBackend, RowFootprint, CPU_ROW_ALIGN};
 use dsa_indexer::plan::{self, PlanParams, PlanRole};
 use dsa_indexer::problem::{Class, Format};
@@ -63,8 +65,9 @@ enum Cmd {
     /// Plan a layer under a byte budget: the seed engine's unbounded transient next to
     /// the planned peak, term by term.
     Plan(PlanArgs),
-    /// Benchmark the logits + top-k driver on a preset: median time and effective TFLOP/s.
-    Bench(BenchArgs),
+    /// Benchmark the logits + top-k driver on a preset: median time and effective TFLOP/s;
+    /// or, with `--device cuda WORKLOAD ...`, the named GPU workloads as JSON lines (`--json`).
+    Bench(bench::BenchArgs),
 }
 
 /// Where the indexer runs.
@@ -119,13 +122,13 @@ enum RoleArg {
 
 /// Workload shape: a preset, then overrides.
 #[derive(Args, Clone)]
-struct ShapeArgs {
+pub struct ShapeArgs {
     /// Named preset: default, v41-replay, v41-source-tail, v32, small.
     #[arg(long, default_value = "default")]
-    preset: String,
+    pub preset: String,
     /// Random seed of the inputs.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub seed: u64,
     /// Index heads H (power of two, 8..=64).
     #[arg(long)]
     heads: Option<usize>,
@@ -165,7 +168,7 @@ struct ShapeArgs {
 }
 
 impl ShapeArgs {
-    fn shape(&self) -> Result<Shape> {
+    pub fn shape(&self) -> Result<Shape> {
         let mut s = Shape::preset(&self.preset)?;
         if let Some(v) = self.heads {
             s.heads = v;
@@ -334,62 +337,8 @@ struct PlanArgs {
     json: bool,
 }
 
-#[derive(Args)]
-struct BenchArgs {
-    #[command(flatten)]
-    shape: ShapeArgs,
-    /// Timed runs (after one warm-up run).
-    #[arg(long, default_value_t = 3)]
-    reps: usize,
-    #[arg(long, value_parser = parse_bytes, default_value = "2GiB")]
-    budget: usize,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    device: Device,
-    #[arg(long)]
-    json: bool,
-    /// A named GPU workload of the performance issue (v32-16k, v32-64k, v41-chunk,
-    /// v41-chunk-source, v41-1m, v41-1m-256m), timed with CUDA events; needs `--device cuda`.
-    #[arg(long)]
-    workload: Option<String>,
-}
-
-/// `dsa-indexer bench --workload NAME --device cuda`: the CUDA backend's own timing
-/// (CUDA events around all tiles; logits and selection split; measured device peak).
-#[cfg(feature = "cuda")]
-fn bench_workload(name: &str, a: &BenchArgs) -> Result<i32> {
-    use dsa_indexer::cuda::{bench, CudaBackend};
-    if a.device != Device::Cuda {
-        bail!("--workload {name}: named workloads run on the GPU; add --device cuda");
-    }
-    let w = bench::workload(name)?;
-    let mut b = CudaBackend::new()?;
-    let r = bench::run_workload(&mut b, &w, a.reps.max(1))?;
-    if a.json {
-        println!("{}", r.to_json());
-    } else {
-        println!(
-            "bench {} on {}: {} rows, {} pairs, {} tiles, budget {} B",
-            r.name, r.device, r.rows, r.valid_pairs, r.tiles, r.budget
-        );
-        println!(
-            "  median {:.3} ms over {} runs (min {:.3} ms): {:.1} effective TFLOP/s; logits {:.3} ms ({:.1} TFLOP/s), \
-             selection {:.3} ms ({:.0} GB/s of logits); device peak {} B (planned {} B)",
-            r.median_ms, r.reps, r.min_ms, r.tflops, r.logits_ms, r.logits_tflops, r.select_ms, r.topk_gbs,
-            r.measured_peak, r.planned_peak
-        );
-    }
-    Ok(0)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn bench_workload(name: &str, _a: &BenchArgs) -> Result<i32> {
-    Err(errors::CliError::environment(format!(
-        "--workload {name}: built without the cuda feature (cargo build --release --features cuda)"
-    )))
-}
-
 /// `2GiB`, `512MiB`, `64KiB`, `1.5G`, or a plain byte count.
-fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
+pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -445,7 +394,7 @@ pub fn cuda_backend<T>(f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<
 
 /// FNV-1a (64-bit) over the outputs' little-endian bytes: `raw`, `page`, then the
 /// published blocks of a source.
-fn checksum(out: &Output) -> u64 {
+pub fn checksum(out: &Output) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |v: i32| {
         for b in v.to_le_bytes() {
@@ -735,65 +684,6 @@ fn cmd_plan(a: &PlanArgs) -> Result<i32> {
     Ok(0)
 }
 
-fn cmd_bench(a: &BenchArgs) -> Result<i32> {
-    if let Some(name) = &a.workload {
-        return bench_workload(name, a);
-    }
-    let shape = a.shape.shape()?;
-    let dump: Dump = workload::synth(&shape, a.shape.seed)?;
-    let batch = dump.batch()?;
-    let published = dump.published_input(&batch);
-    let p = dump.problem(&batch, published.as_ref())?;
-    let _ = replay::run_driver(&p, a.device, a.budget, false)?; // warm-up
-    let mut times = Vec::with_capacity(a.reps.max(1));
-    let mut sum = 0;
-    for _ in 0..a.reps.max(1) {
-        let t0 = Instant::now();
-        let out = replay::run_driver(&p, a.device, a.budget, false)?;
-        times.push(t0.elapsed().as_secs_f64());
-        sum = checksum(&out);
-    }
-    times.sort_by(|x, y| x.total_cmp(y));
-    let med = times[times.len() / 2];
-    let pairs = batch.valid_pairs();
-    let flop = 2.0 * pairs as f64 * (p.heads * p.dim) as f64;
-    if a.json {
-        let j = json!({
-            "preset": a.shape.preset, "device": a.device.name(),
-            "isa": dsa_indexer::cpu::Isa::detect().name(),
-            "threads": rayon::current_num_threads(),
-            "rows": batch.num_rows(), "keys": batch.num_keys(), "valid_pairs": pairs,
-            "heads": p.heads, "dim": p.dim, "topk": p.topk,
-            "class": class_name(p.class()),
-            "reps": times.len(), "median_seconds": med, "min_seconds": times[0],
-            "tflops": flop / med / 1e12, "checksum": format!("{sum:016x}"),
-        });
-        println!("{}", serde_json::to_string_pretty(&j).unwrap_or_default());
-    } else {
-        println!(
-            "bench {} on {}: {} rows, {} keys, {} pairs, H={} D={} K={}, {} class",
-            a.shape.preset,
-            a.device.describe(),
-            batch.num_rows(),
-            batch.num_keys(),
-            pairs,
-            p.heads,
-            p.dim,
-            p.topk,
-            class_name(p.class())
-        );
-        println!(
-            "  median {:.3} s over {} runs (min {:.3} s): {:.4} effective TFLOP/s (2 * pairs * H * D / t), {:.1} M pairs/s",
-            med,
-            times.len(),
-            times[0],
-            flop / med / 1e12,
-            pairs as f64 / med / 1e6
-        );
-    }
-    Ok(0)
-}
-
 trait Threads {
     fn threads_for_plan(&self) -> usize;
 }
@@ -839,7 +729,7 @@ fn main() {
             verbose: a.verbose,
         }),
         Cmd::Plan(a) => cmd_plan(a),
-        Cmd::Bench(a) => cmd_bench(a),
+        Cmd::Bench(a) => bench::cmd_bench(a),
     };
     match res {
         Ok(code) => std::process::exit(code),

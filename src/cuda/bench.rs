@@ -336,7 +336,8 @@ pub fn run_workload(b: &mut CudaBackend, w: &Workload, reps: usize) -> Result<Be
 mod tests {
     use super::*;
 
-    /// The JSON line `dsa-cuda-bench` prints names every path counter, per run.
+    /// The JSON line `dsa-indexer bench --device cuda --json` prints names every path
+    /// counter, per run.
     #[test]
     fn json_has_the_path_counters_per_run() {
         let runs = 12;
