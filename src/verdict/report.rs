@@ -1,4 +1,4 @@
-//! A replay's report: the layer, the timings and the [`Verdict`](super::Verdict), as
+//! A replay's report: the layer, the timings and the [`Verdict`], as
 //! text ([`Display`](std::fmt::Display)) and as JSON ([`Serialize`]) from one value.
 
 use std::fmt;

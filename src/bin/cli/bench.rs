@@ -109,8 +109,115 @@ fn bench_preset(a: &BenchArgs) -> Result<i32> {
 #[cfg(feature = "cuda")]
 mod gpu {
     use dsa_indexer::cuda::{bench, CudaBackend};
+    use dsa_indexer::problem::{Inputs, Keys, Queries};
+    use ndarray::{Array1, Array2, Array3};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
     use super::{CliError, Result};
+
+    /// A workload's inputs, owned: random codes, scales near 1 and weights in [-1, 1),
+    /// from a fixed seed.
+    struct Data {
+        weights: Array2<f32>,
+        q: Array3<u8>,
+        /// E2M1 queries' UE8M0 scales.
+        qs: Array3<u8>,
+        k: Array2<u8>,
+        /// E2M1 keys' UE8M0 scales.
+        ks: Array2<u8>,
+        /// E4M3 keys' f32 scales.
+        kscale: Array1<f32>,
+        fp4: bool,
+    }
+
+    impl Data {
+        fn new(w: &bench::Workload, t: usize, l: usize) -> Data {
+            let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+            let (h, d) = (w.heads, w.dim);
+            let g = d / 32;
+            let weights = Array2::from_shape_fn((t, h), |_| rng.gen_range(-1.0f32..1.0));
+            // E4M3 bytes away from the NaN codes; E2M1 bytes are any byte.
+            let byte = |r: &mut ChaCha8Rng| -> u8 {
+                let b: u8 = r.gen();
+                if b & 0x7F == 0x7F {
+                    b & 0xF7
+                } else {
+                    b
+                }
+            };
+            let none3 = || Array3::zeros((0, 0, 0));
+            if w.fp4 {
+                let q = Array3::from_shape_fn((t, h, d / 2), |_| rng.gen::<u8>());
+                let qs = Array3::from_shape_fn((t, h, g), |_| rng.gen_range(124u8..=130));
+                let k = Array2::from_shape_fn((l, d / 2), |_| rng.gen::<u8>());
+                let ks = Array2::from_shape_fn((l, g), |_| rng.gen_range(124u8..=130));
+                Data {
+                    weights,
+                    q,
+                    qs,
+                    k,
+                    ks,
+                    kscale: Array1::zeros(0),
+                    fp4: true,
+                }
+            } else {
+                let q = Array3::from_shape_fn((t, h, d), |_| byte(&mut rng));
+                let k = Array2::from_shape_fn((l, d), |_| byte(&mut rng));
+                let kscale = Array1::from_shape_fn(l, |_| rng.gen_range(0.5f32..2.0));
+                Data {
+                    weights,
+                    q,
+                    qs: none3(),
+                    k,
+                    ks: Array2::zeros((0, 0)),
+                    kscale,
+                    fp4: false,
+                }
+            }
+        }
+
+        fn inputs(&self) -> Inputs<'_> {
+            let (q, k) = if self.fp4 {
+                (
+                    Queries::E2m1 {
+                        packed: self.q.view(),
+                        scale: self.qs.view(),
+                    },
+                    Keys::E2m1 {
+                        packed: self.k.view(),
+                        scale: self.ks.view(),
+                    },
+                )
+            } else {
+                (
+                    Queries::E4m3(self.q.view()),
+                    Keys::E4m3 {
+                        codes: self.k.view(),
+                        scale: self.kscale.view(),
+                    },
+                )
+            };
+            Inputs {
+                q,
+                k,
+                weights: self.weights.view(),
+                k_slots: None,
+            }
+        }
+    }
+
+    /// Generate workload `w`'s inputs and time it.
+    fn run_one(
+        b: &mut CudaBackend,
+        w: &bench::Workload,
+        reps: usize,
+    ) -> dsa_indexer::Result<bench::BenchResult> {
+        let batch = w.batch()?;
+        let data = Data::new(w, batch.num_rows(), batch.num_keys());
+        let p = w.problem(&batch, data.inputs())?;
+        bench::run_workload(b, w, &p, reps)
+    }
 
     /// The named workloads (`all`: every one) on GPU 0, one after the other, each timed
     /// by the CUDA backend itself (CUDA events around all tiles; logits and selection
@@ -128,7 +235,7 @@ mod gpu {
         let mut b = CudaBackend::new()?;
         let mut code = 0;
         for w in ws {
-            match bench::run_workload(&mut b, &w, reps) {
+            match run_one(&mut b, &w, reps) {
                 Ok(r) if json => println!("{}", r.to_json()),
                 Ok(r) => print_text(&r),
                 Err(e) => {
