@@ -11,8 +11,9 @@
 //! order of `SPEC.md` section 4. Each row keeps its top-`K` keys (section 5), and a
 //! source layer publishes coarse candidate blocks for later consumer layers (section 6).
 //!
-//! The [`reference`](mod@reference) is the oracle: the formulas as they read. The [`indexer`] driver
-//! computes the same outputs in row tiles whose logits fit a byte budget ([`plan`]).
+//! The [`reference`](mod@reference) is the oracle: the formulas as they read. The
+//! [`indexer`] driver computes the same outputs in row tiles whose logits fit a byte
+//! budget ([`plan`]).
 //! A [`dump`] is one layer-forward in a file (SPEC 9); the [`verdict`] judges an
 //! engine's dumped outputs against the reference.
 //!

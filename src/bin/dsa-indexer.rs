@@ -13,6 +13,10 @@
 mod errors;
 #[path = "cli/bench.rs"]
 mod bench;
+#[path = "cli/gen.rs"]
+mod gen;
+#[path = "cli/plan.rs"]
+mod plan;
 #[path = "cli/replay.rs"]
 mod replay;
 #[path = "cli/workload.rs"]
@@ -22,13 +26,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
-use dsa_indexer::batch::Batch;
 use dsa_indexer::dump::RoleKind;
-use dsa_indexer::indexer::{Backend, CpuBackend, RowFootprint, CPU_ROW_ALIGN};
-use dsa_indexer::plan::{self, PlanParams, PlanRole};
-use dsa_indexer::problem::{Class, Format};
+use dsa_indexer::indexer::Backend;
+use dsa_indexer::problem::Format;
 use dsa_indexer::reference::Output;
-use dsa_indexer::verdict::{class_name, human_bytes};
+use dsa_indexer::verdict::class_name;
 use serde_json::json;
 
 use errors::Result;
@@ -57,14 +59,14 @@ enum Cmd {
     Run(RunArgs),
     /// Write a synthetic dump: random inputs through the crate's quantizers, and the
     /// reference's outputs as the expected tensors.
-    Gen(GenArgs),
+    Gen(gen::GenArgs),
     /// Replay a dump on the reference through the chunked driver and diff its expected
     /// outputs (exit 0 identical or equal up to ties/tolerance, 1 different, 2 bad dump, 3 no file
     /// or device).
     Replay(ReplayArgs),
     /// Plan a layer under a byte budget: the seed engine's unbounded transient next to
     /// the planned peak, term by term.
-    Plan(PlanArgs),
+    Plan(plan::PlanArgs),
     /// Benchmark the logits + top-k driver on a preset: median time and effective TFLOP/s;
     /// or, with `--device cuda WORKLOAD ...`, the named GPU workloads as JSON lines (`--json`).
     Bench(bench::BenchArgs),
@@ -114,7 +116,7 @@ impl From<Fmt> for Format {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum RoleArg {
+pub enum RoleArg {
     Plain,
     Source,
     Consumer,
@@ -240,37 +242,6 @@ struct RunArgs {
 }
 
 #[derive(Args)]
-struct GenArgs {
-    /// Output file (.safetensors).
-    #[arg(long)]
-    out: PathBuf,
-    #[command(flatten)]
-    shape: ShapeArgs,
-    /// Write `expected_logits` (sum n floats): auto = when at most 16M values.
-    #[arg(long, value_enum, default_value_t = LogitsArg::Auto)]
-    logits: LogitsArg,
-    /// Who computes the expected tensors: the literal reference (`reference::run`,
-    /// slow), the fast engine through the chunked driver (bitwise the same, held so by
-    /// the tests), or auto = the reference up to 1M (row, key) pairs.
-    #[arg(long, value_enum, default_value_t = ExpectedArg::Auto)]
-    expected: ExpectedArg,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ExpectedArg {
-    Auto,
-    Reference,
-    Engine,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum LogitsArg {
-    Auto,
-    Yes,
-    No,
-}
-
-#[derive(Args)]
 struct ReplayArgs {
     /// The dump (safetensors, the golden schema).
     file: PathBuf,
@@ -296,43 +267,6 @@ struct ReplayArgs {
     #[arg(long)]
     verbose: bool,
     /// Print JSON.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Args)]
-struct PlanArgs {
-    /// Query rows R (the last R positions of one request).
-    #[arg(long, default_value_t = 16384)]
-    rows: usize,
-    /// Compressed keys of the request (its tokens are context * ratio).
-    #[arg(long, default_value_t = 487_936)]
-    context: usize,
-    #[arg(long, default_value_t = 32)]
-    heads: usize,
-    #[arg(long, default_value_t = 128)]
-    dim: usize,
-    #[arg(long, default_value_t = 512)]
-    topk: usize,
-    #[arg(long, default_value_t = 1)]
-    ratio: usize,
-    #[arg(long, value_parser = parse_bytes, default_value = "2GiB")]
-    budget: usize,
-    /// Source layers: publish only the last `tail` rows.
-    #[arg(long)]
-    tail: Option<usize>,
-    #[arg(long, value_enum, default_value_t = RoleArg::Plain)]
-    role: RoleArg,
-    #[arg(long, default_value_t = 8)]
-    block_size: usize,
-    #[arg(long, default_value_t = 2048)]
-    num_blocks: usize,
-    /// Format class of the operand buffers (exact = fp4 x fp4).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    exact: bool,
-    /// Workers of the CPU footprint (default: this machine's threads).
-    #[arg(long)]
-    workers: Option<usize>,
     #[arg(long)]
     json: bool,
 }
@@ -475,225 +409,6 @@ fn cmd_run(a: &RunArgs) -> Result<i32> {
     Ok(0)
 }
 
-fn cmd_gen(a: &GenArgs) -> Result<i32> {
-    let shape = a.shape.shape()?;
-    let t0 = Instant::now();
-    let mut dump = workload::synth(&shape, a.shape.seed)?;
-    let batch = dump.batch()?;
-    let published = dump.published_input(&batch);
-    let by_reference = match a.expected {
-        ExpectedArg::Reference => true,
-        ExpectedArg::Engine => false,
-        ExpectedArg::Auto => batch.valid_pairs() <= 1 << 20,
-    };
-    let (out, logits) = {
-        let p = dump.problem(&batch, published.as_ref())?;
-        let want = match a.logits {
-            LogitsArg::Yes => true,
-            LogitsArg::No => false,
-            LogitsArg::Auto => batch.valid_pairs() <= 16 << 20,
-        };
-        if by_reference {
-            let out = dsa_indexer::reference::run(&p);
-            (out, want.then(|| dsa_indexer::reference::logits(&p)))
-        } else {
-            let (out, _) = dsa_indexer::indexer::run_cpu(&p, 256 << 20)?;
-            (out, want.then(|| parallel_logits(&p)))
-        }
-    };
-    workload::set_expected(&mut dump, &batch, &out, logits);
-    let bytes = dump.to_bytes()?;
-    std::fs::write(&a.out, &bytes)
-        .map_err(|e| errors::CliError::environment(format!("{}: {e}", a.out.display())))?;
-    println!(
-        "wrote {}: preset {} (seed {}), {} rows, {} keys, H={} D={} K={}, {} x {}, {}, {}, expected tensors from the {} in {:.2} s",
-        a.out.display(),
-        a.shape.preset,
-        a.shape.seed,
-        batch.num_rows(),
-        batch.num_keys(),
-        shape.heads,
-        shape.dim,
-        shape.topk,
-        shape.q_format,
-        shape.k_format,
-        human_bytes(bytes.len() as u128),
-        if dump.expected.logits.is_some() {
-            "with expected_logits"
-        } else {
-            "without expected_logits"
-        },
-        if by_reference {
-            "reference"
-        } else {
-            "engine"
-        },
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(0)
-}
-
-/// All visible logits, rows concatenated, from the fast engine in parallel.
-fn parallel_logits(p: &dsa_indexer::problem::Problem) -> Vec<f32> {
-    use rayon::prelude::*;
-    let rows = p.batch.rows();
-    let mut out = vec![0f32; p.batch.valid_pairs()];
-    let g = dsa_indexer::cpu::ROW_GROUP;
-    let mut chunks: Vec<(usize, &mut [f32])> = Vec::new();
-    let mut rest: &mut [f32] = &mut out;
-    for start in (0..rows.len()).step_by(g) {
-        let len: usize = rows[start..(start + g).min(rows.len())]
-            .iter()
-            .map(|r| r.n)
-            .sum();
-        let (a, b) = std::mem::take(&mut rest).split_at_mut(len);
-        chunks.push((start, a));
-        rest = b;
-    }
-    chunks.into_par_iter().for_each_init(
-        || dsa_indexer::cpu::Engine::new(p),
-        |e, (start, buf)| {
-            let idx: Vec<usize> = (start..(start + g).min(rows.len())).collect();
-            let mut outs: Vec<&mut [f32]> = Vec::new();
-            let mut rest = buf;
-            for &i in &idx {
-                let (a, b) = rest.split_at_mut(rows[i].n);
-                outs.push(a);
-                rest = b;
-            }
-            e.rows(p, &idx, &mut outs);
-        },
-    );
-    out
-}
-
-fn cmd_plan(a: &PlanArgs) -> Result<i32> {
-    if a.rows == 0 {
-        bail!("rows = 0: expected at least one row");
-    }
-    if a.ratio == 0 {
-        bail!("ratio = 0: expected ratio >= 1");
-    }
-    let seq = a
-        .context
-        .checked_mul(a.ratio)
-        .ok_or_else(|| errors::CliError::input("context * ratio overflows"))?;
-    if a.rows > seq {
-        bail!("rows = {}: more than the request's {seq} tokens", a.rows);
-    }
-    let batch = Batch::contiguous(&[seq], &[seq - a.rows], a.ratio)?;
-    let role = match a.role {
-        RoleArg::Plain if a.tail.is_some() => PlanRole::Source { tail: a.tail },
-        RoleArg::Plain => PlanRole::Plain,
-        RoleArg::Source => PlanRole::Source { tail: a.tail },
-        RoleArg::Consumer => PlanRole::Consumer,
-    };
-    let params = PlanParams {
-        heads: a.heads,
-        dim: a.dim,
-        topk: a.topk,
-        block_size: a.block_size,
-        num_blocks: a.num_blocks,
-        role,
-        budget: a.budget,
-    };
-    let class = if a.exact {
-        Class::Exact
-    } else {
-        Class::Tolerance
-    };
-    // The CPU backend's footprint: rows padded to 4 floats, one engine per worker.
-    let fp = RowFootprint {
-        align: CPU_ROW_ALIGN,
-        workers: a
-            .workers
-            .unwrap_or_else(|| CpuBackend::new().threads_for_plan()),
-        worker_bytes: dsa_indexer::cpu::Engine::bytes(a.heads, a.dim, class),
-    };
-    let pl = plan::plan(&batch, &params, &fp)?;
-    let pk = pl.peak;
-    let role_name = match role {
-        PlanRole::Plain => "plain".to_string(),
-        PlanRole::Source { tail: Some(t) } => format!("source, tail {t}"),
-        PlanRole::Source { tail: None } => "source".to_string(),
-        PlanRole::Consumer => "consumer".to_string(),
-    };
-    let terms = [
-        ("logits_tile", pk.logits_tile),
-        ("block_scores", pk.block_scores),
-        ("candidate_ids", pk.candidate_ids),
-        ("topk_scratch", pk.topk_scratch),
-        ("index_assembly", pk.index_assembly),
-        ("operands", pk.operands),
-    ];
-    if a.json {
-        let j = json!({
-            "rows": a.rows, "keys": batch.num_keys(), "tokens": seq,
-            "heads": a.heads, "dim": a.dim, "topk": a.topk, "ratio": a.ratio,
-            "role": role_name, "tail": a.tail, "budget_bytes": a.budget,
-            "block_size": a.block_size, "num_blocks": a.num_blocks,
-            "workers": pl.workers,
-            "unbounded_bytes": pl.unbounded_bytes as u64,
-            "planned_peak_bytes": pk.total(),
-            "terms": terms.iter().map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-            "tiles": pl.tiles.len(),
-            "max_tile_rows": pl.max_tile_rows,
-            "published_rows": pl.published_rows,
-            "oversized_row": pl.has_oversized_row(),
-        });
-        println!("{}", serde_json::to_string_pretty(&j).unwrap_or_default());
-        return Ok(0);
-    }
-    println!(
-        "plan: {} rows x {} keys (one request of {} tokens, ratio {}), H={} D={} K={}, {}, budget {}",
-        a.rows,
-        batch.num_keys(),
-        seq,
-        a.ratio,
-        a.heads,
-        a.dim,
-        a.topk,
-        role_name,
-        human_bytes(a.budget as u128)
-    );
-    println!(
-        "  unbounded (seed engine: fp32 logits + bool mask + copy, 6 B per (row, key)): {:>12}  ({} B)",
-        human_bytes(pl.unbounded_bytes),
-        pl.unbounded_bytes
-    );
-    println!(
-        "  planned peak ({} workers, CPU footprint):{:>38}  ({} B)",
-        pl.workers,
-        human_bytes(pk.total() as u128),
-        pk.total()
-    );
-    for (n, v) in terms {
-        println!("    {n:<16} {:>12}  ({v} B)", human_bytes(v as u128));
-    }
-    println!(
-        "  tiles: {} (at most {} rows each){}; published rows: {}",
-        pl.tiles.len(),
-        pl.max_tile_rows,
-        if pl.has_oversized_row() {
-            ", one row alone exceeds the budget"
-        } else {
-            ""
-        },
-        pl.published_rows
-    );
-    Ok(0)
-}
-
-trait Threads {
-    fn threads_for_plan(&self) -> usize;
-}
-
-impl Threads for CpuBackend {
-    fn threads_for_plan(&self) -> usize {
-        rayon::current_num_threads().max(1)
-    }
-}
-
 fn main() {
     let cli = Cli::parse();
     if let Some(n) = cli.threads {
@@ -716,7 +431,7 @@ fn main() {
     };
     let res = match cmd {
         Cmd::Run(a) => cmd_run(a),
-        Cmd::Gen(a) => cmd_gen(a),
+        Cmd::Gen(a) => gen::cmd_gen(a),
         Cmd::Replay(a) => replay::replay(&replay::Opts {
             file: a.file.clone(),
             rows: a.rows,
@@ -728,7 +443,7 @@ fn main() {
             max_show: a.show,
             verbose: a.verbose,
         }),
-        Cmd::Plan(a) => cmd_plan(a),
+        Cmd::Plan(a) => plan::cmd_plan(a),
         Cmd::Bench(a) => bench::cmd_bench(a),
     };
     match res {
