@@ -71,7 +71,7 @@ fi
 W="v32-16k v41-chunk v41-chunk-source v32-64k v41-1m v41-1m-256m"
 if has bench; then
   log "bench (median of 5)"
-  timeout 300 $B/dsa-cuda-bench $W --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
+  timeout 300 $B/dsa-indexer bench --device cuda --json $W --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
   cat "$OUT/bench.jsonl" >> "$OUT/summary.txt"
   timeout 60 $B/dsa-indexer bench --workload v41-chunk --device cuda --reps 3 >> "$OUT/summary.txt" 2>&1
 fi
@@ -83,7 +83,7 @@ if has ab; then
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="${ab#*:}"
     log "A/B $wl: $defs"
-    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-cuda-bench "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
+    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
   done
 fi
 
@@ -93,7 +93,7 @@ if has ncu; then
     log "ncu $wl"
     timeout 180 ncu --clock-control none -k regex:mqa_logits -c 1 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
-      --section Occupancy $B/dsa-cuda-bench $wl --reps 1 > "$OUT/ncu-$wl.txt" 2>&1
+      --section Occupancy $B/dsa-indexer bench --device cuda --json $wl --reps 1 > "$OUT/ncu-$wl.txt" 2>&1
   done
 fi
 
@@ -102,7 +102,7 @@ if has ncutk; then
   log "ncu topk_short_f32"
   timeout 180 ncu --clock-control none -k regex:topk_short -c 1 \
     --section SpeedOfLight --section WarpStateStats --section InstructionStats \
-    --section SchedulerStats --section Occupancy $B/dsa-cuda-bench v32-16k --reps 1 \
+    --section SchedulerStats --section Occupancy $B/dsa-indexer bench --device cuda --json v32-16k --reps 1 \
     > "$OUT/ncu-topk.txt" 2>&1
 fi
 

@@ -87,14 +87,51 @@ pub fn plan_for<B: Backend + ?Sized>(b: &B, p: &Problem, budget: usize) -> Resul
 
 /// Run problem `p` on backend `b` in tiles whose logits fit `budget` bytes.
 pub fn run<B: Backend + ?Sized>(b: &mut B, p: &Problem, budget: usize) -> Result<(Output, Plan)> {
+    run_observed(b, p, budget, |_| {})
+}
+
+/// What the driver tells an observer of [`run_observed`] as a run goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TileEvent {
+    /// The plan is made; `tiles` tiles follow.
+    Planned {
+        /// Tiles of the plan.
+        tiles: usize,
+    },
+    /// Tile `tile` of `tiles` has written its rows.
+    Done {
+        /// The tile's index in the plan.
+        tile: usize,
+        /// Tiles of the plan.
+        tiles: usize,
+        /// The rows it wrote.
+        rows: std::ops::Range<usize>,
+    },
+}
+
+/// [`run`], calling `observe` once the plan is made and after each tile (for a
+/// progress bar); the outputs do not depend on it.
+pub fn run_observed<B: Backend + ?Sized>(
+    b: &mut B,
+    p: &Problem,
+    budget: usize,
+    mut observe: impl FnMut(TileEvent),
+) -> Result<(Output, Plan)> {
     let plan = plan_for(b, p, budget)?;
+    let tiles = plan.tiles.len();
+    observe(TileEvent::Planned { tiles });
     let mut out = Output::alloc(p);
     b.begin(p, &plan)?;
-    for t in 0..plan.tiles.len() {
+    for (t, tile) in plan.tiles.iter().enumerate() {
         if let Err(e) = b.tile(p, &plan, t, &mut out) {
             let _ = b.end(p, &mut out);
             return Err(e);
         }
+        observe(TileEvent::Done {
+            tile: t,
+            tiles,
+            rows: tile.rows.clone(),
+        });
     }
     b.end(p, &mut out)?;
     Ok((out, plan))
@@ -362,4 +399,55 @@ impl Ctx<'_, '_> {
 /// Run on the CPU with the default pool.
 pub fn run_cpu(p: &Problem, budget: usize) -> Result<(Output, Plan)> {
     run(&mut CpuBackend::new(), p, budget)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::Batch;
+    use crate::problem::{Inputs, Keys, Params, Queries};
+    use ndarray::{Array1, Array2, Array3};
+
+    #[test]
+    fn the_observer_sees_the_plan_and_every_tile_in_order() {
+        let batch = Batch::contiguous(&[64, 48], &[0, 16], 1).unwrap();
+        let (t, l) = (batch.num_rows(), batch.num_keys());
+        let q = Array3::from_shape_fn((t, 8, 32), |(i, h, d)| ((i * 7 + h * 3 + d) % 0x70) as u8);
+        let k = Array2::from_shape_fn((l, 32), |(j, d)| ((j * 5 + d * 11) % 0x70) as u8);
+        let ks = Array1::from_elem(l, 1.0f32);
+        let w = Array2::from_elem((t, 8), 0.5f32);
+        let inputs = Inputs {
+            q: Queries::E4m3(q.view()),
+            k: Keys::E4m3 {
+                codes: k.view(),
+                scale: ks.view(),
+            },
+            weights: w.view(),
+            k_slots: None,
+        };
+        let p = Problem::new(&batch, inputs, Params::new(8), Role::Plain).unwrap();
+        // A budget of a few rows: many tiles.
+        let budget = 1024;
+        let mut events = Vec::new();
+        let (out, plan) =
+            run_observed(&mut CpuBackend::new(), &p, budget, |e| events.push(e)).unwrap();
+        let tiles = plan.tiles.len();
+        assert!(tiles > 8, "{tiles} tiles");
+        assert_eq!(events.len(), tiles + 1);
+        assert_eq!(events[0], TileEvent::Planned { tiles });
+        for (i, e) in events[1..].iter().enumerate() {
+            let rows = plan.tiles[i].rows.clone();
+            assert_eq!(
+                *e,
+                TileEvent::Done {
+                    tile: i,
+                    tiles,
+                    rows
+                }
+            );
+        }
+        let (plain, _) = run(&mut CpuBackend::new(), &p, budget).unwrap();
+        assert_eq!(out, plain);
+        assert_eq!(out, crate::reference::run(&p));
+    }
 }

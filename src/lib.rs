@@ -11,8 +11,16 @@
 //! order of `SPEC.md` section 4. Each row keeps its top-`K` keys (section 5), and a
 //! source layer publishes coarse candidate blocks for later consumer layers (section 6).
 //!
-//! The [`reference`] is the oracle: the formulas as they read. The [`indexer`] driver
-//! computes the same outputs in row tiles whose logits fit a byte budget ([`plan`]).
+//! The [`reference`](mod@reference) is the oracle: the formulas as they read. The
+//! [`indexer`] driver computes the same outputs in row tiles whose logits fit a byte
+//! budget ([`plan`]).
+//! A [`dump`] is one layer-forward in a file (SPEC 9); the [`verdict`] judges an
+//! engine's dumped outputs against the reference.
+//!
+//! Features: `cli` (default) builds the `dsa-indexer` binary (`docs/cli.md`) with
+//! its own dependencies (`clap`, `indicatif`, `rand`, `rand_chacha`); a library user
+//! leaves it out with `default-features = false`. `cuda` adds the `cuda` module, the
+//! NVIDIA backend (kernels compiled at run time by NVRTC).
 //!
 //! ```
 //! use dsa_indexer::{batch::Batch, problem::*, reference};
@@ -48,5 +56,6 @@ pub mod indexer;
 pub mod plan;
 pub mod problem;
 pub mod reference;
+pub mod verdict;
 
 pub use error::{Error, Result};

@@ -1,5 +1,6 @@
-//! The real `dsa-indexer` binary: replay verdicts and exit codes, gen, malformed dumps,
-//! plan's JSON, and the default `run` checksum.
+//! The real `dsa-indexer` binary: replay verdicts and exit codes (2 bad input, 3 the
+//! environment), gen, malformed dumps, plan's JSON, the bare command's help, and the
+//! default `run` checksum.
 
 mod common;
 
@@ -361,8 +362,52 @@ fn bad_options_exit_2() {
     let (code, _, se) = run(&["run", "--preset", "small", "--heads", "12"]);
     assert_eq!(code, 2, "{se}");
     assert!(se.contains("heads"), "{se}");
+}
+
+#[test]
+fn environment_failures_exit_3() {
+    // An I/O error: a missing file, and a file that cannot be written.
     let (code, _, se) = run(&["replay", "/nonexistent/dump.safetensors"]);
-    assert_eq!(code, 2, "{se}");
+    assert_eq!(code, 3, "{se}");
+    assert_eq!(se.lines().count(), 1, "one error line: {se}");
+    assert!(se.contains("/nonexistent/dump.safetensors"), "{se}");
+    let (code, _, se) = run(&[
+        "gen",
+        "--preset",
+        "small",
+        "--out",
+        "/nonexistent/dir/small.safetensors",
+    ]);
+    assert_eq!(code, 3, "{se}");
+    assert!(se.contains("/nonexistent/dir/small.safetensors"), "{se}");
+    // No GPU: without the cuda feature, or with it on a machine without a device.
+    let golden = common::golden_dir().join("v41_plain.safetensors");
+    for cmd in [
+        &["run", "--preset", "small", "--device", "cuda"][..],
+        &["replay", "--device", "cuda", golden.to_str().unwrap()],
+    ] {
+        let (code, _, se) = run(cmd);
+        if cfg!(feature = "cuda") && code == 0 {
+            continue; // a GPU is here
+        }
+        assert_eq!(code, 3, "{cmd:?}: {se}");
+        assert!(!se.contains("panicked"), "{se}");
+    }
+}
+
+#[test]
+fn the_bare_command_prints_help() {
+    let (code, so, se) = run(&[]);
+    assert_eq!(code, 0, "{se}");
+    assert!(so.contains("Usage: dsa-indexer"), "{so}");
+    for cmd in ["run", "gen", "replay", "plan", "bench"] {
+        assert!(so.contains(&format!("\n  {cmd} ")), "{cmd} is listed\n{so}");
+    }
+    assert!(so.contains("Exit codes"), "{so}");
+    assert!(
+        !so.contains("checksum  "),
+        "the bare command runs nothing\n{so}"
+    );
 }
 
 /// The default workload's checksum. Obtained once by running
@@ -426,9 +471,27 @@ fn bench_json_and_cuda_without_the_feature() {
             &["bench", "--device", "cuda"],
         ] {
             let (code, _, se) = run(cmd);
-            assert_eq!(code, 2, "{se}");
+            assert_eq!(code, 3, "{se}");
             assert!(se.contains("built without the cuda feature"), "{se}");
         }
+    }
+}
+
+#[test]
+fn named_gpu_workloads_need_the_gpu() {
+    // A named workload on the CPU is a usage error.
+    let (code, _, se) = run(&["bench", "v41-chunk", "--reps", "1"]);
+    assert_eq!(code, 2, "{se}");
+    assert!(se.contains("--device cuda"), "{se}");
+    if cfg!(feature = "cuda") {
+        // An unknown name is bad input, found before any device is opened.
+        let (code, _, se) = run(&["bench", "--device", "cuda", "v41-nope"]);
+        assert_eq!(code, 2, "{se}");
+        assert!(se.contains("v41-nope"), "{se}");
+    } else {
+        let (code, _, se) = run(&["bench", "--device", "cuda", "--json", "v41-chunk"]);
+        assert_eq!(code, 3, "{se}");
+        assert!(se.contains("built without the cuda feature"), "{se}");
     }
 }
 

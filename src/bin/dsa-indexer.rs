@@ -1,12 +1,22 @@
 //! `dsa-indexer`: run the indexer on a built-in workload, write synthetic dumps, replay
 //! engine dumps against the CPU reference, plan memory, and benchmark.
 //!
-//! Exit codes: 0 success (for `replay`: identical or equal up to ties and tolerance),
-//! 1 `replay` found a difference, 2 bad input (malformed dump, bad option value).
+//! The bare command prints help; `dsa-indexer run` runs the default workload.
+//!
+//! Exit codes (`docs/cli.md`): 0 success (for `replay`: identical or equal up to ties
+//! and tolerance), 1 `replay` found a difference, 2 bad input (malformed dump, bad
+//! option value), 3 the environment (no GPU or no `cuda` feature, a CUDA or NVRTC
+//! failure, an I/O error).
 
 #[macro_use]
 #[path = "cli/errors.rs"]
 mod errors;
+#[path = "cli/bench.rs"]
+mod bench;
+#[path = "cli/gen.rs"]
+mod gen;
+#[path = "cli/plan.rs"]
+mod plan;
 #[path = "cli/replay.rs"]
 mod replay;
 #[path = "cli/workload.rs"]
@@ -15,13 +25,12 @@ mod workload;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use dsa_indexer::batch::Batch;
-use dsa_indexer::dump::{Dump, RoleKind};
-use dsa_indexer::indexer::{Backend, CpuBackend, RowFootprint, CPU_ROW_ALIGN};
-use dsa_indexer::plan::{self, PlanParams, PlanRole, DEFAULT_BUDGET};
-use dsa_indexer::problem::{Class, Format};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
+use dsa_indexer::dump::RoleKind;
+use dsa_indexer::indexer::Backend;
+use dsa_indexer::problem::Format;
 use dsa_indexer::reference::Output;
+use dsa_indexer::verdict::class_name;
 use serde_json::json;
 
 use errors::Result;
@@ -31,7 +40,9 @@ use workload::Shape;
 #[command(
     name = "dsa-indexer",
     version,
-    about = "The indexer of DeepSeek sparse attention under a memory budget: run, gen, replay, plan, bench"
+    about = "The indexer of DeepSeek sparse attention under a memory budget: run, gen, replay, plan, bench",
+    after_help = "Exit codes: 0 success, 1 replay found a difference, 2 bad input, \
+                  3 no GPU, a CUDA or NVRTC failure, or an I/O error (docs/cli.md)."
 )]
 struct Cli {
     /// Worker threads of the CPU engine (default: one per core, or RAYON_NUM_THREADS).
@@ -48,15 +59,17 @@ enum Cmd {
     Run(RunArgs),
     /// Write a synthetic dump: random inputs through the crate's quantizers, and the
     /// reference's outputs as the expected tensors.
-    Gen(GenArgs),
+    Gen(gen::GenArgs),
     /// Replay a dump on the reference through the chunked driver and diff its expected
-    /// outputs (exit 0 identical or equal up to ties/tolerance, 1 different, 2 bad dump).
+    /// outputs (exit 0 identical or equal up to ties/tolerance, 1 different, 2 bad dump, 3 no file
+    /// or device).
     Replay(ReplayArgs),
     /// Plan a layer under a byte budget: the seed engine's unbounded transient next to
     /// the planned peak, term by term.
-    Plan(PlanArgs),
-    /// Benchmark the logits + top-k driver on a preset: median time and effective TFLOP/s.
-    Bench(BenchArgs),
+    Plan(plan::PlanArgs),
+    /// Benchmark the logits + top-k driver on a preset: median time and effective TFLOP/s;
+    /// or, with `--device cuda WORKLOAD ...`, the named GPU workloads as JSON lines (`--json`).
+    Bench(bench::BenchArgs),
 }
 
 /// Where the indexer runs.
@@ -103,7 +116,7 @@ impl From<Fmt> for Format {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum RoleArg {
+pub enum RoleArg {
     Plain,
     Source,
     Consumer,
@@ -111,13 +124,13 @@ enum RoleArg {
 
 /// Workload shape: a preset, then overrides.
 #[derive(Args, Clone)]
-struct ShapeArgs {
+pub struct ShapeArgs {
     /// Named preset: default, v41-replay, v41-source-tail, v32, small.
     #[arg(long, default_value = "default")]
-    preset: String,
+    pub preset: String,
     /// Random seed of the inputs.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub seed: u64,
     /// Index heads H (power of two, 8..=64).
     #[arg(long)]
     heads: Option<usize>,
@@ -157,7 +170,7 @@ struct ShapeArgs {
 }
 
 impl ShapeArgs {
-    fn shape(&self) -> Result<Shape> {
+    pub fn shape(&self) -> Result<Shape> {
         let mut s = Shape::preset(&self.preset)?;
         if let Some(v) = self.heads {
             s.heads = v;
@@ -229,37 +242,6 @@ struct RunArgs {
 }
 
 #[derive(Args)]
-struct GenArgs {
-    /// Output file (.safetensors).
-    #[arg(long)]
-    out: PathBuf,
-    #[command(flatten)]
-    shape: ShapeArgs,
-    /// Write `expected_logits` (sum n floats): auto = when at most 16M values.
-    #[arg(long, value_enum, default_value_t = LogitsArg::Auto)]
-    logits: LogitsArg,
-    /// Who computes the expected tensors: the literal reference (`reference::run`,
-    /// slow), the fast engine through the chunked driver (bitwise the same, held so by
-    /// the tests), or auto = the reference up to 1M (row, key) pairs.
-    #[arg(long, value_enum, default_value_t = ExpectedArg::Auto)]
-    expected: ExpectedArg,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum ExpectedArg {
-    Auto,
-    Reference,
-    Engine,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum LogitsArg {
-    Auto,
-    Yes,
-    No,
-}
-
-#[derive(Args)]
 struct ReplayArgs {
     /// The dump (safetensors, the golden schema).
     file: PathBuf,
@@ -289,99 +271,8 @@ struct ReplayArgs {
     json: bool,
 }
 
-#[derive(Args)]
-struct PlanArgs {
-    /// Query rows R (the last R positions of one request).
-    #[arg(long, default_value_t = 16384)]
-    rows: usize,
-    /// Compressed keys of the request (its tokens are context * ratio).
-    #[arg(long, default_value_t = 487_936)]
-    context: usize,
-    #[arg(long, default_value_t = 32)]
-    heads: usize,
-    #[arg(long, default_value_t = 128)]
-    dim: usize,
-    #[arg(long, default_value_t = 512)]
-    topk: usize,
-    #[arg(long, default_value_t = 1)]
-    ratio: usize,
-    #[arg(long, value_parser = parse_bytes, default_value = "2GiB")]
-    budget: usize,
-    /// Source layers: publish only the last `tail` rows.
-    #[arg(long)]
-    tail: Option<usize>,
-    #[arg(long, value_enum, default_value_t = RoleArg::Plain)]
-    role: RoleArg,
-    #[arg(long, default_value_t = 8)]
-    block_size: usize,
-    #[arg(long, default_value_t = 2048)]
-    num_blocks: usize,
-    /// Format class of the operand buffers (exact = fp4 x fp4).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    exact: bool,
-    /// Workers of the CPU footprint (default: this machine's threads).
-    #[arg(long)]
-    workers: Option<usize>,
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Args)]
-struct BenchArgs {
-    #[command(flatten)]
-    shape: ShapeArgs,
-    /// Timed runs (after one warm-up run).
-    #[arg(long, default_value_t = 3)]
-    reps: usize,
-    #[arg(long, value_parser = parse_bytes, default_value = "2GiB")]
-    budget: usize,
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    device: Device,
-    #[arg(long)]
-    json: bool,
-    /// A named GPU workload of the performance issue (v32-16k, v32-64k, v41-chunk,
-    /// v41-chunk-source, v41-1m, v41-1m-256m), timed with CUDA events; needs `--device cuda`.
-    #[arg(long)]
-    workload: Option<String>,
-}
-
-/// `dsa-indexer bench --workload NAME --device cuda`: the CUDA backend's own timing
-/// (CUDA events around all tiles; logits and selection split; measured device peak).
-#[cfg(feature = "cuda")]
-fn bench_workload(name: &str, a: &BenchArgs) -> Result<i32> {
-    use dsa_indexer::cuda::{bench, CudaBackend};
-    if a.device != Device::Cuda {
-        bail!("--workload {name}: named workloads run on the GPU; add --device cuda");
-    }
-    let w = bench::workload(name)?;
-    let mut b = CudaBackend::new()?;
-    let r = bench::run_workload(&mut b, &w, a.reps.max(1))?;
-    if a.json {
-        println!("{}", r.to_json());
-    } else {
-        println!(
-            "bench {} on {}: {} rows, {} pairs, {} tiles, budget {} B",
-            r.name, r.device, r.rows, r.valid_pairs, r.tiles, r.budget
-        );
-        println!(
-            "  median {:.3} ms over {} runs (min {:.3} ms): {:.1} effective TFLOP/s; logits {:.3} ms ({:.1} TFLOP/s), \
-             selection {:.3} ms ({:.0} GB/s of logits); device peak {} B (planned {} B)",
-            r.median_ms, r.reps, r.min_ms, r.tflops, r.logits_ms, r.logits_tflops, r.select_ms, r.topk_gbs,
-            r.measured_peak, r.planned_peak
-        );
-    }
-    Ok(0)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn bench_workload(name: &str, _a: &BenchArgs) -> Result<i32> {
-    bail!(
-        "--workload {name}: built without the cuda feature (cargo build --release --features cuda)"
-    );
-}
-
 /// `2GiB`, `512MiB`, `64KiB`, `1.5G`, or a plain byte count.
-fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
+pub fn parse_bytes(s: &str) -> std::result::Result<usize, String> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -419,22 +310,6 @@ fn parse_range(s: &str) -> std::result::Result<(usize, usize), String> {
     Ok((p(a)?, p(b)?))
 }
 
-/// Bytes in binary units, 2 decimals.
-pub fn human_bytes(b: u128) -> String {
-    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < units.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{v:.2} {}", units[u])
-    }
-}
-
 /// Run `f` on the CUDA backend, or say why there is none.
 pub fn cuda_backend<T>(f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<T> {
     #[cfg(feature = "cuda")]
@@ -445,13 +320,15 @@ pub fn cuda_backend<T>(f: impl FnOnce(&mut dyn Backend) -> Result<T>) -> Result<
     #[cfg(not(feature = "cuda"))]
     {
         let _ = f;
-        bail!("--device cuda: built without the cuda feature (rebuild with `--features cuda`)")
+        Err(errors::CliError::environment(
+            "--device cuda: built without the cuda feature (rebuild with `--features cuda`)",
+        ))
     }
 }
 
 /// FNV-1a (64-bit) over the outputs' little-endian bytes: `raw`, `page`, then the
 /// published blocks of a source.
-fn checksum(out: &Output) -> u64 {
+pub fn checksum(out: &Output) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |v: i32| {
         for b in v.to_le_bytes() {
@@ -465,13 +342,6 @@ fn checksum(out: &Output) -> u64 {
         pb.blocks.iter().for_each(|&v| eat(v));
     }
     h
-}
-
-fn class_name(c: Class) -> &'static str {
-    match c {
-        Class::Exact => "exact",
-        Class::Tolerance => "tolerance",
-    }
 }
 
 fn cmd_run(a: &RunArgs) -> Result<i32> {
@@ -539,309 +409,30 @@ fn cmd_run(a: &RunArgs) -> Result<i32> {
     Ok(0)
 }
 
-fn cmd_gen(a: &GenArgs) -> Result<i32> {
-    let shape = a.shape.shape()?;
-    let t0 = Instant::now();
-    let mut dump = workload::synth(&shape, a.shape.seed)?;
-    let batch = dump.batch()?;
-    let published = dump.published_input(&batch);
-    let by_reference = match a.expected {
-        ExpectedArg::Reference => true,
-        ExpectedArg::Engine => false,
-        ExpectedArg::Auto => batch.valid_pairs() <= 1 << 20,
-    };
-    let (out, logits) = {
-        let p = dump.problem(&batch, published.as_ref())?;
-        let want = match a.logits {
-            LogitsArg::Yes => true,
-            LogitsArg::No => false,
-            LogitsArg::Auto => batch.valid_pairs() <= 16 << 20,
-        };
-        if by_reference {
-            let out = dsa_indexer::reference::run(&p);
-            (out, want.then(|| dsa_indexer::reference::logits(&p)))
-        } else {
-            let (out, _) = dsa_indexer::indexer::run_cpu(&p, 256 << 20)?;
-            (out, want.then(|| parallel_logits(&p)))
-        }
-    };
-    workload::set_expected(&mut dump, &batch, &out, logits);
-    let bytes = dump.to_bytes()?;
-    std::fs::write(&a.out, &bytes)
-        .map_err(|e| errors::CliError::input(format!("{}: {e}", a.out.display())))?;
-    println!(
-        "wrote {}: preset {} (seed {}), {} rows, {} keys, H={} D={} K={}, {} x {}, {}, {}, expected tensors from the {} in {:.2} s",
-        a.out.display(),
-        a.shape.preset,
-        a.shape.seed,
-        batch.num_rows(),
-        batch.num_keys(),
-        shape.heads,
-        shape.dim,
-        shape.topk,
-        shape.q_format,
-        shape.k_format,
-        human_bytes(bytes.len() as u128),
-        if dump.expected.logits.is_some() {
-            "with expected_logits"
-        } else {
-            "without expected_logits"
-        },
-        if by_reference {
-            "reference"
-        } else {
-            "engine"
-        },
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(0)
-}
-
-/// All visible logits, rows concatenated, from the fast engine in parallel.
-fn parallel_logits(p: &dsa_indexer::problem::Problem) -> Vec<f32> {
-    use rayon::prelude::*;
-    let rows = p.batch.rows();
-    let mut out = vec![0f32; p.batch.valid_pairs()];
-    let g = dsa_indexer::cpu::ROW_GROUP;
-    let mut chunks: Vec<(usize, &mut [f32])> = Vec::new();
-    let mut rest: &mut [f32] = &mut out;
-    for start in (0..rows.len()).step_by(g) {
-        let len: usize = rows[start..(start + g).min(rows.len())]
-            .iter()
-            .map(|r| r.n)
-            .sum();
-        let (a, b) = std::mem::take(&mut rest).split_at_mut(len);
-        chunks.push((start, a));
-        rest = b;
-    }
-    chunks.into_par_iter().for_each_init(
-        || dsa_indexer::cpu::Engine::new(p),
-        |e, (start, buf)| {
-            let idx: Vec<usize> = (start..(start + g).min(rows.len())).collect();
-            let mut outs: Vec<&mut [f32]> = Vec::new();
-            let mut rest = buf;
-            for &i in &idx {
-                let (a, b) = rest.split_at_mut(rows[i].n);
-                outs.push(a);
-                rest = b;
-            }
-            e.rows(p, &idx, &mut outs);
-        },
-    );
-    out
-}
-
-fn cmd_plan(a: &PlanArgs) -> Result<i32> {
-    if a.rows == 0 {
-        bail!("rows = 0: expected at least one row");
-    }
-    if a.ratio == 0 {
-        bail!("ratio = 0: expected ratio >= 1");
-    }
-    let seq = a
-        .context
-        .checked_mul(a.ratio)
-        .ok_or_else(|| errors::CliError::input("context * ratio overflows"))?;
-    if a.rows > seq {
-        bail!("rows = {}: more than the request's {seq} tokens", a.rows);
-    }
-    let batch = Batch::contiguous(&[seq], &[seq - a.rows], a.ratio)?;
-    let role = match a.role {
-        RoleArg::Plain if a.tail.is_some() => PlanRole::Source { tail: a.tail },
-        RoleArg::Plain => PlanRole::Plain,
-        RoleArg::Source => PlanRole::Source { tail: a.tail },
-        RoleArg::Consumer => PlanRole::Consumer,
-    };
-    let params = PlanParams {
-        heads: a.heads,
-        dim: a.dim,
-        topk: a.topk,
-        block_size: a.block_size,
-        num_blocks: a.num_blocks,
-        role,
-        budget: a.budget,
-    };
-    let class = if a.exact {
-        Class::Exact
-    } else {
-        Class::Tolerance
-    };
-    // The CPU backend's footprint: rows padded to 4 floats, one engine per worker.
-    let fp = RowFootprint {
-        align: CPU_ROW_ALIGN,
-        workers: a
-            .workers
-            .unwrap_or_else(|| CpuBackend::new().threads_for_plan()),
-        worker_bytes: dsa_indexer::cpu::Engine::bytes(a.heads, a.dim, class),
-    };
-    let pl = plan::plan(&batch, &params, &fp)?;
-    let pk = pl.peak;
-    let role_name = match role {
-        PlanRole::Plain => "plain".to_string(),
-        PlanRole::Source { tail: Some(t) } => format!("source, tail {t}"),
-        PlanRole::Source { tail: None } => "source".to_string(),
-        PlanRole::Consumer => "consumer".to_string(),
-    };
-    let terms = [
-        ("logits_tile", pk.logits_tile),
-        ("block_scores", pk.block_scores),
-        ("candidate_ids", pk.candidate_ids),
-        ("topk_scratch", pk.topk_scratch),
-        ("index_assembly", pk.index_assembly),
-        ("operands", pk.operands),
-    ];
-    if a.json {
-        let j = json!({
-            "rows": a.rows, "keys": batch.num_keys(), "tokens": seq,
-            "heads": a.heads, "dim": a.dim, "topk": a.topk, "ratio": a.ratio,
-            "role": role_name, "tail": a.tail, "budget_bytes": a.budget,
-            "block_size": a.block_size, "num_blocks": a.num_blocks,
-            "workers": pl.workers,
-            "unbounded_bytes": pl.unbounded_bytes as u64,
-            "planned_peak_bytes": pk.total(),
-            "terms": terms.iter().map(|(n, v)| (n.to_string(), json!(v))).collect::<serde_json::Map<_, _>>(),
-            "tiles": pl.tiles.len(),
-            "max_tile_rows": pl.max_tile_rows,
-            "published_rows": pl.published_rows,
-            "oversized_row": pl.has_oversized_row(),
-        });
-        println!("{}", serde_json::to_string_pretty(&j).unwrap_or_default());
-        return Ok(0);
-    }
-    println!(
-        "plan: {} rows x {} keys (one request of {} tokens, ratio {}), H={} D={} K={}, {}, budget {}",
-        a.rows,
-        batch.num_keys(),
-        seq,
-        a.ratio,
-        a.heads,
-        a.dim,
-        a.topk,
-        role_name,
-        human_bytes(a.budget as u128)
-    );
-    println!(
-        "  unbounded (seed engine: fp32 logits + bool mask + copy, 6 B per (row, key)): {:>12}  ({} B)",
-        human_bytes(pl.unbounded_bytes),
-        pl.unbounded_bytes
-    );
-    println!(
-        "  planned peak ({} workers, CPU footprint):{:>38}  ({} B)",
-        pl.workers,
-        human_bytes(pk.total() as u128),
-        pk.total()
-    );
-    for (n, v) in terms {
-        println!("    {n:<16} {:>12}  ({v} B)", human_bytes(v as u128));
-    }
-    println!(
-        "  tiles: {} (at most {} rows each){}; published rows: {}",
-        pl.tiles.len(),
-        pl.max_tile_rows,
-        if pl.has_oversized_row() {
-            ", one row alone exceeds the budget"
-        } else {
-            ""
-        },
-        pl.published_rows
-    );
-    Ok(0)
-}
-
-fn cmd_bench(a: &BenchArgs) -> Result<i32> {
-    if let Some(name) = &a.workload {
-        return bench_workload(name, a);
-    }
-    let shape = a.shape.shape()?;
-    let dump: Dump = workload::synth(&shape, a.shape.seed)?;
-    let batch = dump.batch()?;
-    let published = dump.published_input(&batch);
-    let p = dump.problem(&batch, published.as_ref())?;
-    let _ = replay::run_driver(&p, a.device, a.budget, false)?; // warm-up
-    let mut times = Vec::with_capacity(a.reps.max(1));
-    let mut sum = 0;
-    for _ in 0..a.reps.max(1) {
-        let t0 = Instant::now();
-        let out = replay::run_driver(&p, a.device, a.budget, false)?;
-        times.push(t0.elapsed().as_secs_f64());
-        sum = checksum(&out);
-    }
-    times.sort_by(|x, y| x.total_cmp(y));
-    let med = times[times.len() / 2];
-    let pairs = batch.valid_pairs();
-    let flop = 2.0 * pairs as f64 * (p.heads * p.dim) as f64;
-    if a.json {
-        let j = json!({
-            "preset": a.shape.preset, "device": a.device.name(),
-            "isa": dsa_indexer::cpu::Isa::detect().name(),
-            "threads": rayon::current_num_threads(),
-            "rows": batch.num_rows(), "keys": batch.num_keys(), "valid_pairs": pairs,
-            "heads": p.heads, "dim": p.dim, "topk": p.topk,
-            "class": class_name(p.class()),
-            "reps": times.len(), "median_seconds": med, "min_seconds": times[0],
-            "tflops": flop / med / 1e12, "checksum": format!("{sum:016x}"),
-        });
-        println!("{}", serde_json::to_string_pretty(&j).unwrap_or_default());
-    } else {
-        println!(
-            "bench {} on {}: {} rows, {} keys, {} pairs, H={} D={} K={}, {} class",
-            a.shape.preset,
-            a.device.describe(),
-            batch.num_rows(),
-            batch.num_keys(),
-            pairs,
-            p.heads,
-            p.dim,
-            p.topk,
-            class_name(p.class())
-        );
-        println!(
-            "  median {:.3} s over {} runs (min {:.3} s): {:.4} effective TFLOP/s (2 * pairs * H * D / t), {:.1} M pairs/s",
-            med,
-            times.len(),
-            times[0],
-            flop / med / 1e12,
-            pairs as f64 / med / 1e6
-        );
-    }
-    Ok(0)
-}
-
-trait Threads {
-    fn threads_for_plan(&self) -> usize;
-}
-
-impl Threads for CpuBackend {
-    fn threads_for_plan(&self) -> usize {
-        rayon::current_num_threads().max(1)
-    }
-}
-
 fn main() {
     let cli = Cli::parse();
     if let Some(n) = cli.threads {
         if n == 0 {
             eprintln!("error: --threads 0: expected at least one thread");
-            std::process::exit(2);
+            std::process::exit(errors::BAD_INPUT);
         }
         if let Err(e) = rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()
         {
             eprintln!("error: --threads {n}: {e}");
-            std::process::exit(2);
+            std::process::exit(errors::BAD_INPUT);
         }
     }
-    let res = match &cli.cmd {
-        None => cmd_run(&RunArgs {
-            shape: ShapeArgs::parse_default(),
-            budget: DEFAULT_BUDGET,
-            device: Device::Cpu,
-            json: false,
-        }),
-        Some(Cmd::Run(a)) => cmd_run(a),
-        Some(Cmd::Gen(a)) => cmd_gen(a),
-        Some(Cmd::Replay(a)) => replay::replay(&replay::Opts {
+    let Some(cmd) = &cli.cmd else {
+        // The bare command: what there is to run.
+        let _ = Cli::command().print_help();
+        std::process::exit(0);
+    };
+    let res = match cmd {
+        Cmd::Run(a) => cmd_run(a),
+        Cmd::Gen(a) => gen::cmd_gen(a),
+        Cmd::Replay(a) => replay::replay(&replay::Opts {
             file: a.file.clone(),
             rows: a.rows,
             request: a.request,
@@ -852,35 +443,14 @@ fn main() {
             max_show: a.show,
             verbose: a.verbose,
         }),
-        Some(Cmd::Plan(a)) => cmd_plan(a),
-        Some(Cmd::Bench(a)) => cmd_bench(a),
+        Cmd::Plan(a) => plan::cmd_plan(a),
+        Cmd::Bench(a) => bench::cmd_bench(a),
     };
     match res {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("error: {}", e.msg);
             std::process::exit(e.code);
-        }
-    }
-}
-
-impl ShapeArgs {
-    fn parse_default() -> ShapeArgs {
-        ShapeArgs {
-            preset: "default".into(),
-            seed: 0,
-            heads: None,
-            dim: None,
-            topk: None,
-            ratio: None,
-            q_format: None,
-            k_format: None,
-            role: None,
-            tail: None,
-            block_size: None,
-            num_blocks: None,
-            seq_lens: None,
-            query_starts: None,
         }
     }
 }

@@ -1,0 +1,275 @@
+//! `bench`: the driver's median time on a preset (any device), or the named GPU
+//! workloads timed with CUDA events (`--device cuda WORKLOAD ...`).
+
+use std::time::Instant;
+
+use clap::Args;
+use dsa_indexer::verdict::class_name;
+use serde_json::json;
+
+use crate::errors::{CliError, Result};
+use crate::workload;
+use crate::{checksum, parse_bytes, replay, Device, ShapeArgs};
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Named GPU workloads (v32-16k, v32-64k, v41-chunk, v41-chunk-source, v41-1m,
+    /// v41-1m-256m, or `all`), timed with CUDA events; needs `--device cuda`. Without
+    /// one, the preset runs.
+    workloads: Vec<String>,
+    #[command(flatten)]
+    shape: ShapeArgs,
+    /// Timed runs (after one warm-up run).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    #[arg(long, value_parser = parse_bytes, default_value = "2GiB")]
+    budget: usize,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+    /// Print JSON (named workloads: one line each).
+    #[arg(long)]
+    json: bool,
+    /// A named workload, as a positional one.
+    #[arg(long)]
+    workload: Option<String>,
+}
+
+/// `dsa-indexer bench`.
+pub fn cmd_bench(a: &BenchArgs) -> Result<i32> {
+    let names: Vec<String> = a.workload.iter().chain(&a.workloads).cloned().collect();
+    if !names.is_empty() {
+        if a.device != Device::Cuda {
+            bail!(
+                "workload {}: named workloads run on the GPU; add --device cuda",
+                names.join(" ")
+            );
+        }
+        return gpu::bench_workloads(&names, a.reps.max(1), a.json);
+    }
+    bench_preset(a)
+}
+
+/// One warm-up run, then `reps` timed runs of the driver on the preset.
+fn bench_preset(a: &BenchArgs) -> Result<i32> {
+    let shape = a.shape.shape()?;
+    let dump = workload::synth(&shape, a.shape.seed)?;
+    let batch = dump.batch()?;
+    let published = dump.published_input(&batch);
+    let p = dump.problem(&batch, published.as_ref())?;
+    let _ = replay::run_driver(&p, a.device, a.budget, false)?; // warm-up
+    let mut times = Vec::with_capacity(a.reps.max(1));
+    let mut sum = 0;
+    for _ in 0..a.reps.max(1) {
+        let t0 = Instant::now();
+        let out = replay::run_driver(&p, a.device, a.budget, false)?;
+        times.push(t0.elapsed().as_secs_f64());
+        sum = checksum(&out);
+    }
+    times.sort_by(|x, y| x.total_cmp(y));
+    let med = times[times.len() / 2];
+    let pairs = batch.valid_pairs();
+    let flop = 2.0 * pairs as f64 * (p.heads * p.dim) as f64;
+    if a.json {
+        let j = json!({
+            "preset": a.shape.preset, "device": a.device.name(),
+            "isa": dsa_indexer::cpu::Isa::detect().name(),
+            "threads": rayon::current_num_threads(),
+            "rows": batch.num_rows(), "keys": batch.num_keys(), "valid_pairs": pairs,
+            "heads": p.heads, "dim": p.dim, "topk": p.topk,
+            "class": class_name(p.class()),
+            "reps": times.len(), "median_seconds": med, "min_seconds": times[0],
+            "tflops": flop / med / 1e12, "checksum": format!("{sum:016x}"),
+        });
+        println!("{}", serde_json::to_string_pretty(&j).unwrap_or_default());
+    } else {
+        println!(
+            "bench {} on {}: {} rows, {} keys, {} pairs, H={} D={} K={}, {} class",
+            a.shape.preset,
+            a.device.describe(),
+            batch.num_rows(),
+            batch.num_keys(),
+            pairs,
+            p.heads,
+            p.dim,
+            p.topk,
+            class_name(p.class())
+        );
+        println!(
+            "  median {:.3} s over {} runs (min {:.3} s): {:.4} effective TFLOP/s (2 * pairs * H * D / t), {:.1} M pairs/s",
+            med,
+            times.len(),
+            times[0],
+            flop / med / 1e12,
+            pairs as f64 / med / 1e6
+        );
+    }
+    Ok(0)
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use dsa_indexer::cuda::{bench, CudaBackend};
+    use dsa_indexer::problem::{Inputs, Keys, Queries};
+    use ndarray::{Array1, Array2, Array3};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::{CliError, Result};
+
+    /// A workload's inputs, owned: random codes, scales near 1 and weights in [-1, 1),
+    /// from a fixed seed.
+    struct Data {
+        weights: Array2<f32>,
+        q: Array3<u8>,
+        /// E2M1 queries' UE8M0 scales.
+        qs: Array3<u8>,
+        k: Array2<u8>,
+        /// E2M1 keys' UE8M0 scales.
+        ks: Array2<u8>,
+        /// E4M3 keys' f32 scales.
+        kscale: Array1<f32>,
+        fp4: bool,
+    }
+
+    impl Data {
+        fn new(w: &bench::Workload, t: usize, l: usize) -> Data {
+            let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+            let (h, d) = (w.heads, w.dim);
+            let g = d / 32;
+            let weights = Array2::from_shape_fn((t, h), |_| rng.gen_range(-1.0f32..1.0));
+            // E4M3 bytes away from the NaN codes; E2M1 bytes are any byte.
+            let byte = |r: &mut ChaCha8Rng| -> u8 {
+                let b: u8 = r.gen();
+                if b & 0x7F == 0x7F {
+                    b & 0xF7
+                } else {
+                    b
+                }
+            };
+            let none3 = || Array3::zeros((0, 0, 0));
+            if w.fp4 {
+                let q = Array3::from_shape_fn((t, h, d / 2), |_| rng.gen::<u8>());
+                let qs = Array3::from_shape_fn((t, h, g), |_| rng.gen_range(124u8..=130));
+                let k = Array2::from_shape_fn((l, d / 2), |_| rng.gen::<u8>());
+                let ks = Array2::from_shape_fn((l, g), |_| rng.gen_range(124u8..=130));
+                Data {
+                    weights,
+                    q,
+                    qs,
+                    k,
+                    ks,
+                    kscale: Array1::zeros(0),
+                    fp4: true,
+                }
+            } else {
+                let q = Array3::from_shape_fn((t, h, d), |_| byte(&mut rng));
+                let k = Array2::from_shape_fn((l, d), |_| byte(&mut rng));
+                let kscale = Array1::from_shape_fn(l, |_| rng.gen_range(0.5f32..2.0));
+                Data {
+                    weights,
+                    q,
+                    qs: none3(),
+                    k,
+                    ks: Array2::zeros((0, 0)),
+                    kscale,
+                    fp4: false,
+                }
+            }
+        }
+
+        fn inputs(&self) -> Inputs<'_> {
+            let (q, k) = if self.fp4 {
+                (
+                    Queries::E2m1 {
+                        packed: self.q.view(),
+                        scale: self.qs.view(),
+                    },
+                    Keys::E2m1 {
+                        packed: self.k.view(),
+                        scale: self.ks.view(),
+                    },
+                )
+            } else {
+                (
+                    Queries::E4m3(self.q.view()),
+                    Keys::E4m3 {
+                        codes: self.k.view(),
+                        scale: self.kscale.view(),
+                    },
+                )
+            };
+            Inputs {
+                q,
+                k,
+                weights: self.weights.view(),
+                k_slots: None,
+            }
+        }
+    }
+
+    /// Generate workload `w`'s inputs and time it.
+    fn run_one(
+        b: &mut CudaBackend,
+        w: &bench::Workload,
+        reps: usize,
+    ) -> dsa_indexer::Result<bench::BenchResult> {
+        let batch = w.batch()?;
+        let data = Data::new(w, batch.num_rows(), batch.num_keys());
+        let p = w.problem(&batch, data.inputs())?;
+        bench::run_workload(b, w, &p, reps)
+    }
+
+    /// The named workloads (`all`: every one) on GPU 0, one after the other, each timed
+    /// by the CUDA backend itself (CUDA events around all tiles; logits and selection
+    /// split; measured device peak). A workload that fails prints its error and the
+    /// others still run; the exit code is the worst failure's.
+    pub fn bench_workloads(names: &[String], reps: usize, json: bool) -> Result<i32> {
+        let mut ws = Vec::new();
+        for n in names {
+            if n == "all" {
+                ws.extend_from_slice(bench::WORKLOADS);
+            } else {
+                ws.push(bench::workload(n)?);
+            }
+        }
+        let mut b = CudaBackend::new()?;
+        let mut code = 0;
+        for w in ws {
+            match run_one(&mut b, &w, reps) {
+                Ok(r) if json => println!("{}", r.to_json()),
+                Ok(r) => print_text(&r),
+                Err(e) => {
+                    let e = CliError::lib(w.name, e);
+                    eprintln!("error: {}", e.msg);
+                    code = code.max(e.code);
+                }
+            }
+        }
+        Ok(code)
+    }
+
+    fn print_text(r: &bench::BenchResult) {
+        println!(
+            "bench {} on {}: {} rows, {} pairs, {} tiles, budget {} B",
+            r.name, r.device, r.rows, r.valid_pairs, r.tiles, r.budget
+        );
+        println!(
+            "  median {:.3} ms over {} runs (min {:.3} ms): {:.1} effective TFLOP/s; logits {:.3} ms ({:.1} TFLOP/s), \
+             selection {:.3} ms ({:.0} GB/s of logits); device peak {} B (planned {} B)",
+            r.median_ms, r.reps, r.min_ms, r.tflops, r.logits_ms, r.logits_tflops, r.select_ms, r.topk_gbs,
+            r.measured_peak, r.planned_peak
+        );
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod gpu {
+    use super::{CliError, Result};
+
+    pub fn bench_workloads(names: &[String], _reps: usize, _json: bool) -> Result<i32> {
+        Err(CliError::environment(format!(
+            "workload {}: built without the cuda feature (cargo build --release --features cuda)",
+            names.join(" ")
+        )))
+    }
+}

@@ -1,0 +1,73 @@
+//! SPEC 4's tolerance bound, per key and per row, and the reference's scores of a row.
+
+use crate::cpu::Engine;
+use crate::formats::{e2m1, e4m3, ue8m0};
+use crate::problem::{Keys, Problem, Queries};
+
+/// Row `i`'s scores over its visible keys, from the fast engine (bitwise the reference).
+pub fn row_scores(p: &Problem, i: usize) -> Vec<f32> {
+    let mut v = vec![0f32; p.batch.rows()[i].n];
+    let mut e = Engine::new(p);
+    e.rows(p, &[i], &mut [&mut v[..]]);
+    v
+}
+
+/// SPEC 4's magnitude before cancellation `M_j` of row `i` against each visible key,
+/// in f64: `kscale_j * sum_h |w_h| * sum_g c_g * sum_{d in g} |q_d k_d|`, with `c_g`
+/// the product of the group scales present. Factored as
+/// `sum_g c^k_g sum_d |k_d| A[d]`, `A[d] = sum_h |w_h| c^q_{h,g} |q_{h,d}|`.
+pub fn magnitudes(p: &Problem, i: usize) -> Vec<f64> {
+    let a = query_magnitudes(p, i);
+    let d = p.dim;
+    let row = p.batch.rows()[i];
+    (0..row.n)
+        .map(|j| {
+            let x = row.ks + j;
+            match p.inputs.k {
+                Keys::E4m3 { codes, scale } => {
+                    let s: f64 = (0..d)
+                        .map(|e| (e4m3::decode(codes[[x, e]]) as f64).abs() * a[e])
+                        .sum();
+                    s * scale[x] as f64
+                }
+                Keys::E2m1 { packed, scale } => (0..d)
+                    .map(|e| {
+                        let b = packed[[x, e / 2]];
+                        let code = if e % 2 == 0 { b & 0xF } else { b >> 4 };
+                        (e2m1::decode(code) as f64).abs()
+                            * a[e]
+                            * ue8m0::decode(scale[[x, e / 32]]) as f64
+                    })
+                    .sum(),
+            }
+        })
+        .collect()
+}
+
+/// `A[d] = sum_h |w_h| c^q_{h,g} |q_{h,d}|` of row `i`.
+fn query_magnitudes(p: &Problem, i: usize) -> Vec<f64> {
+    let mut a = vec![0f64; p.dim];
+    for hh in 0..p.heads {
+        let w = (p.inputs.weights[[i, hh]] as f64).abs();
+        for (e, ae) in a.iter_mut().enumerate() {
+            let (q, c) = match p.inputs.q {
+                Queries::E4m3(q) => (e4m3::decode(q[[i, hh, e]]) as f64, 1.0),
+                Queries::E2m1 { packed, scale } => {
+                    let b = packed[[i, hh, e / 2]];
+                    let code = if e % 2 == 0 { b & 0xF } else { b >> 4 };
+                    (
+                        e2m1::decode(code) as f64,
+                        ue8m0::decode(scale[[i, hh, e / 32]]) as f64,
+                    )
+                }
+            };
+            *ae += w * c * q.abs();
+        }
+    }
+    a
+}
+
+/// The row's largest bound from SPEC 4: `2^-8 * max_j M_j`.
+pub fn row_bound(p: &Problem, i: usize) -> f64 {
+    magnitudes(p, i).into_iter().fold(0.0, f64::max) / 256.0
+}

@@ -1,0 +1,86 @@
+//! `page` (pool slots, SPEC 5) against the expected `raw` ids, and the ids a `page`
+//! names when a dump carries no `raw`.
+
+use std::collections::HashMap;
+
+use ndarray::Array2;
+
+use super::selection::Ids;
+use super::{Rows, Tally};
+use crate::problem::Problem;
+
+/// `page` against the slots of the expected `raw` ids (the selection itself is judged
+/// on `raw`): identical when it is SPEC 5's form of those slots, equal up to order when
+/// it holds the same slots otherwise placed, else different.
+pub(crate) fn page_vs_raw(ctx: &Rows, ids: &[Ids], page: &Array2<i32>) -> Tally {
+    let p = ctx.p;
+    let mut d = Tally {
+        compared: page.nrows(),
+        ..Default::default()
+    };
+    for (i, id) in ids.iter().enumerate() {
+        let r = p.batch.rows()[i];
+        let row = page.row(i);
+        let ids = id.clone().unwrap_or_default();
+        let slots: Vec<i32> = ids
+            .iter()
+            .map(|&j| if j < r.n { p.slot(r.ks + j) } else { -2 })
+            .collect();
+        let canonical = (0..p.page_cols).map(|c| slots.get(c).copied().unwrap_or(-1));
+        if row.iter().copied().eq(canonical) {
+            continue;
+        }
+        let mut have: Vec<i32> = row.iter().copied().filter(|&x| x != -1).collect();
+        let mut want = slots.clone();
+        have.sort_unstable();
+        want.sort_unstable();
+        let same_set = have == want;
+        d.count(!same_set, ctx.orig[i]);
+        if d.notes.len() < ctx.max_show {
+            d.notes.push(if same_set {
+                format!(
+                    "{}: page holds the slots of expected_raw in another order",
+                    ctx.label(i)
+                )
+            } else {
+                format!(
+                    "{}: page slots {:?} are not the slots {:?} of expected_raw's keys",
+                    ctx.label(i),
+                    have,
+                    want
+                )
+            });
+        }
+    }
+    d
+}
+
+/// Expected request-local ids per row from `page` through the inverse slot map.
+pub fn ids_from_page(p: &Problem, page: &Array2<i32>) -> Vec<Ids> {
+    (0..p.batch.num_rows())
+        .map(|i| {
+            let r = p.batch.rows()[i];
+            let inv: HashMap<i32, usize> = (0..r.n).map(|j| (p.slot(r.ks + j), j)).collect();
+            let row = page.row(i);
+            let slots = row.as_slice().unwrap_or(&[]);
+            if let Some(c) = slots.iter().position(|&x| x < -1) {
+                return Err(format!(
+                    "column {c} = {}, expected a slot >= 0 or -1",
+                    slots[c]
+                ));
+            }
+            let mut js = Vec::new();
+            for &s in slots.iter().filter(|&&x| x >= 0) {
+                match inv.get(&s) {
+                    Some(&j) => js.push(j),
+                    None => return Err(format!("slot {s} is not a visible key's slot")),
+                }
+            }
+            js.sort_unstable();
+            if let Some(w) = js.windows(2).find(|w| w[0] == w[1]) {
+                return Err(format!("key {} appears twice", w[0]));
+            }
+            Ok(js)
+        })
+        .collect()
+}
