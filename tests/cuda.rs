@@ -2160,13 +2160,20 @@ fn tolerance_class_outputs_are_the_same_at_every_budget_and_blocks_meet_the_rule
     }
 }
 
+/// Whether a logit is of the kind a case names (`+inf`, `-inf`, NaN, either infinity).
+type Kind = fn(f32) -> bool;
+/// A case's name, its inputs and the kind every logit must be.
+type OverflowCase = (String, MixCase, Kind);
+/// A weight pattern `w(row, head)`, the key scale to set (E4M3 keys), and the kind.
+type WeightCase = (&'static str, fn(usize, usize) -> f32, Option<f32>, Kind);
+
 /// The tolerance class where every term overflows f32 on its own, so that the head sum
 /// is the same non-finite value in any summation order: a positive `a_h` (every code
 /// positive) times weights of `f32::MAX` gives `+inf` terms, of `-f32::MAX` `-inf`
 /// terms, of both signs `inf - inf = NaN`; key scales of `f32::MAX` overflow the last
 /// step. E4M3 on either side, H = 64 (w16's wgmma where both sides are E4M3) and H = 8
 /// (mma.sync). Each case with the kind of value its every logit must be.
-fn overflow_cases() -> Vec<(String, MixCase, fn(f32) -> bool)> {
+fn overflow_cases() -> Vec<OverflowCase> {
     let mut out = Vec::new();
     for (h, d, q4, k4) in [
         (64, 128, false, false),
@@ -2184,7 +2191,7 @@ fn overflow_cases() -> Vec<(String, MixCase, fn(f32) -> bool)> {
         let neg_inf: fn(f32) -> bool = |x| x == f32::NEG_INFINITY;
         let nan: fn(f32) -> bool = |x| x.is_nan();
         let inf: fn(f32) -> bool = |x| x.is_infinite();
-        let mut cases: Vec<(&str, fn(usize, usize) -> f32, Option<f32>, fn(f32) -> bool)> = vec![
+        let mut cases: Vec<WeightCase> = vec![
             ("weights +MAX: +inf", |_, _| f32::MAX, None, pos_inf),
             ("weights -MAX: -inf", |_, _| -f32::MAX, None, neg_inf),
             (

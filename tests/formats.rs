@@ -18,6 +18,8 @@ fn e4m3_by_fields(b: u8) -> f64 {
 }
 
 #[test]
+// E4M3 bytes are written grouped by field: sign, exponent, mantissa.
+#[allow(clippy::unusual_byte_groupings)]
 fn e4m3_all_256_bytes() {
     // Spot values by field.
     assert_eq!(e4m3::decode(0b0_0111_000), 1.0);

@@ -228,20 +228,17 @@ fn full_size_source_and_consumer() {
     let co = reference::run(
         &Problem::new(&batch, d.inputs(), params, Role::Consumer(&published)).unwrap(),
     );
-    for i in 0..batch.num_rows() {
-        let n = batch.rows()[i].n;
+    for (i, (row, s)) in batch.rows().iter().zip(&scores).enumerate() {
+        let n = row.n;
         let all: Vec<usize> = (0..n).collect();
-        assert_eq!(
-            out.raw.row(i).to_vec(),
-            topk::select_by_sort(&scores[i], &all, 2048)
-        );
+        assert_eq!(out.raw.row(i).to_vec(), topk::select_by_sort(s, &all, 2048));
         let blocks = published.blocks.row(i).to_vec();
         assert!(blocks.iter().all(|&c| c >= 0), "all 2048 blocks kept");
         let cands: Vec<usize> = candidates::consumer_candidates(&blocks, n, 8).collect();
         assert!(cands.len() < n, "blocks restrict");
         assert_eq!(
             co.raw.row(i).to_vec(),
-            topk::select_by_sort(&scores[i], &cands, 2048)
+            topk::select_by_sort(s, &cands, 2048)
         );
     }
 }

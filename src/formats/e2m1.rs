@@ -25,7 +25,7 @@ pub fn decode(c: u8) -> f32 {
 #[inline]
 pub fn unpack(packed: &[u8], i: usize) -> u8 {
     let b = packed[i / 2];
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         b & 0xF
     } else {
         b >> 4

@@ -46,7 +46,7 @@ fn check_finite(x: &[f32], field: &str, base: usize) -> Result<f32> {
 /// Returns packed codes (`len / 2` bytes) and scale bytes (`len / 32`).
 /// `x.len()` must be a positive multiple of 32.
 pub fn quantize_fp4_blocks(x: &[f32], floor: Fp4Floor) -> Result<(Vec<u8>, Vec<u8>)> {
-    if x.is_empty() || x.len() % 32 != 0 {
+    if x.is_empty() || !x.len().is_multiple_of(32) {
         return Err(Error::range("x.len", x.len(), "a positive multiple of 32"));
     }
     let mut codes = Vec::with_capacity(x.len());

@@ -25,7 +25,7 @@ pub fn decode(e: u8) -> f32 {
 /// The exponent byte of the smallest power of two `>= x`, clamped to `[1, 254]`
 /// (what the quantizers emit). `x` must be finite and positive; otherwise byte 1 or 254.
 pub fn encode_ceil(x: f32) -> u8 {
-    if !(x > 0.0) {
+    if x.is_nan() || x <= 0.0 {
         return 1;
     }
     if !x.is_finite() {

@@ -135,6 +135,10 @@ pub fn logits(p: &Problem) -> Vec<f32> {
     rows.concat()
 }
 
+/// One row's outputs: its `raw` row, its `page` row, and its published blocks when
+/// it publishes.
+type RowOut = (Vec<i32>, Vec<i32>, Option<Vec<i32>>);
+
 /// The whole layer-forward, untiled: every row's full logits, then its epilogue.
 pub fn run(p: &Problem) -> Output {
     let mut out = Output::alloc(p);
@@ -149,7 +153,7 @@ pub fn run(p: &Problem) -> Output {
             })
             .collect()
     };
-    let per_row: Vec<(Vec<i32>, Vec<i32>, Option<Vec<i32>>)> = (0..p.batch.num_rows())
+    let per_row: Vec<RowOut> = (0..p.batch.num_rows())
         .into_par_iter()
         .map_init(
             || RowScratch::new(p),
