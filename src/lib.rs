@@ -8,7 +8,7 @@
 //! ```
 //!
 //! with fp8 (E4M3) or fp4 (E2M1 + UE8M0 group scales) operands, summed in the exact
-//! order of `SPEC.md` section 4. Each row keeps its top-`K` keys (section 5), and a
+//! order of `docs/SPEC.md` section 4. Each row keeps its top-`K` keys (section 5), and a
 //! source layer publishes coarse candidate blocks for later consumer layers (section 6).
 //!
 //! The [`reference`](mod@reference) is the oracle: the formulas as they read. The

@@ -661,7 +661,7 @@ fn special_values_case(b: &mut CudaBackend, h: usize, d: usize) {
 
 /// The exact class folds the scales into the MMA operands when a block's query scales
 /// and a key tile's scales each span at most 15 binades per group, every query scale is
-/// <= 244 and each per-tile constant `2^(ebq + ebk - 256)` is an f32 (kernels/logits.cu).
+/// <= 244 and each per-tile constant `2^(ebq + ebk - 256)` is an f32 (kernels/mqa_logits_wgr.cu).
 /// Both sides of every one of those edges, within one launch where they can differ by
 /// block or by key tile, are bitwise the reference, and the kernels' fold counters say
 /// that each case took the side it names.
@@ -1068,7 +1068,7 @@ fn accumulation_case(b: &mut CudaBackend, heads: usize, dim: usize, small: (u8, 
 fn tolerance_fixed_case_448_squared_plus_31_times_14() {
     let Some(mut b) = gpu() else { return };
     // H = 8, D = 32 (mma.sync): 448*448 + 31 x 14 = 201138 exactly, the probe of
-    // ../shared/GPU.md that fp8 wgmma got wrong by 194.
+    // a probe on the H200 that fp8 wgmma got wrong by 194.
     assert_eq!(e4m3::decode(0x56), 14.0); // 1.75 * 2^3: 0b0_1010_110
     accumulation_case(&mut b, 8, 32, (0x56, 0x38));
     // The same on every head count and dim, mma.sync and wgmma (H = 64, E4M3 x E4M3, on
@@ -1120,7 +1120,7 @@ fn e4m3_dot_case(b: &mut CudaBackend, tag: &str, heads: usize, q: &[u8], k: &[u8
 }
 
 /// Inputs built against an accumulator that adds products with about 13 bits kept, as
-/// fp8 `wgmma` does (../shared/GPU.md): one product `448^2` (unit `2^4` at 13 bits) and
+/// fp8 `wgmma` does (docs/numerics.md, section 4): one product `448^2` (unit `2^4` at 13 bits) and
 /// the other products `3.5 x 4.5 = 15.75`, whose pairs (31.5) lose almost half to that
 /// unit. `mqa_logits_w8` and `mqa_logits_w16` put dim `(D / 4) t + 8 s + e` (t, e the
 /// thread and byte of a quad) in k32 step `s`, so dim 0 is in the first step and dims

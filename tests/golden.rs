@@ -1,4 +1,4 @@
-//! The golden vectors (`../shared/golden/`), computed from SPEC.md by an independent
+//! The golden vectors (`tests/golden/`), computed from docs/SPEC.md by an independent
 //! implementation, reproduced bitwise by the reference.
 
 mod common;

@@ -1,6 +1,6 @@
 //! One launcher per kernel family of a run, each with its arguments as a struct whose
 //! fields are the kernel's parameters, in their order: the logits kernels
-//! (`kernels/logits.cu`), the source layer's block keys and kept blocks, and the top-k
+//! (`kernels/mqa_logits_*.cu`), the source layer's block keys and kept blocks, and the top-k
 //! kernels (`kernels/topk.cu`). Device addresses are `u64` (0 = absent), counts `u32`,
 //! as the kernels declare them.
 

@@ -65,7 +65,7 @@ path_counters! {
     /// What the exact-class logits kernels did in a run (read back by
     /// [`Backend::end`](crate::indexer::Backend::end); zero outside the exact class).
     /// Tests assert with it on which side of the scale-folding edges a launch fell
-    /// (kernels/logits.cu).
+    /// (`kernels/logits_common.cuh`).
     pub struct FoldCounts {
         /// Blocks whose queries folded their scales into the MMA operands.
         pub query_blocks_folded: u64,
