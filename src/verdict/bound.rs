@@ -67,7 +67,30 @@ fn query_magnitudes(p: &Problem, i: usize) -> Vec<f64> {
     a
 }
 
-/// The row's largest bound from SPEC 4: `2^-8 * max_j M_j`.
+/// SPEC 4's tolerance bound of row `i` against each visible key:
+/// `2^-8 * M_j + 2^-149 * (kscale_j * (G * sum_h |w_h| + H) + 2)`, the second term
+/// the f32 rounding in the subnormal range (`kscale_j = 1` for E2M1 keys).
+pub fn bounds(p: &Problem, i: usize) -> Vec<f64> {
+    let row = p.batch.rows()[i];
+    let sum_w: f64 = (0..p.heads)
+        .map(|hh| (p.inputs.weights[[i, hh]] as f64).abs())
+        .sum();
+    let (g, h) = ((p.dim / 32) as f64, p.heads as f64);
+    let ulp = f32::from_bits(1) as f64;
+    magnitudes(p, i)
+        .into_iter()
+        .enumerate()
+        .map(|(j, m)| {
+            let kscale = match p.inputs.k {
+                Keys::E4m3 { scale, .. } => scale[row.ks + j] as f64,
+                Keys::E2m1 { .. } => 1.0,
+            };
+            m / 256.0 + (kscale * (g * sum_w + h) + 2.0) * ulp
+        })
+        .collect()
+}
+
+/// The row's largest bound from SPEC 4 ([`bounds`]).
 pub fn row_bound(p: &Problem, i: usize) -> f64 {
-    magnitudes(p, i).into_iter().fold(0.0, f64::max) / 256.0
+    bounds(p, i).into_iter().fold(0.0, f64::max)
 }

@@ -1,9 +1,10 @@
-//! Logits against the reference, value by value, within SPEC 4's bound `2^-8 * M_j`.
+//! Logits against the reference, value by value, within SPEC 4's bound
+//! `2^-8 * M_j + A_j` ([`bounds`]).
 
 use ndarray::Array2;
 use rayon::prelude::*;
 
-use super::bound::magnitudes;
+use super::bound::bounds;
 use super::{Rows, Tally};
 use crate::cpu::{Engine, ROW_GROUP};
 
@@ -82,10 +83,10 @@ fn compare_row(ctx: &Rows, i: usize, ours: &[f32], theirs: &[f32]) -> Option<Row
     if diff.is_empty() {
         return None;
     }
-    let m = magnitudes(ctx.p, i);
+    let bound = bounds(ctx.p, i);
     let (mut bad, mut tol, mut notes) = (0, 0, Vec::new());
     for &j in &diff {
-        let b = m[j] / 256.0;
+        let b = bound[j];
         let ok = (theirs[j] as f64 - ours[j] as f64).abs() <= b;
         if ok {
             tol += 1;

@@ -11,7 +11,7 @@
 //! - `page`: the slots of the expected `raw` ids ([`page`]), or, without `raw`, the
 //!   selection those slots name;
 //! - `published`: SPEC 6's blocks up to ties and the bound ([`published`]);
-//! - `logits`, `engine_logits`: every value within `2^-8 * M_j` of the reference
+//! - `logits`, `engine_logits`: every value within SPEC 4's bound of the reference
 //!   ([`bound`], [`logits`]).
 //!
 //! A tensor is *identical*, *equal up to ties and tolerance*, or *different*; the
