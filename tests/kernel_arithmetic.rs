@@ -192,3 +192,62 @@ fn wgr_fma_is_the_rounded_sum_where_the_product_is_exact() {
     let cf = f32::from_bits(0x0000_0100); // 2^-141
     assert_ne!((x * cf) as f64, x as f64 * cf as f64);
 }
+
+/// The kernel text of each formula restated above, so that a change to a kernel
+/// without its Rust copy here fails this test (and then the restatement is updated, or
+/// the change is wrong).
+#[test]
+fn restated_formulas_are_the_kernels_text() {
+    const COMMON: &str = include_str!("../kernels/common.cuh");
+    const TOPK: &str = include_str!("../kernels/topk.cu");
+    const WGR: &str = include_str!("../kernels/mqa_logits_wgr.cu");
+    let pinned: [(&str, &str, &str); 8] = [
+        ("common.cuh", COMMON, "const float y = __fadd_rn(x, 0.0f);"),
+        (
+            "common.cuh",
+            COMMON,
+            "const u32 b = y != y ? 0xFF800000u : __float_as_uint(y);",
+        ),
+        (
+            "common.cuh",
+            COMMON,
+            "return b ^ ((u32)((int)b >> 31) | 0x80000000u);",
+        ),
+        (
+            "topk.cu",
+            TOPK,
+            "const float ft = __uint_as_float((t & 0x80000000u) ? (t & 0x7FFFFFFFu) : ~t);",
+        ),
+        (
+            "topk.cu",
+            TOPK,
+            "h[i] = q < n4 && x[i] >= ft && 4u * q + i < n;",
+        ),
+        (
+            "topk.cu",
+            TOPK,
+            "atomicAdd(&sm.hist[min((k.x - prefix) >> shift, (u32)TK_BINS)], 1u);",
+        ),
+        (
+            "mqa_logits_wgr.cu",
+            WGR,
+            "cf[kk][g] >= __uint_as_float(0x00000200u) &&  // 2^-140 (subnormal)",
+        ),
+        (
+            "mqa_logits_wgr.cu",
+            WGR,
+            "cf[kk][g] <= __uint_as_float(0x76000000u);           // 2^109",
+        ),
+    ];
+    for (file, text, line) in pinned {
+        assert!(
+            text.lines()
+                .any(|l| l.trim() == line || l.trim().ends_with(line)),
+            "kernels/{file} no longer has `{line}`: update the restatement in this file"
+        );
+    }
+    // The window's ends are the powers of two the restatement uses.
+    assert_eq!(f32::from_bits(0x0000_0200), 2f32.powi(-140));
+    assert_eq!(f32::from_bits(0x7600_0000), 2f32.powi(109));
+    assert!(WGR.contains("__fmaf_rn(x0[i], cf[kk][g2], __fmul_rn(x1[i], cf[kk][g2 + 1]))"));
+}
