@@ -549,7 +549,7 @@ fn engine_logits_are_compared_inside_ks_ke_only() {
     assert!(so.contains("beyond the bound"), "{so}");
 }
 
-/// Issue 4's speed requirement: on the 2-core CI-class machine, a replay of
+/// The replay speed requirement: on a 2-core CI-class machine, a replay of
 /// `gen --preset v41-replay --seed 0` (parse + run + diff) within 60 s, release build:
 /// `cargo test --release --test cli -- --ignored`.
 #[test]
