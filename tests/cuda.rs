@@ -9,7 +9,7 @@ use common::strategies::{build, shape_with};
 use common::{bits, first_diff, golden_files};
 use cudarc::driver::{CudaSlice, CudaStream};
 use dsa_indexer::batch::Batch;
-use dsa_indexer::cuda::{self, kernels, CudaBackend, Variant, TOLERANCE_LOG2};
+use dsa_indexer::cuda::{self, kernels, CudaBackend, Hooks, Variant, TOLERANCE_LOG2};
 use dsa_indexer::dump::{Dump, RoleKind};
 use dsa_indexer::formats::{e2m1, e4m3, ue8m0};
 use dsa_indexer::indexer::{plan_for, run as run_backend, Backend};
@@ -17,12 +17,41 @@ use dsa_indexer::problem::*;
 use dsa_indexer::reference::{self, rank_key, Output};
 use ndarray::{Array1, Array2, Array3};
 use proptest::prelude::*;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
-/// The backend, or `None` (after printing why) when there is no GPU.
+/// The test hooks of this process: `$DSA_CUDA_HOOKS`, comma-separated [`Hooks`] field
+/// names (unset or empty: production), so that `benches/gpu.sh` re-runs test filters on
+/// the other side of each forced fallback. An unknown name panics with the valid ones.
+fn hooks() -> Hooks {
+    static HOOKS: OnceLock<Hooks> = OnceLock::new();
+    *HOOKS.get_or_init(|| {
+        let list = std::env::var("DSA_CUDA_HOOKS").unwrap_or_default();
+        Hooks::parse(&list).unwrap_or_else(|e| {
+            panic!(
+                "DSA_CUDA_HOOKS={list:?}: {e}; valid names: {}",
+                Hooks::NAMES.join(", ")
+            )
+        })
+    })
+}
+
+/// The backend under this process's hooks ([`hooks`]), or `None` (after printing why)
+/// when there is no GPU.
 fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new() {
-        Ok(b) => Some(b),
+    gpu_with(hooks())
+}
+
+/// The backend under `hooks`, on one device handle per hooks and process (its modules
+/// loaded once), or `None` (after printing why) when there is no GPU.
+fn gpu_with(hooks: Hooks) -> Option<CudaBackend> {
+    static DEVICES: Mutex<Vec<(Hooks, Arc<cuda::Device>)>> = Mutex::new(Vec::new());
+    let mut devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = match devices.iter().find(|(h, _)| *h == hooks) {
+        Some((_, d)) => Ok(d.clone()),
+        None => cuda::Device::with_hooks(hooks).inspect(|d| devices.push((hooks, d.clone()))),
+    };
+    match dev {
+        Ok(d) => Some(CudaBackend::on(d)),
         Err(e) => {
             if std::env::var("DSA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
                 panic!("DSA_REQUIRE_GPU=1 but the CUDA backend is unavailable: {e}");
@@ -188,7 +217,7 @@ fn magnitude(p: &Problem, i: usize, j: usize) -> f64 {
 /// The backend's stated bound for logit `[i, j]`: its one definition,
 /// [`cuda::logit_bound`], with `M` computed here.
 fn bound(p: &Problem, i: usize, j: usize) -> f64 {
-    cuda::logit_bound(p, i, j, magnitude(p, i, j))
+    cuda::logit_bound(p, i, j, magnitude(p, i, j), hooks())
 }
 
 /// fuzz/FINDINGS.md F3's figures, host only: logit `[13, 0]` of the committed input
@@ -237,7 +266,7 @@ fn check_logits_bound(tag: &str, p: &Problem, got: &[f32], want: &[f32]) -> f64 
                 "{tag}: row {i}, key {j}: cuda {x:e}, reference {r:e}, |diff| {err:e} > bound {b:e}"
             );
             if b > 0.0 {
-                worst = worst.max(err / b * 2f64.powi(cuda::tolerance_log2(p)));
+                worst = worst.max(err / b * 2f64.powi(cuda::tolerance_log2(p, hooks())));
             }
         }
     }
@@ -466,12 +495,15 @@ impl Case {
 fn boundary_sizes_from_the_kernel_constants() {
     let Some(mut b) = gpu() else { return };
     let (r, kc, chunk) = (
-        kernels::logits_kernel(Variant::Logits {
-            heads: 32,
-            groups: 2,
-            q: Format::E2m1,
-            k: Format::E2m1,
-        })
+        kernels::logits_kernel(
+            Variant::Logits {
+                heads: 32,
+                groups: 2,
+                q: Format::E2m1,
+                k: Format::E2m1,
+            },
+            b.device().hooks(),
+        )
         .1,
         kernels::LOGITS_KEYS,
         kernels::TOPK_CHUNK,
@@ -783,12 +815,15 @@ fn exact_class_scale_folding_edges_are_bitwise() {
         ),
     ];
     for (h, d) in [(32, 128), (64, 128), (8, 32), (16, 64)] {
-        let (kernel, _, _) = kernels::logits_kernel(Variant::Logits {
-            heads: h,
-            groups: d / 32,
-            q: Format::E2m1,
-            k: Format::E2m1,
-        });
+        let (kernel, _, _) = kernels::logits_kernel(
+            Variant::Logits {
+                heads: h,
+                groups: d / 32,
+                q: Format::E2m1,
+                k: Format::E2m1,
+            },
+            b.device().hooks(),
+        );
         for (name, side, qe, ke) in patterns {
             let mut c = Case::random(batch.clone(), h, d, (h * d) as u64);
             c.qs = Array3::from_shape_fn(c.qs.dim(), |(i, hh, g)| qe(i, hh, g));
@@ -799,7 +834,10 @@ fn exact_class_scale_folding_edges_are_bitwise() {
             let f = b.fold_counts();
             let plain = f.query_blocks_plain > 0;
             let two = f.threads_two_multiplies > 0;
+            // Without scale folding every block's queries and every tile are plain.
+            let no_fold = b.device().hooks().no_scale_fold;
             let (want_plain, want_two) = match side {
+                _ if no_fold => (true, true),
                 Side::Folded => (false, false),
                 Side::QueriesPlain => (true, true),
                 Side::KeyWindow => (false, kernel != "mqa_logits_wgr"),
@@ -903,11 +941,14 @@ fn topk_sampled_threshold_matches_a_full_sort() {
             let paths = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
             // Only the random scores promise the sample a spread; the threshold of a
             // sample of few distinct values admits too many keys (the two-pass path).
-            if name.starts_with("random") || name.starts_with("negative") {
-                let eligible = lens
-                    .iter()
-                    .filter(|&&n| n > 8 * k && n > kernels::topk_short_cap())
-                    .count();
+            let short_cap = kernels::topk_short_cap(b.device().hooks());
+            if b.device().hooks().no_sampled_threshold {
+                assert_eq!(
+                    paths.sampled, 0,
+                    "{name}, K={k}: sampled path off, {paths:?}"
+                );
+            } else if name.starts_with("random") || name.starts_with("negative") {
+                let eligible = lens.iter().filter(|&&n| n > 8 * k && n > short_cap).count();
                 assert!(
                     paths.sampled * 10 >= eligible as u64 * 9,
                     "{name}, K={k}: {paths:?} for {eligible} rows eligible for sampling"
@@ -950,7 +991,7 @@ fn check_select_by_sort(
     );
     let short = lens
         .iter()
-        .filter(|&&n| n > k && n <= kernels::topk_short_cap())
+        .filter(|&&n| n > k && n <= kernels::topk_short_cap(b.device().hooks()))
         .count() as u64;
     assert_eq!(paths.short, short, "{name}, K={k}: short rows, {paths:?}");
     paths
@@ -1035,7 +1076,7 @@ fn topk_short_rows_in_shared_memory_match_a_full_sort() {
     let pc = c.problem(params, Role::Consumer(&published));
     check_exact(&mut b, "short rows, consumer", &pc);
     let _ = run_backend(&mut b, &pc, usize::MAX).unwrap();
-    let want = if kernels::topk_short_cap() > 0 {
+    let want = if kernels::topk_short_cap(b.device().hooks()) > 0 {
         lens.len() as u64
     } else {
         0
@@ -1114,7 +1155,7 @@ fn e4m3_dot_case(b: &mut CudaBackend, tag: &str, heads: usize, q: &[u8], k: &[u8
         got[0],
         want[0],
         rel.log2(),
-        cuda::tolerance_log2(&p)
+        cuda::tolerance_log2(&p, hooks())
     );
     (got[0], want[0])
 }
@@ -1307,7 +1348,7 @@ fn engine_api_takes_device_inputs_on_the_callers_stream() {
     let k = stream.clone_htod(c.k.as_slice().unwrap()).unwrap();
     let ks = stream.clone_htod(c.ks.as_slice().unwrap()).unwrap();
     let w = stream.clone_htod(c.w.as_slice().unwrap()).unwrap();
-    let engine = cuda::Engine::on_stream(stream.clone()).unwrap();
+    let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
     let inputs = cuda::DeviceInputs {
         heads: 16,
         dim: 64,
@@ -1385,7 +1426,7 @@ type Dev = (Arc<CudaStream>, cuda::Engine);
 fn engine() -> Option<Dev> {
     let b = gpu()?;
     let stream = b.device().context().new_stream().unwrap();
-    let engine = cuda::Engine::on_stream(stream.clone()).unwrap();
+    let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
     Some((stream, engine))
 }
 
