@@ -1089,6 +1089,98 @@ fn topk_short_rows_in_shared_memory_match_a_full_sort() {
     );
 }
 
+/// Both sides of every test hook in one process, each against the reference: an
+/// exact-class problem on the `wgmma` kernel (H = 32, D = 128, scales that fold) and a
+/// top-k over short and long rows with random scores, on production
+/// (`Hooks::default()`) and under each single hook; the path counters show that each
+/// hook took its fallback and production did not.
+#[test]
+fn each_hook_takes_its_fallback_and_both_sides_match_the_reference() {
+    use rand::{Rng, SeedableRng};
+    if gpu_with(Hooks::default()).is_none() {
+        return;
+    }
+    let v = Variant::Logits {
+        heads: 32,
+        groups: 4,
+        q: Format::E2m1,
+        k: Format::E2m1,
+    };
+    let production = Hooks::default();
+    assert_eq!(kernels::logits_kernel(v, production).0, "mqa_logits_wgr");
+    // Two requests, 40 + 10 rows; query and key scales within 15 binades: they fold.
+    let batch = Batch::contiguous(&[300, 70], &[260, 60], 1).unwrap();
+    let exact = Case::random(batch, 32, 128, 21);
+    let p = exact.problem(Params::new(16), Role::Plain);
+    // More rows than the split threshold (each row one block's): short rows (K < n <=
+    // TOPK_SHORT_CAP) and long rows the sampled threshold takes (n > 8 K, n >= 16384).
+    let k = 1024;
+    let lens: Vec<usize> = (0..140)
+        .map(|i| {
+            if i % 2 == 0 {
+                2000 + 37 * i
+            } else {
+                33_000 + 211 * i
+            }
+        })
+        .collect();
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let seq = *lens.iter().max().unwrap();
+    let batch = Batch::explicit(&[seq], &vec![0; lens.len()], &positions, 1).unwrap();
+    let topk = Case::random(batch, 8, 32, 22);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+    let scores: Vec<f32> = (0..lens.iter().sum::<usize>())
+        .map(|_| rng.gen_range(-4.0f32..4.0))
+        .collect();
+    let short_rows = lens
+        .iter()
+        .filter(|&&n| n > k && n <= kernels::TOPK_SHORT_CAP)
+        .count();
+    let long_rows = lens.len() - short_rows;
+    assert!(short_rows > 0 && long_rows > 0);
+    for (name, h) in std::iter::once(("production", production)).chain(Hooks::each()) {
+        let mut b = gpu_with(h).unwrap();
+        assert_eq!(b.device().hooks(), h);
+        let tag = format!("hooks {name}");
+        check_exact(&mut b, &tag, &p);
+        // The last run of check_exact (budget usize::MAX): one tile.
+        let f = b.fold_counts();
+        let want_kernel = if h.mma_sync_only {
+            "mqa_logits"
+        } else {
+            "mqa_logits_wgr"
+        };
+        assert_eq!(kernels::logits_kernel(v, h).0, want_kernel, "{tag}");
+        if h.no_scale_fold {
+            assert_eq!(f.query_blocks_folded, 0, "{tag}: {f:?}");
+            assert!(f.query_blocks_plain > 0, "{tag}: {f:?}");
+            assert!(f.threads_two_multiplies > 0, "{tag}: {f:?}");
+        } else {
+            assert!(f.query_blocks_folded > 0, "{tag}: {f:?}");
+            assert_eq!(f.query_blocks_plain, 0, "{tag}: {f:?}");
+            assert_eq!(f.threads_two_multiplies, 0, "{tag}: {f:?}");
+        }
+        // check_select_by_sort checks each row against a full sort and that the short
+        // rows took the shared-memory row exactly when the hooks allow it.
+        let paths = check_select_by_sort(&mut b, &topk, &lens, &scores, k, &tag);
+        let want_short = if h.no_short_rows {
+            0
+        } else {
+            short_rows as u64
+        };
+        assert_eq!(paths.short, want_short, "{tag}: {paths:?}");
+        if h.no_sampled_threshold {
+            assert_eq!(paths.sampled, 0, "{tag}: {paths:?}");
+        } else {
+            // Random scores: the sample's threshold serves nearly every long row.
+            assert!(
+                paths.sampled * 10 >= long_rows as u64 * 9,
+                "{tag}: {paths:?} for {long_rows} long rows"
+            );
+        }
+    }
+}
+
 /// One row and one key with E4M3 values: every head has `big * big` at dim 0 plus
 /// `dim - 1` products `small_q * small_k`, all exact, so `a_h` is known in closed form.
 /// A tensor-core accumulator that aligns products to the largest and drops low bits

@@ -416,7 +416,7 @@ mod tests {
             short_launch_smem(room + 1, 9008),
             MAX_TOPK_DYNAMIC_SMEM + 16
         );
-        // TK_SHORT=0 (short = 0): never.
+        // Hooks::no_short_rows (short = 0): never.
         assert_eq!(short_row_cap([k + 1].into_iter(), k, 0, 0), 0);
     }
 
