@@ -11,7 +11,9 @@ if [ ! -e "$NVRTC_DIR/nvidia/cu13/lib/libnvrtc.so.13" ]; then
 fi
 export LD_LIBRARY_PATH="$NVRTC_DIR/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 DSA_REQUIRE_NVRTC=1 cargo test --features cuda --test nvrtc_compile
-# The backend's host-only unit tests (kernel choice, footprint, validation constants).
+# The backend's host-only unit tests (kernel choice, footprint, validation constants),
+# with and without the `tuning` feature (which reads $DSA_CUDA_DEFINES).
 cargo test --features cuda --lib cuda::
+cargo test --features cuda,tuning --lib cuda::
 # The GPU tests compile and skip here (no libcuda): they print "no CUDA device, skipping".
 cargo test --features cuda --test cuda

@@ -3,20 +3,29 @@
 # A/B variants, and the compute-sanitizer checks, each writing its log under $OUT
 # (default ./gpu-out).
 #
-#   ../shared/gpu/stage                                                     # here
+#   ../shared/gpu/stage --features tuning                                   # here
 #   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu] [ncutk] [sanitize] [old]
 #        [replay] [peers]
 #        # there, carry .gpu
+#
+# The staged binaries must be built with --features cuda,tuning (stage's extra
+# arguments go to every cargo call, which already passes --features cuda) for the
+# parts that set $DSA_CUDA_DEFINES (the W8=1 re-runs, the A/B runs) or give the
+# benchmark hooks: without `tuning` the library never reads either variable.
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
 # `run --device cuda`, about 4 minutes; each on request). The golden files are read from
 # tests/golden unless $DSA_GOLDEN_DIR says otherwise.
 #
-# Variants are compiled per process with $DSA_CUDA_DEFINES prepended as #defines:
-# - forced fallbacks: WGMMA=0 (mma.sync everywhere), SCALE_FOLD=0 (the exact class's
-#   two-multiply epilogue), TK_SHORT=0 (no shared-memory row), TK_SAMPLED=0 (no sampled
-#   threshold);
+# Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
+# (comma-separated): mma_sync_only (mma.sync where wgmma is the default), no_scale_fold
+# (the exact class's two-multiply epilogue), no_short_rows (no shared-memory row),
+# no_sampled_threshold (no sampled threshold). The GPU tests read it in any build (and
+# one test runs every hook in-process); the benchmark only with `tuning`.
+#
+# With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
+# #defines:
 # - the fp8 wgmma kernel for E4M3 x E4M3 at H = 64: W8=1, W8_SPLIT=0;
 # - tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, W16_MIN_BLOCKS,
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS; host side:
@@ -41,15 +50,21 @@ if has tests; then
   # where wgmma is the default, the exact class without scale folding, short rows
   # through the two-pass and general paths (the shared-memory row off), long rows
   # without the sampled threshold.
+  hook_tests() {
+    local hooks="$1"; shift
+    DSA_CUDA_HOOKS="$hooks" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
+    grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/hooks $hooks: /" | tee -a "$OUT/summary.txt"
+  }
+  hook_tests mma_sync_only exact_class boundary special golden
+  hook_tests no_scale_fold exact_class boundary special golden same_bits
+  hook_tests no_short_rows boundary topk_ special golden same_bits
+  hook_tests no_sampled_threshold boundary topk_ golden same_bits
+  # Tuning defines (the `tuning` feature).
   knob_tests() {
     local defs="$1"; shift
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   }
-  knob_tests "WGMMA=0" exact_class boundary special golden
-  knob_tests "SCALE_FOLD=0" exact_class boundary special golden same_bits
-  knob_tests "TK_SHORT=0" boundary topk_ special golden same_bits
-  knob_tests "TK_SAMPLED=0" boundary topk_ golden same_bits
   # E4M3 x E4M3 at H = 64 on fp8 wgmma (mqa_logits_w8), held to SPEC 4's 2^-8 M: its
   # subnormal accumulator case fails (a finding, logged, not a gate), the others pass.
   knob_tests "W8=1" fp8_wgmma e4m3_h64 tolerance
@@ -77,13 +92,15 @@ if has bench; then
 fi
 
 if has ab; then
-  # workload:defines, each against the same call's default run above ($AB: a shorter list).
-  AB="${AB:-v41-chunk:WGMMA=0;v41-chunk:SCALE_FOLD=0;v41-chunk:TK_SAMPLED=0;v32-16k:WGMMA=0;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:TK_SHORT=0;v32-64k:TK_SHORT=0}"
+  # workload:defines or workload:hooks=NAME[,NAME], each against the same call's default
+  # run above ($AB: a shorter list). Needs the `tuning` build.
+  AB="${AB:-v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
-    wl="${ab%%:*}" defs="${ab#*:}"
-    log "A/B $wl: $defs"
-    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
+    wl="${ab%%:*}" defs="${ab#*:}" hooks=""
+    if [[ $defs == hooks=* ]]; then hooks="${defs#hooks=}" defs=""; fi
+    log "A/B $wl: ${hooks:+hooks $hooks}$defs"
+    DSA_CUDA_HOOKS="$hooks" DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
   done
 fi
 

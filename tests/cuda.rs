@@ -9,7 +9,7 @@ use common::strategies::{build, shape_with};
 use common::{bits, first_diff, golden_files};
 use cudarc::driver::{CudaSlice, CudaStream};
 use dsa_indexer::batch::Batch;
-use dsa_indexer::cuda::{self, kernels, CudaBackend, Variant, TOLERANCE_LOG2};
+use dsa_indexer::cuda::{self, kernels, CudaBackend, Hooks, Variant, TOLERANCE_LOG2};
 use dsa_indexer::dump::{Dump, RoleKind};
 use dsa_indexer::formats::{e2m1, e4m3, ue8m0};
 use dsa_indexer::indexer::{plan_for, run as run_backend, Backend};
@@ -17,12 +17,41 @@ use dsa_indexer::problem::*;
 use dsa_indexer::reference::{self, rank_key, Output};
 use ndarray::{Array1, Array2, Array3};
 use proptest::prelude::*;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
-/// The backend, or `None` (after printing why) when there is no GPU.
+/// The test hooks of this process: `$DSA_CUDA_HOOKS`, comma-separated [`Hooks`] field
+/// names (unset or empty: production), so that `benches/gpu.sh` re-runs test filters on
+/// the other side of each forced fallback. An unknown name panics with the valid ones.
+fn hooks() -> Hooks {
+    static HOOKS: OnceLock<Hooks> = OnceLock::new();
+    *HOOKS.get_or_init(|| {
+        let list = std::env::var("DSA_CUDA_HOOKS").unwrap_or_default();
+        Hooks::parse(&list).unwrap_or_else(|e| {
+            panic!(
+                "DSA_CUDA_HOOKS={list:?}: {e}; valid names: {}",
+                Hooks::NAMES.join(", ")
+            )
+        })
+    })
+}
+
+/// The backend under this process's hooks ([`hooks`]), or `None` (after printing why)
+/// when there is no GPU.
 fn gpu() -> Option<CudaBackend> {
-    match CudaBackend::new() {
-        Ok(b) => Some(b),
+    gpu_with(hooks())
+}
+
+/// The backend under `hooks`, on one device handle per hooks and process (its modules
+/// loaded once), or `None` (after printing why) when there is no GPU.
+fn gpu_with(hooks: Hooks) -> Option<CudaBackend> {
+    static DEVICES: Mutex<Vec<(Hooks, Arc<cuda::Device>)>> = Mutex::new(Vec::new());
+    let mut devices = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = match devices.iter().find(|(h, _)| *h == hooks) {
+        Some((_, d)) => Ok(d.clone()),
+        None => cuda::Device::with_hooks(hooks).inspect(|d| devices.push((hooks, d.clone()))),
+    };
+    match dev {
+        Ok(d) => Some(CudaBackend::on(d)),
         Err(e) => {
             if std::env::var("DSA_REQUIRE_GPU").is_ok_and(|v| v == "1") {
                 panic!("DSA_REQUIRE_GPU=1 but the CUDA backend is unavailable: {e}");
@@ -188,7 +217,7 @@ fn magnitude(p: &Problem, i: usize, j: usize) -> f64 {
 /// The backend's stated bound for logit `[i, j]`: its one definition,
 /// [`cuda::logit_bound`], with `M` computed here.
 fn bound(p: &Problem, i: usize, j: usize) -> f64 {
-    cuda::logit_bound(p, i, j, magnitude(p, i, j))
+    cuda::logit_bound(p, i, j, magnitude(p, i, j), hooks())
 }
 
 /// fuzz/FINDINGS.md F3's figures, host only: logit `[13, 0]` of the committed input
@@ -237,7 +266,7 @@ fn check_logits_bound(tag: &str, p: &Problem, got: &[f32], want: &[f32]) -> f64 
                 "{tag}: row {i}, key {j}: cuda {x:e}, reference {r:e}, |diff| {err:e} > bound {b:e}"
             );
             if b > 0.0 {
-                worst = worst.max(err / b * 2f64.powi(cuda::tolerance_log2(p)));
+                worst = worst.max(err / b * 2f64.powi(cuda::tolerance_log2(p, hooks())));
             }
         }
     }
@@ -466,12 +495,15 @@ impl Case {
 fn boundary_sizes_from_the_kernel_constants() {
     let Some(mut b) = gpu() else { return };
     let (r, kc, chunk) = (
-        kernels::logits_kernel(Variant::Logits {
-            heads: 32,
-            groups: 2,
-            q: Format::E2m1,
-            k: Format::E2m1,
-        })
+        kernels::logits_kernel(
+            Variant::Logits {
+                heads: 32,
+                groups: 2,
+                q: Format::E2m1,
+                k: Format::E2m1,
+            },
+            b.device().hooks(),
+        )
         .1,
         kernels::LOGITS_KEYS,
         kernels::TOPK_CHUNK,
@@ -783,12 +815,15 @@ fn exact_class_scale_folding_edges_are_bitwise() {
         ),
     ];
     for (h, d) in [(32, 128), (64, 128), (8, 32), (16, 64)] {
-        let (kernel, _, _) = kernels::logits_kernel(Variant::Logits {
-            heads: h,
-            groups: d / 32,
-            q: Format::E2m1,
-            k: Format::E2m1,
-        });
+        let (kernel, _, _) = kernels::logits_kernel(
+            Variant::Logits {
+                heads: h,
+                groups: d / 32,
+                q: Format::E2m1,
+                k: Format::E2m1,
+            },
+            b.device().hooks(),
+        );
         for (name, side, qe, ke) in patterns {
             let mut c = Case::random(batch.clone(), h, d, (h * d) as u64);
             c.qs = Array3::from_shape_fn(c.qs.dim(), |(i, hh, g)| qe(i, hh, g));
@@ -799,7 +834,10 @@ fn exact_class_scale_folding_edges_are_bitwise() {
             let f = b.fold_counts();
             let plain = f.query_blocks_plain > 0;
             let two = f.threads_two_multiplies > 0;
+            // Without scale folding every block's queries and every tile are plain.
+            let no_fold = b.device().hooks().no_scale_fold;
             let (want_plain, want_two) = match side {
+                _ if no_fold => (true, true),
                 Side::Folded => (false, false),
                 Side::QueriesPlain => (true, true),
                 Side::KeyWindow => (false, kernel != "mqa_logits_wgr"),
@@ -903,11 +941,14 @@ fn topk_sampled_threshold_matches_a_full_sort() {
             let paths = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
             // Only the random scores promise the sample a spread; the threshold of a
             // sample of few distinct values admits too many keys (the two-pass path).
-            if name.starts_with("random") || name.starts_with("negative") {
-                let eligible = lens
-                    .iter()
-                    .filter(|&&n| n > 8 * k && n > kernels::topk_short_cap())
-                    .count();
+            let short_cap = kernels::topk_short_cap(b.device().hooks());
+            if b.device().hooks().no_sampled_threshold {
+                assert_eq!(
+                    paths.sampled, 0,
+                    "{name}, K={k}: sampled path off, {paths:?}"
+                );
+            } else if name.starts_with("random") || name.starts_with("negative") {
+                let eligible = lens.iter().filter(|&&n| n > 8 * k && n > short_cap).count();
                 assert!(
                     paths.sampled * 10 >= eligible as u64 * 9,
                     "{name}, K={k}: {paths:?} for {eligible} rows eligible for sampling"
@@ -950,7 +991,7 @@ fn check_select_by_sort(
     );
     let short = lens
         .iter()
-        .filter(|&&n| n > k && n <= kernels::topk_short_cap())
+        .filter(|&&n| n > k && n <= kernels::topk_short_cap(b.device().hooks()))
         .count() as u64;
     assert_eq!(paths.short, short, "{name}, K={k}: short rows, {paths:?}");
     paths
@@ -1035,7 +1076,7 @@ fn topk_short_rows_in_shared_memory_match_a_full_sort() {
     let pc = c.problem(params, Role::Consumer(&published));
     check_exact(&mut b, "short rows, consumer", &pc);
     let _ = run_backend(&mut b, &pc, usize::MAX).unwrap();
-    let want = if kernels::topk_short_cap() > 0 {
+    let want = if kernels::topk_short_cap(b.device().hooks()) > 0 {
         lens.len() as u64
     } else {
         0
@@ -1046,6 +1087,98 @@ fn topk_short_rows_in_shared_memory_match_a_full_sort() {
         "consumer rows: {:?}",
         b.topk_paths()
     );
+}
+
+/// Both sides of every test hook in one process, each against the reference: an
+/// exact-class problem on the `wgmma` kernel (H = 32, D = 128, scales that fold) and a
+/// top-k over short and long rows with random scores, on production
+/// (`Hooks::default()`) and under each single hook; the path counters show that each
+/// hook took its fallback and production did not.
+#[test]
+fn each_hook_takes_its_fallback_and_both_sides_match_the_reference() {
+    use rand::{Rng, SeedableRng};
+    if gpu_with(Hooks::default()).is_none() {
+        return;
+    }
+    let v = Variant::Logits {
+        heads: 32,
+        groups: 4,
+        q: Format::E2m1,
+        k: Format::E2m1,
+    };
+    let production = Hooks::default();
+    assert_eq!(kernels::logits_kernel(v, production).0, "mqa_logits_wgr");
+    // Two requests, 40 + 10 rows; query and key scales within 15 binades: they fold.
+    let batch = Batch::contiguous(&[300, 70], &[260, 60], 1).unwrap();
+    let exact = Case::random(batch, 32, 128, 21);
+    let p = exact.problem(Params::new(16), Role::Plain);
+    // More rows than the split threshold (each row one block's): short rows (K < n <=
+    // TOPK_SHORT_CAP) and long rows the sampled threshold takes (n > 8 K, n >= 16384).
+    let k = 1024;
+    let lens: Vec<usize> = (0..140)
+        .map(|i| {
+            if i % 2 == 0 {
+                2000 + 37 * i
+            } else {
+                33_000 + 211 * i
+            }
+        })
+        .collect();
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let seq = *lens.iter().max().unwrap();
+    let batch = Batch::explicit(&[seq], &vec![0; lens.len()], &positions, 1).unwrap();
+    let topk = Case::random(batch, 8, 32, 22);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+    let scores: Vec<f32> = (0..lens.iter().sum::<usize>())
+        .map(|_| rng.gen_range(-4.0f32..4.0))
+        .collect();
+    let short_rows = lens
+        .iter()
+        .filter(|&&n| n > k && n <= kernels::TOPK_SHORT_CAP)
+        .count();
+    let long_rows = lens.len() - short_rows;
+    assert!(short_rows > 0 && long_rows > 0);
+    for (name, h) in std::iter::once(("production", production)).chain(Hooks::each()) {
+        let mut b = gpu_with(h).unwrap();
+        assert_eq!(b.device().hooks(), h);
+        let tag = format!("hooks {name}");
+        check_exact(&mut b, &tag, &p);
+        // The last run of check_exact (budget usize::MAX): one tile.
+        let f = b.fold_counts();
+        let want_kernel = if h.mma_sync_only {
+            "mqa_logits"
+        } else {
+            "mqa_logits_wgr"
+        };
+        assert_eq!(kernels::logits_kernel(v, h).0, want_kernel, "{tag}");
+        if h.no_scale_fold {
+            assert_eq!(f.query_blocks_folded, 0, "{tag}: {f:?}");
+            assert!(f.query_blocks_plain > 0, "{tag}: {f:?}");
+            assert!(f.threads_two_multiplies > 0, "{tag}: {f:?}");
+        } else {
+            assert!(f.query_blocks_folded > 0, "{tag}: {f:?}");
+            assert_eq!(f.query_blocks_plain, 0, "{tag}: {f:?}");
+            assert_eq!(f.threads_two_multiplies, 0, "{tag}: {f:?}");
+        }
+        // check_select_by_sort checks each row against a full sort and that the short
+        // rows took the shared-memory row exactly when the hooks allow it.
+        let paths = check_select_by_sort(&mut b, &topk, &lens, &scores, k, &tag);
+        let want_short = if h.no_short_rows {
+            0
+        } else {
+            short_rows as u64
+        };
+        assert_eq!(paths.short, want_short, "{tag}: {paths:?}");
+        if h.no_sampled_threshold {
+            assert_eq!(paths.sampled, 0, "{tag}: {paths:?}");
+        } else {
+            // Random scores: the sample's threshold serves nearly every long row.
+            assert!(
+                paths.sampled * 10 >= long_rows as u64 * 9,
+                "{tag}: {paths:?} for {long_rows} long rows"
+            );
+        }
+    }
 }
 
 /// One row and one key with E4M3 values: every head has `big * big` at dim 0 plus
@@ -1114,7 +1247,7 @@ fn e4m3_dot_case(b: &mut CudaBackend, tag: &str, heads: usize, q: &[u8], k: &[u8
         got[0],
         want[0],
         rel.log2(),
-        cuda::tolerance_log2(&p)
+        cuda::tolerance_log2(&p, hooks())
     );
     (got[0], want[0])
 }
@@ -1307,7 +1440,7 @@ fn engine_api_takes_device_inputs_on_the_callers_stream() {
     let k = stream.clone_htod(c.k.as_slice().unwrap()).unwrap();
     let ks = stream.clone_htod(c.ks.as_slice().unwrap()).unwrap();
     let w = stream.clone_htod(c.w.as_slice().unwrap()).unwrap();
-    let engine = cuda::Engine::on_stream(stream.clone()).unwrap();
+    let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
     let inputs = cuda::DeviceInputs {
         heads: 16,
         dim: 64,
@@ -1385,7 +1518,7 @@ type Dev = (Arc<CudaStream>, cuda::Engine);
 fn engine() -> Option<Dev> {
     let b = gpu()?;
     let stream = b.device().context().new_stream().unwrap();
-    let engine = cuda::Engine::on_stream(stream.clone()).unwrap();
+    let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
     Some((stream, engine))
 }
 

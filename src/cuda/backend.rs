@@ -43,6 +43,12 @@ impl CudaBackend {
         Ok(CudaBackend::on(Device::shared()?))
     }
 
+    /// On a new handle of device 0 whose kernels are compiled and chosen under test
+    /// hooks `hooks` ([`Device::with_hooks`]).
+    pub fn with_hooks(hooks: kernels::Hooks) -> Result<Self> {
+        Ok(CudaBackend::on(Device::with_hooks(hooks)?))
+    }
+
     /// On a given device.
     pub fn on(dev: Arc<Device>) -> Self {
         CudaBackend {

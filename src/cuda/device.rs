@@ -1,6 +1,6 @@
-//! The device: its context and stream, the process's compiled modules (compiled by
-//! NVRTC once per variant and process, loaded once per device), and the backend's
-//! error constructors.
+//! The device: its context and stream, its test hooks, the process's compiled modules
+//! (compiled by NVRTC once per variant, hooks and process, loaded once per device), and
+//! the backend's error constructors.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -11,7 +11,7 @@ use cudarc::driver::{
 };
 
 use super::alloc::Fill;
-use super::kernels::{self, Variant};
+use super::kernels::{self, Hooks, Variant};
 use crate::error::{Error, Result};
 
 pub(super) fn backend_err(problem: impl Into<String>) -> Error {
@@ -46,7 +46,8 @@ pub struct DecodedCodes {
     pub ue8m0: Vec<u32>,
 }
 
-/// A CUDA device: its context, a stream, and the compiled modules of this process.
+/// A CUDA device: its context, a stream, its test hooks ([`Hooks`]; production: none),
+/// and the compiled modules of this process.
 #[derive(Debug)]
 pub struct Device {
     pub(super) ctx: Arc<CudaContext>,
@@ -55,12 +56,24 @@ pub struct Device {
     sms: usize,
     /// Device bytes allocated through [`Device::allocate`].
     pub(super) allocated: AtomicU64,
+    /// The test hooks every module of this device is compiled and launched under.
+    hooks: Hooks,
     modules: Mutex<Vec<(Variant, Arc<CudaModule>)>>,
 }
 
 impl Device {
     /// Open device `ordinal` (an sm_90 GPU) with a new stream.
     pub fn new(ordinal: usize) -> Result<Arc<Device>> {
+        Device::open(ordinal, Hooks::default())
+    }
+
+    /// Device 0 with a new stream and its own module cache, its kernels compiled and
+    /// chosen under `hooks` (the tests' forced fallbacks).
+    pub fn with_hooks(hooks: Hooks) -> Result<Arc<Device>> {
+        Device::open(0, hooks)
+    }
+
+    fn open(ordinal: usize, hooks: Hooks) -> Result<Arc<Device>> {
         if !libraries_present() {
             return Err(backend_err(
                 "no CUDA: libcuda or libnvrtc not found (driver and NVRTC 13.0 needed)",
@@ -79,11 +92,16 @@ impl Device {
         }
         let ctx = CudaContext::new(ordinal).map_err(drv("cuCtxCreate"))?;
         let stream = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        Device::with_stream(stream)
+        Device::with_stream_and_hooks(stream, hooks)
     }
 
     /// Use a caller's stream (and its context): the engine API.
     pub fn with_stream(stream: Arc<CudaStream>) -> Result<Arc<Device>> {
+        Device::with_stream_and_hooks(stream, Hooks::default())
+    }
+
+    /// [`Device::with_stream`] under test hooks `hooks`.
+    pub fn with_stream_and_hooks(stream: Arc<CudaStream>, hooks: Hooks) -> Result<Arc<Device>> {
         let ctx = stream.context().clone();
         let (major, minor) = ctx
             .compute_capability()
@@ -110,11 +128,15 @@ impl Device {
             stream,
             sms: sms as usize,
             allocated: AtomicU64::new(0),
+            hooks,
             modules: Mutex::new(Vec::new()),
         }))
     }
 
-    /// The default device 0, opened once per process.
+    /// The default device 0, opened once per process: production ([`Hooks::default()`]),
+    /// or with the `tuning` feature the hooks `$DSA_CUDA_HOOKS` names (comma-separated
+    /// [`Hooks`] field names: an experiment's forced fallbacks, e.g. the benchmark's A/B
+    /// runs; an unknown name is an error).
     pub fn shared() -> Result<Arc<Device>> {
         static DEV: Mutex<Option<Arc<Device>>> = Mutex::new(None);
         let mut g = DEV
@@ -123,9 +145,18 @@ impl Device {
         if let Some(d) = g.as_ref() {
             return Ok(d.clone());
         }
-        let d = Device::new(0)?;
+        #[cfg(feature = "tuning")]
+        let hooks = Hooks::parse(&std::env::var("DSA_CUDA_HOOKS").unwrap_or_default())?;
+        #[cfg(not(feature = "tuning"))]
+        let hooks = Hooks::default();
+        let d = Device::open(0, hooks)?;
         *g = Some(d.clone());
         Ok(d)
+    }
+
+    /// The test hooks this device's kernels are compiled and chosen under.
+    pub fn hooks(&self) -> Hooks {
+        self.hooks
     }
 
     /// The stream every launch of this device goes to.
@@ -160,17 +191,18 @@ impl Device {
             }
         }
         // Compile outside the lock; a racing thread may compile the same variant.
-        static NVRTC_CACHE: Mutex<Vec<(Variant, String)>> = Mutex::new(Vec::new());
+        static NVRTC_CACHE: Mutex<Vec<((Variant, Hooks), String)>> = Mutex::new(Vec::new());
+        let key = (v, self.hooks);
         let cached = NVRTC_CACHE
             .lock()
             .ok()
-            .and_then(|g| g.iter().find(|(k, _)| *k == v).map(|(_, p)| p.clone()));
+            .and_then(|g| g.iter().find(|(k, _)| *k == key).map(|(_, p)| p.clone()));
         let src = match cached {
             Some(s) => s,
             None => {
-                let s = kernels::compile(v)?.to_src();
+                let s = kernels::compile(v, self.hooks)?.to_src();
                 if let Ok(mut g) = NVRTC_CACHE.lock() {
-                    g.push((v, s.clone()));
+                    g.push((key, s.clone()));
                 }
                 s
             }
@@ -251,7 +283,7 @@ mod tests {
         assert_eq!(all.len(), 2 + 4 * 3 * 4);
         assert!(all.contains(&Variant::Validate));
         for v in all {
-            let src = v.source();
+            let src = v.source(Hooks::default());
             if let Variant::Logits { heads, groups, .. } = v {
                 assert!(src.contains(&format!("#define DSA_H {heads}\n")));
                 assert!(src.contains(&format!("#define DSA_G {groups}\n")));

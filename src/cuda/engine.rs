@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use super::alloc::Fill;
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
 use super::geometry::{check_shape, footprint, Shape};
-use super::kernels;
+use super::kernels::{self, Hooks};
 use super::run::{Ptrs, Run};
 use super::validate::{validate, Checked};
 use crate::batch::Batch;
@@ -99,11 +99,17 @@ pub struct Engine {
 impl Engine {
     /// On the caller's stream (its context must be an sm_90 GPU).
     pub fn on_stream(stream: Arc<CudaStream>) -> Result<Engine> {
+        Engine::on_stream_with_hooks(stream, Hooks::default())
+    }
+
+    /// [`Engine::on_stream`] with the kernels compiled and chosen under test hooks
+    /// `hooks` ([`Device::with_stream_and_hooks`]).
+    pub fn on_stream_with_hooks(stream: Arc<CudaStream>, hooks: Hooks) -> Result<Engine> {
         if !libraries_present() {
             return Err(backend_err("no CUDA: libcuda or libnvrtc not found"));
         }
         Ok(Engine {
-            dev: Device::with_stream(stream)?,
+            dev: Device::with_stream_and_hooks(stream, hooks)?,
         })
     }
 

@@ -3,7 +3,7 @@
 //! scratch, path counters), how many segments a row's top-k is split into, and the
 //! short-row top-k's shared-memory capacity.
 
-use super::kernels::{self, Variant};
+use super::kernels::{self, Hooks, Variant};
 use std::ops::Range;
 
 use crate::batch::{Batch, Row};
@@ -213,12 +213,15 @@ struct Layout<'a> {
     lg_rows: usize,
     /// The GPU's SMs.
     sms: usize,
+    /// Longest row the shared-memory row may take ([`kernels::topk_short_cap`]).
+    short_cap: usize,
 }
 
 impl RowMeta {
     /// The metadata of `batch`'s rows for a layer of shape `shape` run in `plan`'s
-    /// tiles on a GPU of `sms` SMs, each row taking `fp.row_bytes(n)` of its tile's
-    /// logits buffer; rows `i` with `publishes(i)` publish their kept blocks.
+    /// tiles on a GPU of `sms` SMs whose kernels run under `hooks`, each row taking
+    /// `fp.row_bytes(n)` of its tile's logits buffer; rows `i` with `publishes(i)`
+    /// publish their kept blocks.
     pub(super) fn new(
         batch: &Batch,
         shape: &Shape,
@@ -226,6 +229,7 @@ impl RowMeta {
         fp: &RowFootprint,
         publishes: &dyn Fn(usize) -> bool,
         sms: usize,
+        hooks: Hooks,
     ) -> RowMeta {
         let rows = batch.rows();
         let t = rows.len();
@@ -240,7 +244,7 @@ impl RowMeta {
             npub: 0,
             bitmap_words: 0,
         };
-        let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant());
+        let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant(), hooks);
         for r in rows {
             m.row_n.push(r.n as u32);
             m.row_ks.push(r.ks as u32);
@@ -260,6 +264,7 @@ impl RowMeta {
             publishes,
             lg_rows,
             sms,
+            short_cap: kernels::topk_short_cap(hooks),
         };
         for tile in &plan.tiles {
             m.push_tile(&layout, tile.rows.clone());
@@ -278,7 +283,7 @@ impl RowMeta {
         let short_cap = short_row_cap(
             rows[tile.clone()].iter().map(|r| r.n),
             shape.topk,
-            kernels::topk_short_cap(),
+            l.short_cap,
             self.bitmap_words,
         );
         for i in tile.clone() {
@@ -411,7 +416,7 @@ mod tests {
             short_launch_smem(room + 1, 9008),
             MAX_TOPK_DYNAMIC_SMEM + 16
         );
-        // TK_SHORT=0 (short = 0): never.
+        // Hooks::no_short_rows (short = 0): never.
         assert_eq!(short_row_cap([k + 1].into_iter(), k, 0, 0), 0);
     }
 

@@ -7,6 +7,17 @@
 //! `--fmad=false --ftz=false` (SPEC 4 forbids contracted multiply-adds and flushing
 //! subnormals) and no toolkit headers. Compilation needs only libnvrtc, not a GPU:
 //! [`compile`] and [`compile_logits`] are what the NVRTC compile test calls.
+//!
+//! Two kinds of switches change a module or the host's kernel choice:
+//!
+//! - [`Hooks`], typed test hooks a [`crate::cuda::Device`] carries: each forces a
+//!   fallback path that production also takes (on some inputs or some shapes), so that
+//!   the tests can run that path on every input;
+//! - with the `tuning` cargo feature only, `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
+//!   separated by spaces): occupancy and tile numbers for experiments (`LG_ROWS`,
+//!   `LG_PER_BLOCK`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`, `W8`, `W8_SPLIT`),
+//!   prepended to every kernel source as `#define`s. Without the feature the variable
+//!   is never read, so a stray one in a serving process changes nothing.
 
 use crate::error::{Error, Result};
 use crate::problem::Format;
@@ -41,8 +52,8 @@ pub const LOGITS_ROWS: usize = 8;
 pub const LOGITS_ROWS_LARGE_H: usize = 4;
 
 /// Rows per logits block for `heads` in this process: [`LOGITS_ROWS`] or
-/// [`LOGITS_ROWS_LARGE_H`], or an `LG_ROWS=` override in `$DSA_CUDA_DEFINES` (1..=16;
-/// the kernel gets the same define).
+/// [`LOGITS_ROWS_LARGE_H`], or an `LG_ROWS=` override in `$DSA_CUDA_DEFINES` (1..=16,
+/// `tuning` feature; the kernel gets the same define).
 pub fn logits_rows(heads: usize) -> usize {
     let default = if heads >= 32 {
         LOGITS_ROWS_LARGE_H
@@ -53,14 +64,14 @@ pub fn logits_rows(heads: usize) -> usize {
 }
 /// Whether the logits of this variant run on Hopper `wgmma` rather than `mqa_logits`
 /// (`mma.sync`): `mqa_logits_wgr` for the exact class with `H = 32` and `D >= 64`,
-/// `mqa_logits_w16` (f16 operands) for E4M3 x E4M3 with `H = 64`. `WGMMA=0` in
-/// `$DSA_CUDA_DEFINES` turns both off (the `mma.sync` fallback, forced).
-pub fn logits_wgmma(v: Variant) -> bool {
-    define_in("WGMMA", 0..=1) != Some(0) && wgmma_family(v).is_some()
+/// `mqa_logits_w16` (f16 operands) for E4M3 x E4M3 with `H = 64`.
+/// [`Hooks::mma_sync_only`] turns both off (the `mma.sync` fallback, forced).
+pub fn logits_wgmma(v: Variant, hooks: Hooks) -> bool {
+    !hooks.mma_sync_only && wgmma_family(v).is_some()
 }
 
-/// The `wgmma` kernels that can serve variant `v`, default first, whatever
-/// `$DSA_CUDA_DEFINES` says: `mqa_logits_wgr` for the exact class with `H = 32` and
+/// The `wgmma` kernels that can serve variant `v`, default first, whatever the hooks
+/// and `$DSA_CUDA_DEFINES` say: `mqa_logits_wgr` for the exact class with `H = 32` and
 /// `D >= 64`, `mqa_logits_w16` and `mqa_logits_w8` for E4M3 x E4M3 with `H = 64`.
 fn wgmma_family(v: Variant) -> Option<&'static [&'static str]> {
     match v {
@@ -95,7 +106,7 @@ pub fn logits_kernels(v: Variant) -> Vec<&'static str> {
 }
 
 /// Whether E4M3 x E4M3 with `H = 64` runs on fp8 `wgmma` (`mqa_logits_w8`, `W8=1` in
-/// `$DSA_CUDA_DEFINES`; the fast precision mode is to use it) rather than on f16 `wgmma`
+/// `$DSA_CUDA_DEFINES` under the `tuning` feature; the fast precision mode is to use it) rather than on f16 `wgmma`
 /// (`mqa_logits_w16`, the default). Not the default because fp8 `wgmma` misses SPEC 4's
 /// bound when a subnormal E4M3 operand is in a k32 step's product of largest exponent
 /// fields (`2^-6 M` on the H200; [`crate::cuda::FP8_WGMMA_TOLERANCE_LOG2`]). The two
@@ -106,8 +117,8 @@ pub fn logits_fp8_wgmma() -> bool {
 
 /// Whether variant `v`'s logits kernel adds products on fp8 `wgmma`'s accumulator
 /// (about 13 bits kept per addition): `mqa_logits_w8`.
-pub fn logits_on_fp8_accumulator(v: Variant) -> bool {
-    logits_kernel(v).0 == "mqa_logits_w8"
+pub fn logits_on_fp8_accumulator(v: Variant, hooks: Hooks) -> bool {
+    logits_kernel(v, hooks).0 == "mqa_logits_w8"
 }
 
 /// Rows per `mqa_logits_w16` and `mqa_logits_w8` block (`H64_ROWS` in
@@ -122,18 +133,135 @@ pub const LOGITS_WGR_ROWS: usize = 2;
 /// `H64_THREADS`).
 pub const LOGITS_WG_THREADS: usize = 128;
 
-/// `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs separated by spaces; tuning knobs for
-/// experiments, prepended to every kernel source as `#define`s), read once per process.
-fn defines() -> &'static [(String, String)] {
-    static DEFINES: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
-    DEFINES.get_or_init(|| {
-        std::env::var("DSA_CUDA_DEFINES")
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|kv| kv.split_once('='))
-            .map(|(k, v)| (k.to_string(), v.to_string()))
+/// Test hooks: each forces one fallback path, everywhere, that production takes only
+/// on some inputs or shapes, so that the tests can hold that path to the reference on
+/// every input. [`Hooks::default()`] is production: no hook set. A
+/// [`crate::cuda::Device`] carries its hooks ([`crate::cuda::Device::with_hooks`]); its
+/// modules are compiled under them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Hooks {
+    /// The `mma.sync` kernel `mqa_logits` for every logits variant, where a `wgmma`
+    /// kernel (`mqa_logits_wgr`, `mqa_logits_w16`) serves it by default. Production
+    /// runs `mqa_logits` for every other variant (`H < 32`, `D = 32`, mixed formats):
+    /// this hook holds it to the reference on the shapes the `wgmma` kernels take.
+    pub mma_sync_only: bool,
+    /// `SCALE_FOLD 0` in the exact-class logits kernels: every block takes the
+    /// two-multiply epilogue with unfolded query operands. Production folds a block's
+    /// scales into the MMA operands only when its query scales (and a key tile's) lie
+    /// within 15 binades per group; a block or tile outside that window falls back to
+    /// the unfolded epilogue, so that path runs in production on wide-ranged scales.
+    pub no_scale_fold: bool,
+    /// `TK_SHORT 0` in `topk.cu`, and the host launches every row through
+    /// `topk_ragged_f32`: no row selects from its keys in shared memory. Production
+    /// sends rows longer than [`TOPK_SHORT_CAP`] keys (or whose keys do not fit beside
+    /// a consumer row's bitmap) to those passes over global memory.
+    pub no_short_rows: bool,
+    /// `TK_SAMPLED 0` in `topk.cu`: no row takes the sampled threshold; long rows take
+    /// the two-pass histogram. Production takes that path for every row the sampled
+    /// threshold does not serve (fewer than `TK_SAMPLE_MIN` or `TK_SAMPLE_RATIO * K`
+    /// keys, among others) and falls back to it when a sample's candidates miss
+    /// (fewer than `K` keys at or above its threshold, or more than `TK_CAND_CAP`).
+    pub no_sampled_threshold: bool,
+}
+
+impl Hooks {
+    /// The hooks' names, as [`Hooks::parse`] takes them (the field names).
+    pub const NAMES: [&'static str; 4] = [
+        "mma_sync_only",
+        "no_scale_fold",
+        "no_short_rows",
+        "no_sampled_threshold",
+    ];
+
+    /// The hooks named in `list` (comma-separated field names, spaces allowed; empty:
+    /// none); an unknown name is an error naming it.
+    pub fn parse(list: &str) -> Result<Hooks> {
+        let mut h = Hooks::default();
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            *h.field_mut(name).ok_or_else(|| {
+                Error::range(
+                    "hooks",
+                    name,
+                    "mma_sync_only, no_scale_fold, no_short_rows or no_sampled_threshold",
+                )
+            })? = true;
+        }
+        Ok(h)
+    }
+
+    /// Each hook alone, with its name: the fallbacks a test runs one by one.
+    pub fn each() -> Vec<(&'static str, Hooks)> {
+        Hooks::NAMES
+            .iter()
+            .map(|&n| {
+                let mut h = Hooks::default();
+                *h.field_mut(n)
+                    .unwrap_or_else(|| unreachable!("NAMES are fields")) = true;
+                (n, h)
+            })
             .collect()
-    })
+    }
+
+    fn field_mut(&mut self, name: &str) -> Option<&mut bool> {
+        match name {
+            "mma_sync_only" => Some(&mut self.mma_sync_only),
+            "no_scale_fold" => Some(&mut self.no_scale_fold),
+            "no_short_rows" => Some(&mut self.no_short_rows),
+            "no_sampled_threshold" => Some(&mut self.no_sampled_threshold),
+            _ => None,
+        }
+    }
+
+    /// The `#define`s a logits module of formats `q`, `k` gets: `SCALE_FOLD` in the exact
+    /// class, the only one that folds (`mma_sync_only` acts in the host's choice of
+    /// kernel, [`logits_kernel`]).
+    fn logits_defines(self, q: Format, k: Format) -> &'static str {
+        if self.no_scale_fold && q == Format::E2m1 && k == Format::E2m1 {
+            "#define SCALE_FOLD 0\n"
+        } else {
+            ""
+        }
+    }
+
+    /// The `#define`s the top-k module gets.
+    fn topk_defines(self) -> String {
+        let mut s = String::new();
+        if self.no_short_rows {
+            s += "#define TK_SHORT 0\n";
+        }
+        if self.no_sampled_threshold {
+            s += "#define TK_SAMPLED 0\n";
+        }
+        s
+    }
+}
+
+/// The defines that are test hooks now ([`Hooks`]); `$DSA_CUDA_DEFINES` drops them.
+const HOOK_DEFINES: [&str; 4] = ["WGMMA", "SCALE_FOLD", "TK_SHORT", "TK_SAMPLED"];
+
+/// `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs separated by spaces; tuning knobs for
+/// experiments, prepended to every kernel source as `#define`s), read once per process,
+/// only with the `tuning` feature (empty without). The forced fallbacks are [`Hooks`],
+/// not defines: their names here ([`HOOK_DEFINES`]) are dropped.
+fn defines() -> &'static [(String, String)] {
+    #[cfg(feature = "tuning")]
+    {
+        static DEFINES: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
+        DEFINES.get_or_init(|| {
+            std::env::var("DSA_CUDA_DEFINES")
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|kv| kv.split_once('='))
+                .filter(|(k, _)| !HOOK_DEFINES.contains(k))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        })
+    }
+    #[cfg(not(feature = "tuning"))]
+    {
+        let _ = HOOK_DEFINES;
+        &[]
+    }
 }
 
 /// The first value of define `name` in [`defines`] that is a number in `range`.
@@ -145,13 +273,14 @@ fn define_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize
         .find(|v| range.contains(v))
 }
 
-/// The logits kernel of variant `v`: entry name, rows per block, threads per block.
-pub fn logits_kernel(v: Variant) -> (&'static str, usize, usize) {
+/// The logits kernel of variant `v` under `hooks`: entry name, rows per block, threads
+/// per block.
+pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
     let (heads, exact) = match v {
         Variant::Logits { heads, q, k, .. } => (heads, q == Format::E2m1 && k == Format::E2m1),
         _ => (0, false),
     };
-    if logits_wgmma(v) {
+    if logits_wgmma(v, hooks) {
         if exact {
             return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
         }
@@ -181,7 +310,7 @@ pub const TOPK_CAND_CAP: usize = 3072;
 pub const LOGITS_TILES_PER_BLOCK: usize = 128;
 
 /// [`LOGITS_TILES_PER_BLOCK`], or an `LG_PER_BLOCK=` override (1..=1024) in
-/// `$DSA_CUDA_DEFINES` (a host-side tuning number).
+/// `$DSA_CUDA_DEFINES` (`tuning` feature; a host-side number).
 pub fn logits_tiles_per_block() -> usize {
     define_in("LG_PER_BLOCK", 1..=1024).unwrap_or(LOGITS_TILES_PER_BLOCK)
 }
@@ -190,10 +319,10 @@ pub fn logits_tiles_per_block() -> usize {
 /// each, in the top-k block's dynamic shared memory): `topk.cu`'s shared-memory row.
 pub const TOPK_SHORT_CAP: usize = 16384;
 
-/// [`TOPK_SHORT_CAP`], or 0 under `TK_SHORT=0` in `$DSA_CUDA_DEFINES` (the fallback,
-/// forced: every row through the two-pass and general paths of `topk_ragged_f32`).
-pub fn topk_short_cap() -> usize {
-    if define_in("TK_SHORT", 0..=1) == Some(0) {
+/// [`TOPK_SHORT_CAP`], or 0 under [`Hooks::no_short_rows`] (the fallback, forced: every
+/// row through the passes over global memory of `topk_ragged_f32`).
+pub fn topk_short_cap(hooks: Hooks) -> usize {
+    if hooks.no_short_rows {
         0
     } else {
         TOPK_SHORT_CAP
@@ -277,16 +406,17 @@ impl Variant {
         }
     }
 
-    /// The full NVRTC source of this variant's module: for a logits variant, that of the
-    /// kernel [`logits_kernel`] picks ([`logits_source`]). `$DSA_CUDA_DEFINES`
-    /// (`NAME=VALUE` pairs separated by spaces) is prepended as `#define`s: forced
-    /// fallbacks and tuning numbers for experiments (e.g. `LG_MIN_BLOCKS=2`), read once
-    /// per process.
-    pub fn source(&self) -> String {
+    /// The full NVRTC source of this variant's module under `hooks`: for a logits
+    /// variant, that of the kernel [`logits_kernel`] picks ([`logits_source`]). The
+    /// hooks' `#define`s come first, then, with the `tuning` feature, those of
+    /// `$DSA_CUDA_DEFINES` (tuning numbers for experiments, e.g. `LG_MIN_BLOCKS=2`).
+    pub fn source(&self, hooks: Hooks) -> String {
         match *self {
-            Variant::Logits { .. } => logits_source(*self, logits_kernel(*self).0)
+            Variant::Logits { .. } => logits_source(*self, logits_kernel(*self, hooks).0, hooks)
                 .unwrap_or_else(|| unreachable!("logits_kernel picks one of logits_kernels")),
-            Variant::Topk => with_defines(&format!("{COMMON}\n{TOPK}")),
+            Variant::Topk => {
+                hooks.topk_defines() + &with_defines(&format!("{COMMON}\n{TOPK}"))
+            }
             Variant::Validate => with_defines(&format!(
                 "#define VAL_SEGS {VALIDATE_SEGMENTS}\n#define VAL_THREADS {VALIDATE_THREADS}\n{COMMON}\n{VALIDATE}"
             )),
@@ -294,7 +424,7 @@ impl Variant {
     }
 }
 
-/// `src` after the `#define`s of `$DSA_CUDA_DEFINES`.
+/// `src` after the `#define`s of `$DSA_CUDA_DEFINES` (none without the `tuning` feature).
 fn with_defines(src: &str) -> String {
     let extra: String = defines()
         .iter()
@@ -304,9 +434,10 @@ fn with_defines(src: &str) -> String {
 }
 
 /// The source of the module of logits variant `v` that holds `kernel` (one of
-/// [`logits_kernels`]): `$DSA_CUDA_DEFINES`, the variant's macros, `common.cuh`,
-/// `logits_common.cuh` and the kernel's family file. None when `kernel` cannot serve `v`.
-pub fn logits_source(v: Variant, kernel: &str) -> Option<String> {
+/// [`logits_kernels`]) under `hooks`: the hooks' `#define`s, `$DSA_CUDA_DEFINES`, the
+/// variant's macros, `common.cuh`, `logits_common.cuh` and the kernel's family file. None
+/// when `kernel` cannot serve `v`.
+pub fn logits_source(v: Variant, kernel: &str, hooks: Hooks) -> Option<String> {
     let Variant::Logits {
         heads,
         groups,
@@ -326,7 +457,7 @@ pub fn logits_source(v: Variant, kernel: &str) -> Option<String> {
     if !logits_kernels(v).contains(&kernel) {
         return None;
     }
-    Some(with_defines(&format!(
+    Some(hooks.logits_defines(q, k).to_string() + &with_defines(&format!(
         "#define DSA_H {heads}\n#define DSA_G {groups}\n#define DSA_QF {}\n#define DSA_KF {}\n{COMMON}\n{LOGITS_COMMON}\n{family}",
         fmt_code(q),
         fmt_code(k)
@@ -339,17 +470,17 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// Compile one variant's module ([`Variant::source`]) to PTX for [`ARCH`]. Needs
-/// libnvrtc, not a GPU.
-pub fn compile(v: Variant) -> Result<cudarc::nvrtc::Ptx> {
-    compile_source(&v.name(), v.source())
+/// Compile one variant's module under `hooks` ([`Variant::source`]) to PTX for [`ARCH`].
+/// Needs libnvrtc, not a GPU.
+pub fn compile(v: Variant, hooks: Hooks) -> Result<cudarc::nvrtc::Ptx> {
+    compile_source(&v.name(), v.source(hooks))
 }
 
 /// Compile the module of logits variant `v` that holds `kernel` ([`logits_source`]), as
 /// [`compile`] does for the kernel the host picks; an error when `kernel` cannot serve
 /// `v`.
-pub fn compile_logits(v: Variant, kernel: &str) -> Result<cudarc::nvrtc::Ptx> {
-    let src = logits_source(v, kernel).ok_or_else(|| Error::Backend {
+pub fn compile_logits(v: Variant, kernel: &str, hooks: Hooks) -> Result<cudarc::nvrtc::Ptx> {
+    let src = logits_source(v, kernel, hooks).ok_or_else(|| Error::Backend {
         backend: "cuda",
         problem: format!("{kernel} does not serve variant {}", v.name()),
     })?;
@@ -413,6 +544,60 @@ mod tests {
             Some(want.to_string()),
             "{name} in kernels/{file}"
         );
+    }
+
+    /// `Hooks::parse` takes the field names and names an unknown one; each hook's
+    /// `#define` reaches the modules that read it and no other.
+    #[test]
+    fn hooks_parse_and_reach_their_modules() {
+        assert_eq!(Hooks::parse(""), Ok(Hooks::default()));
+        assert_eq!(
+            Hooks::parse("mma_sync_only, no_scale_fold"),
+            Ok(Hooks {
+                mma_sync_only: true,
+                no_scale_fold: true,
+                ..Hooks::default()
+            })
+        );
+        match Hooks::parse("no_scale_fold,wgmma") {
+            Err(Error::OutOfRange { field, value, .. }) => {
+                assert_eq!((field.as_str(), value.as_str()), ("hooks", "wgmma"))
+            }
+            other => panic!("{other:?}"),
+        }
+        let each = Hooks::each();
+        assert_eq!(each.len(), Hooks::NAMES.len());
+        for (name, h) in each {
+            assert_eq!(Hooks::parse(name), Ok(h));
+            assert_ne!(h, Hooks::default(), "{name}");
+            for v in Variant::all() {
+                let (src, base) = (v.source(h), v.source(Hooks::default()));
+                let exact = matches!(
+                    v,
+                    Variant::Logits {
+                        q: Format::E2m1,
+                        k: Format::E2m1,
+                        ..
+                    }
+                );
+                let want = match (name, v) {
+                    ("no_scale_fold", _) if exact => "#define SCALE_FOLD 0\n",
+                    ("no_short_rows", Variant::Topk) => "#define TK_SHORT 0\n",
+                    ("no_sampled_threshold", Variant::Topk) => "#define TK_SAMPLED 0\n",
+                    _ => "",
+                };
+                if name == "mma_sync_only" && logits_wgmma(v, Hooks::default()) {
+                    // Another kernel's module: the mma.sync family file.
+                    assert!(
+                        Some(src) == logits_source(v, "mqa_logits", Hooks::default()),
+                        "{name} {}",
+                        v.name()
+                    );
+                } else {
+                    assert!(src == format!("{want}{base}"), "{name} {}", v.name());
+                }
+            }
+        }
     }
 
     /// The host's copies of `topk.cu`'s constants and of both path-counter orders.
@@ -509,7 +694,7 @@ mod tests {
                 assert_eq!(serving[0], "mqa_logits", "{}", v.name());
             }
             for kernel in all {
-                let Some(src) = logits_source(v, kernel) else {
+                let Some(src) = logits_source(v, kernel, Hooks::default()) else {
                     assert!(!serving.contains(&kernel), "{} {kernel}", v.name());
                     continue;
                 };
@@ -520,7 +705,7 @@ mod tests {
                 }
             }
         }
-        assert!(logits_source(Variant::Topk, "mqa_logits").is_none());
+        assert!(logits_source(Variant::Topk, "mqa_logits", Hooks::default()).is_none());
         assert!(logits_source(
             Variant::Logits {
                 heads: 32,
@@ -528,7 +713,8 @@ mod tests {
                 q: Format::E2m1,
                 k: Format::E2m1
             },
-            "mqa_logits_w16"
+            "mqa_logits_w16",
+            Hooks::default()
         )
         .is_none());
     }

@@ -430,15 +430,21 @@ pub(super) fn topk_rows(
 
 #[cfg(test)]
 mod tests {
-    use super::kernels::Variant;
+    use super::kernels::{Hooks, Variant};
     use super::*;
     use crate::problem::Format;
 
     #[test]
     fn wgmma_runs_the_h32_exact_class_and_h64_e4m3_and_mma_sync_the_rest() {
+        #[cfg(feature = "tuning")]
         if std::env::var("DSA_CUDA_DEFINES").is_ok() {
             return; // an override changes the choice on purpose
         }
+        let production = Hooks::default();
+        let mma_sync = Hooks {
+            mma_sync_only: true,
+            ..Hooks::default()
+        };
         for v in Variant::all() {
             let Variant::Logits {
                 heads,
@@ -449,15 +455,24 @@ mod tests {
             else {
                 continue;
             };
-            let (name, rows, threads) = kernels::logits_kernel(v);
+            let (name, rows, threads) = kernels::logits_kernel(v, production);
             let wg = q == Format::E2m1 && k == Format::E2m1 && heads == 32 && groups >= 2;
             let w16 = q == Format::E4m3 && k == Format::E4m3 && heads == 64;
             // The exact class at H = 32, D >= 64 on wgmma, its keys in registers.
             assert_eq!(name == "mqa_logits_wgr", wg, "{}", v.name());
             // E4M3 x E4M3 at H = 64 on f16 wgmma by default (W8=1: fp8 wgmma).
             assert_eq!(name == "mqa_logits_w16", w16, "{}", v.name());
-            assert!(!kernels::logits_on_fp8_accumulator(v), "{}", v.name());
-            assert_eq!(kernels::logits_wgmma(v), wg || w16, "{}", v.name());
+            assert!(
+                !kernels::logits_on_fp8_accumulator(v, production),
+                "{}",
+                v.name()
+            );
+            assert_eq!(
+                kernels::logits_wgmma(v, production),
+                wg || w16,
+                "{}",
+                v.name()
+            );
             if wg || w16 {
                 // One warpgroup per 2 rows: 2 x 32 heads = the 64 columns of its MMA, or
                 // 2 x 64 heads = 128.
@@ -468,7 +483,22 @@ mod tests {
             }
             // The host's choice is in the variant's source (tests/nvrtc_compile.rs checks
             // the compiled module's entries).
-            assert!(v.source().contains(&format!("{name}(")), "{}", v.name());
+            assert!(
+                v.source(production).contains(&format!("{name}(")),
+                "{}",
+                v.name()
+            );
+            // The mma.sync hook runs every variant on mqa_logits.
+            let (name, rows, threads) = kernels::logits_kernel(v, mma_sync);
+            assert_eq!(name, "mqa_logits", "{}", v.name());
+            assert!(!kernels::logits_wgmma(v, mma_sync), "{}", v.name());
+            assert_eq!(rows, kernels::logits_rows(heads), "{}", v.name());
+            assert_eq!(threads, rows * 32, "{}", v.name());
+            assert!(
+                v.source(mma_sync).contains(") mqa_logits(\n"),
+                "{}",
+                v.name()
+            );
         }
     }
 }

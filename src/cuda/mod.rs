@@ -18,7 +18,7 @@
 //! meets `|x - ref| <= 2^e * M + A`, with `e` = [`TOLERANCE_LOG2`] = -16 on every kernel
 //! the backend runs by default (they add products in f32), `A` the absolute term of f32
 //! rounding in the subnormal range ([`tolerance_abs_term`]; all together:
-//! [`logit_bound`]). The fp8 `wgmma` kernel behind the `W8=1` knob is held to SPEC 4's
+//! [`logit_bound`]). The fp8 `wgmma` kernel behind the `W8=1` knob (`tuning` feature) is held to SPEC 4's
 //! `2^-8` instead and misses it on subnormal operands ([`FP8_WGMMA_TOLERANCE_LOG2`]).
 //! Given the same scores,
 //! selections are bitwise the reference's. NaN logits are written as the reference's
@@ -40,7 +40,7 @@
 //! - `run.rs`: one run's device buffers and its per-tile steps;
 //! - `launch.rs`: one launcher per kernel family, its parameters a typed struct;
 //! - `geometry.rs`: tile geometry on the host (footprint, row groups, split top-k, short rows);
-//! - `device.rs`: the [`Device`], its stream and module cache;
+//! - `device.rs`: the [`Device`], its stream, test hooks ([`Hooks`]) and module cache;
 //! - `paths.rs`: the path counters [`TopkPaths`] and [`FoldCounts`];
 //! - `tolerance.rs`: the tolerance class's bounds ([`logit_bound`]);
 //! - `kernels.rs`: the kernel sources, variants and NVRTC; `bench.rs`: the benchmark workloads.
@@ -68,7 +68,7 @@ use device::{backend_err, drv};
 pub use device::{libraries_present, DecodedCodes, Device};
 pub use engine::{DeviceInputs, DeviceKeys, DeviceOutput, DeviceQueries, Engine, INPUT_ALIGN};
 pub use geometry::{MAX_TOPK, ROW_ALIGN};
-pub use kernels::Variant;
+pub use kernels::{Hooks, Variant};
 pub use paths::{FoldCounts, TopkPaths};
 pub use tolerance::{
     is_bitwise, logit_bound, tolerance_abs_term, tolerance_bound, tolerance_log2,

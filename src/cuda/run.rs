@@ -266,7 +266,15 @@ impl Run {
     ) -> Result<Run> {
         let t = batch.rows().len();
         let fp = footprint(t, shape.topk, dev.sm_count());
-        let meta = RowMeta::new(batch, &shape, plan, &fp, publishes, dev.sm_count());
+        let meta = RowMeta::new(
+            batch,
+            &shape,
+            plan,
+            &fp,
+            publishes,
+            dev.sm_count(),
+            dev.hooks(),
+        );
         let mut transient = 0usize;
         let md = MetaBufs::upload(dev, &meta)?;
         transient += t * (4 + 4 + 8 + 4 + 8) + meta.groups.len() * 4;
@@ -314,7 +322,7 @@ impl Run {
         let a = self.addrs(s);
         // 1. Logits.
         if g.chunks > 0 && a.logits != 0 {
-            let (name, _, threads) = kernels::logits_kernel(sh.logits_variant());
+            let (name, _, threads) = kernels::logits_kernel(sh.logits_variant(), dev.hooks());
             let f = dev.function(sh.logits_variant(), name)?;
             // Key tiles per block: enough blocks to fill the GPU several times over, and
             // up to kernels::logits_tiles_per_block() tiles per block so the query

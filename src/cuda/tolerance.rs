@@ -3,7 +3,7 @@
 //! absolute term of f32 rounding in the subnormal range, and both together per logit
 //! ([`logit_bound`]).
 
-use super::kernels::{self, Variant};
+use super::kernels::{self, Hooks, Variant};
 use crate::problem::{Class, Keys, Problem};
 
 /// The relative part of the tolerance class's stated bound on this backend. In full,
@@ -62,17 +62,19 @@ pub const TOLERANCE_LOG2: i32 = -16;
 ///   default.
 pub const FP8_WGMMA_TOLERANCE_LOG2: i32 = -8;
 
-/// The relative part of the bound for problem `p`'s logits on this backend:
-/// [`TOLERANCE_LOG2`], or [`FP8_WGMMA_TOLERANCE_LOG2`] when `p`'s variant runs on the fp8
-/// accumulator (only under the `W8=1` knob).
-pub fn tolerance_log2(p: &Problem) -> i32 {
+/// The relative part of the bound for problem `p`'s logits on a device under test hooks
+/// `hooks` ([`Hooks::default()`] in production): [`TOLERANCE_LOG2`], or
+/// [`FP8_WGMMA_TOLERANCE_LOG2`] when `p`'s variant runs on the fp8 accumulator (only
+/// under the `W8=1` knob of the `tuning` feature, and not under
+/// [`Hooks::mma_sync_only`]).
+pub fn tolerance_log2(p: &Problem, hooks: Hooks) -> i32 {
     let v = Variant::Logits {
         heads: p.heads,
         groups: p.dim / 32,
         q: p.q_format(),
         k: p.k_format(),
     };
-    if kernels::logits_on_fp8_accumulator(v) {
+    if kernels::logits_on_fp8_accumulator(v, hooks) {
         FP8_WGMMA_TOLERANCE_LOG2
     } else {
         TOLERANCE_LOG2
@@ -134,8 +136,9 @@ pub fn tolerance_abs_term(kscale: f64, sum_abs_weights: f64, groups: usize, head
 /// The stated bound of logit `[i, j]` (row `i`, request-local visible key `j`) of a
 /// tolerance-class problem `p` whose SPEC 4 magnitude `M` is `magnitude` (the caller
 /// computes `M`: the tests do it independently of the crate):
-/// `2^tolerance_log2(p) * M + A` ([`tolerance_log2`], [`tolerance_abs_term`]).
-pub fn logit_bound(p: &Problem, i: usize, j: usize, magnitude: f64) -> f64 {
+/// `2^tolerance_log2(p, hooks) * M + A` ([`tolerance_log2`], [`tolerance_abs_term`]) on a
+/// device under test hooks `hooks`.
+pub fn logit_bound(p: &Problem, i: usize, j: usize, magnitude: f64, hooks: Hooks) -> f64 {
     let kscale = match p.inputs.k {
         Keys::E4m3 { scale, .. } => scale[p.batch.rows()[i].ks + j] as f64,
         Keys::E2m1 { .. } => 1.0,
@@ -147,7 +150,7 @@ pub fn logit_bound(p: &Problem, i: usize, j: usize, magnitude: f64) -> f64 {
         .iter()
         .map(|&w| (w as f64).abs())
         .sum();
-    2f64.powi(tolerance_log2(p)) * magnitude
+    2f64.powi(tolerance_log2(p, hooks)) * magnitude
         + tolerance_abs_term(kscale, sum_abs_weights, p.dim / 32, p.heads)
 }
 

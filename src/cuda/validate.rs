@@ -215,7 +215,7 @@ mod tests {
     /// The host's mirror of `validate.cu`'s constants and its by-value segment table.
     #[test]
     fn validation_constants_match_the_kernel() {
-        let src = Variant::Validate.source();
+        let src = Variant::Validate.source(kernels::Hooks::default());
         for (name, v) in VAL_KINDS {
             assert!(
                 src.contains(&format!("#define {name} {v}u ")),
