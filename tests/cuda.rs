@@ -1,4 +1,4 @@
-//! The CUDA backend against the reference (issue 6). Runs on an H200; without a GPU
+//! The CUDA backend against the reference. Runs on an H200; without a GPU
 //! every test prints "no CUDA device, skipping" and passes, unless `DSA_REQUIRE_GPU=1`,
 //! under which a skip is a failure.
 #![cfg(feature = "cuda")]
