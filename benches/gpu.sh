@@ -158,8 +158,8 @@ if has sanitize; then
       | tee -a "$OUT/summary.txt"
   }
   T="$B/cuda --test-threads=1"
-  san memcheck memcheck 120 $T
-  san racecheck racecheck 45 $T --exact topk_short_rows_in_shared_memory_match_a_full_sort \
+  san memcheck memcheck 240 $T
+  san racecheck racecheck 300 $T --exact topk_short_rows_in_shared_memory_match_a_full_sort \
     boundary_sizes_from_the_kernel_constants
   san initcheck initcheck 25 $T special_values golden_vectors
   san synccheck synccheck 25 $T special_values golden_vectors

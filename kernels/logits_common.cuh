@@ -122,6 +122,28 @@ __device__ __forceinline__ float lane_pair_sum(const float v0, const float v1, c
   return __fadd_rn(hi ? v1 : v0, r2);
 }
 
+// term_h = w_h * relu(a_h) and SPEC 4's pairwise head sum over a warpgroup's tile of
+// two rows (sw[0], sw[1]) x 8 NTL heads, a[i] for i = 4j + 2kk + e (row j / NTL, head
+// 8 (j % NTL) + 2 tig + e; key 16 warp + gid + 8 kk): heads (2 tig, +1) in the thread
+// (head_quad), lane offset 1 (even lanes keep key gid, odd gid + 8), lane offset 2 (lanes
+// with tig bit 1 keep row 1), then the NTL n-tiles pairwise in the thread. Used by
+// mqa_logits_wgr, and by mqa_logits_w16 for rows whose weights could overflow.
+template <int NTL>
+__device__ __forceinline__ float two_row_head_sum(const float (&a)[8 * NTL], const float (*sw)[H],
+                                                  const int tig, const bool odd, const bool hi) {
+  float s[NTL];
+#pragma unroll
+  for (int nt = 0; nt < NTL; ++nt) {
+    const float2 w0 = *reinterpret_cast<const float2 *>(&sw[0][nt * 8 + 2 * tig]);
+    const float2 w1 = *reinterpret_cast<const float2 *>(&sw[1][nt * 8 + 2 * tig]);
+    const int i0 = 4 * nt, i1 = 4 * (NTL + nt);
+    const float v0 = head_quad(w0, a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3], odd);
+    const float v1 = head_quad(w1, a[i1], a[i1 + 1], a[i1 + 2], a[i1 + 3], odd);
+    s[nt] = lane_pair_sum(v0, v1, hi);  // lanes with tig bit 1 clear keep row 0
+  }
+  return pairwise_f32<NTL>(s);
+}
+
 // ==== exact-class scale folding ====
 
 // The folding tables: thread i < 15 writes table i, the codes of the doubled E2M1

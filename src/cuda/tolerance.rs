@@ -30,7 +30,8 @@ use crate::problem::{Class, Keys, Problem};
 /// reference do the f32 steps of the weight, the head sum and the key scale, each
 /// contributing <= 2^-24 relative to `M`: the reference's pairwise head sum of <= 6
 /// levels; the kernels' own head sum of SPEC 4's order (<= 6 levels), or for H = 64 on
-/// `wgmma` (`tol_lane_heads`) an fma chain over a lane's 16 heads (<= 16
+/// `wgmma` (`tol_lane_heads`, in blocks whose weights are all below 2^96 in magnitude, so
+/// that no step overflows: docs/numerics.md) an fma chain over a lane's 16 heads (<= 16
 /// roundings) and two shuffle levels; and the reference rounds its exact group sum
 /// once: in all at most (8 + 1 + 16 + 2 + 1 + 6 + 2) * 2^-24 * M < 2^-18.8 M.
 /// The stated 2^-16 keeps a 7x margin while still catching an accumulator that keeps
