@@ -5,6 +5,7 @@
 
 mod common;
 
+use approx::abs_diff_eq;
 use common::strategies::{build, shape_with};
 use common::{bits, first_diff, golden_files};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -12,9 +13,9 @@ use dsa_indexer::batch::Batch;
 use dsa_indexer::cuda::{self, kernels, CudaBackend, Hooks, Variant, TOLERANCE_LOG2};
 use dsa_indexer::dump::{Dump, RoleKind};
 use dsa_indexer::formats::{e2m1, e4m3, ue8m0};
-use dsa_indexer::indexer::{plan_for, run as run_backend, Backend};
+use dsa_indexer::indexer::{run as run_backend, Backend};
 use dsa_indexer::problem::*;
-use dsa_indexer::reference::{self, rank_key, Output};
+use dsa_indexer::reference::{self, Output};
 use ndarray::{Array1, Array2, Array3};
 use proptest::prelude::*;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -262,7 +263,7 @@ fn check_logits_bound(tag: &str, p: &Problem, got: &[f32], want: &[f32]) -> f64 
             let b = bound(p, i, j);
             let err = (x as f64 - r as f64).abs();
             assert!(
-                err <= b,
+                abs_diff_eq!(x as f64, r as f64, epsilon = b),
                 "{tag}: row {i}, key {j}: cuda {x:e}, reference {r:e}, |diff| {err:e} > bound {b:e}"
             );
             if b > 0.0 {
@@ -1492,9 +1493,7 @@ fn plan_and_measured_peak() {
     let c = Case::random(batch, 32, 128, 9);
     let p = c.problem(Params::new(64), Role::Plain);
     for budget in [1usize << 12, 1 << 16, 1 << 20, usize::MAX] {
-        let plan = plan_for(&b, &p, budget).unwrap();
-        let (_, plan2) = run_backend(&mut b, &p, budget).unwrap();
-        assert_eq!(plan, plan2);
+        let (_, plan) = run_backend(&mut b, &p, budget).unwrap();
         let m = b.device_peak().unwrap();
         assert!(
             m <= plan.peak.total(),
@@ -1502,11 +1501,11 @@ fn plan_and_measured_peak() {
             plan.peak.total()
         );
         assert!(
-            plan.peak.logits_tile <= budget.max(plan.peak.logits_tile.min(budget))
-                || plan.has_oversized_row()
+            plan.peak.logits_tile <= budget || plan.has_oversized_row(),
+            "budget {budget}: logits tile {} over the budget without an oversized row",
+            plan.peak.logits_tile
         );
     }
-    let _ = rank_key(0.0);
 }
 
 // ---- the engine API: SPEC 8's value checks of device inputs ----
