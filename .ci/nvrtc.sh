@@ -17,3 +17,5 @@ cargo test --features cuda --lib cuda::
 cargo test --features cuda,tuning --lib cuda::
 # The GPU tests compile and skip here (no libcuda): they print "no CUDA device, skipping".
 cargo test --features cuda --test cuda
+# The CUDA fuzz target and its oracle's tests compile (they run only on a GPU machine).
+cargo check --manifest-path fuzz/Cargo.toml --features cuda --all-targets

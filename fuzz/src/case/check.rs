@@ -76,8 +76,9 @@ pub fn check(spec: &Spec, backend: &mut dyn Subject) {
             return;
         }
     };
-    compare(&p, budgets, spec.threads, backend);
-    STATS.reached();
+    if compare(&p, budgets, spec.threads, backend) {
+        STATS.reached();
+    }
 }
 
 /// The case's batch after any batch defect, checked against SPEC 3; `None` when the
@@ -154,7 +155,9 @@ fn check_consumer(
             return;
         }
     };
-    compare(&p, c.budgets, spec.threads, backend);
+    if !compare(&p, c.budgets, spec.threads, backend) {
+        return;
+    }
     // SPEC 6: when every row keeps all its visible blocks, the consumer selects what a
     // plain layer would.
     let all_kept = cbatch
@@ -200,13 +203,16 @@ fn tail_batch(c: &Case, published_rows: &[(usize, usize)]) -> Batch {
     cbatch
 }
 
-fn compare(p: &Problem, budgets: [usize; 2], threads: u8, backend: &mut dyn Subject) {
+/// Whether any budget got to the comparison: a budget of 0 is only checked to be an
+/// error, and an input whose budgets are both 0 counts as skipped, not reached.
+fn compare(p: &Problem, budgets: [usize; 2], threads: u8, backend: &mut dyn Subject) -> bool {
     let want = reference::run(p);
     check_output(p, &want);
     let want_logits = reference::logits(p);
     let bound = backend.bound(p);
     // The first budget's outputs and logits: SPEC 7 and 4 hold them bitwise across budgets.
     let mut first: Option<(Output, Option<Vec<f32>>)> = None;
+    let mut compared = false;
     for budget in budgets {
         let got = backend.run(p, budget, threads);
         let logits = backend.logits(p, budget, threads);
@@ -241,6 +247,7 @@ fn compare(p: &Problem, budgets: [usize; 2], threads: u8, backend: &mut dyn Subj
                 }
             }
         }
+        compared = true;
         match &first {
             None => first = Some((out, own)),
             Some((out0, own0)) => {
@@ -256,6 +263,10 @@ fn compare(p: &Problem, budgets: [usize; 2], threads: u8, backend: &mut dyn Subj
             }
         }
     }
+    if !compared {
+        STATS.note("skipped:budget0".to_string());
+    }
+    compared
 }
 
 /// `raw`, `page` and published candidates bitwise equal to `want`'s.
