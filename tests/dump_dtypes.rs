@@ -543,20 +543,29 @@ fn pytorch_dumps_replay_as_the_same_problem_in_plain_dtypes() {
         let base = replay(&plain.bytes()).unwrap_or_else(|e| panic!("{file} in plain dtypes: {e}"));
         assert_replays_as(file, &base, &buf);
 
-        // The top-k and logits computed by the script in float64 from torch's decoding
-        // agree with the reference within SPEC 4's bound.
+        // The top-k computed by the script in float64 from torch's decoding is the
+        // reference's; its bf16 logits are within SPEC 4's bound.
         let v = &base.verdict;
-        for name in ["raw", "page", "engine_logits"] {
+        let status = |name: &str| {
             let t = v
                 .tensor(name)
                 .unwrap_or_else(|| panic!("{file}: no {name}"));
-            assert_ne!(
-                t.status.as_str(),
-                "different",
-                "{file}: {name}: {:?}",
-                t.notes
-            );
-        }
+            (t.status.as_str(), t.notes.clone())
+        };
+        assert_eq!(
+            status("raw").0,
+            "identical",
+            "{file}: {:?}",
+            status("raw").1
+        );
+        assert_eq!(
+            status("page").0,
+            "identical",
+            "{file}: {:?}",
+            status("page").1
+        );
+        let (logits, notes) = status("engine_logits");
+        assert_ne!(logits, "different", "{file}: engine_logits: {notes:?}");
         assert_ne!(v.status.as_str(), "different", "{file}");
     }
 }
