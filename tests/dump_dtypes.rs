@@ -97,7 +97,7 @@ impl File {
             );
         }
         let mut h = serde_json::to_vec(&header).unwrap();
-        while h.len() % 8 != 0 {
+        while !h.len().is_multiple_of(8) {
             h.push(b' ');
         }
         let mut out = (h.len() as u64).to_le_bytes().to_vec();
@@ -196,6 +196,9 @@ fn to_words(f: &mut File, name: &str, byte_order: fn(u32) -> [u8; 4]) {
     t.3 = bytes;
 }
 
+/// A re-encoding of some of a file's tensors.
+type Edit = fn(&mut File);
+
 const FP4_FILES: [&str; 3] = [
     // D = 128: four groups, a scale word with no padding.
     "v41_plain.safetensors",
@@ -215,7 +218,7 @@ fn fp4_dumps_replay_the_same_in_i8_f4_e8m0_and_i32_words() {
             "identical",
             "{file}: the golden file replays identical"
         );
-        let variants: [(&str, fn(&mut File)); 6] = [
+        let variants: [(&str, Edit); 6] = [
             ("q, k I8", |f| {
                 retype(f, "q", Dtype::I8);
                 retype(f, "k", Dtype::I8);
@@ -499,8 +502,11 @@ fn to_plain(f: &File) -> File {
     out
 }
 
+/// A tensor's name, dtype and shape in a file.
+type Held = (&'static str, Dtype, &'static [usize]);
+
 /// The dtypes each PyTorch file was written in (`write_torch_dump.py`).
-const TORCH_FILES: [(&str, &[(&str, Dtype, &[usize])]); 2] = [
+const TORCH_FILES: [(&str, &[Held]); 2] = [
     (
         "torch_q8_k4.safetensors",
         &[
