@@ -157,6 +157,48 @@ fn truncated(buf: &[u8]) -> Option<Error> {
     ))
 }
 
+/// When a file's header does not validate because a tensor's bytes do not fit its dtype
+/// and shape (an `F4` shape counted in packed bytes, a `BF16` tensor of the wrong
+/// length), the error naming the first such tensor.
+fn mis_sized(buf: &[u8]) -> Option<Error> {
+    let n = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?);
+    let n = usize::try_from(n).ok()?;
+    let header = buf.get(8..8usize.checked_add(n)?)?;
+    let v: serde_json::Value = serde_json::from_slice(header).ok()?;
+    let mut ts: Vec<(u64, u64, &String, &serde_json::Value)> = v
+        .as_object()?
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .filter_map(|(k, t)| {
+            let o = t.get("data_offsets")?.as_array()?;
+            Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?, k, t))
+        })
+        .collect();
+    ts.sort_by_key(|t| (t.0, t.1));
+    ts.into_iter().find_map(|(a, b, name, t)| {
+        let dtype: Dtype = serde_json::from_value(t.get("dtype")?.clone()).ok()?;
+        let shape: Vec<u64> = serde_json::from_value(t.get("shape")?.clone()).ok()?;
+        let elems = shape.iter().try_fold(1u64, |x, &y| x.checked_mul(y))?;
+        let bits = elems.checked_mul(dtype.bitsize() as u64)?;
+        let have = b.checked_sub(a)?;
+        if bits % 8 == 0 && bits / 8 == have {
+            return None;
+        }
+        let hint = if dtype == Dtype::F4 {
+            " (an F4 shape counts fp4 elements, two a byte: [.., D], not [.., D/2])"
+        } else {
+            ""
+        };
+        Some(derr(
+            name,
+            format!(
+                "dtype {dtype}, shape {shape:?}: {elems} elements of {} bits are {bits} bits, its data_offsets hold {have} bytes{hint}",
+                dtype.bitsize()
+            ),
+        ))
+    })
+}
+
 /// `H` and `D` of the metadata: the values the schema allows.
 fn check_heads_dim(meta: &Meta) -> Result<()> {
     let (h, d) = (meta.heads, meta.dim);
@@ -347,9 +389,10 @@ impl Reader<'_> {
 impl Dump {
     /// Parse a dump. Any problem is an [`Error::Dump`] naming the tensor.
     pub fn from_bytes(buf: &[u8]) -> Result<Dump> {
-        let (_, header) = SafeTensors::read_metadata(buf).map_err(|e| match truncated(buf) {
-            Some(err) => err,
-            None => derr("header", e.to_string()),
+        let (_, header) = SafeTensors::read_metadata(buf).map_err(|e| {
+            truncated(buf)
+                .or_else(|| mis_sized(buf))
+                .unwrap_or_else(|| derr("header", e.to_string()))
         })?;
         let st = SafeTensors::deserialize(buf).map_err(|e| derr("header", e.to_string()))?;
         let empty = HashMap::new();
