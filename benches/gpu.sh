@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on the H200: every GPU test, the CLI checks, the benchmark and its
+# The GPU run on an H200: every GPU test, the CLI checks, the benchmark and its
 # A/B variants, and the compute-sanitizer checks, each writing its log under $OUT
 # (default ./gpu-out).
 #
