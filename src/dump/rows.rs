@@ -134,27 +134,13 @@ impl Dump {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dump::{KData, Meta, RoleKind};
-    use crate::problem::Format;
+    use crate::dump::{KData, Meta};
     use ndarray::Array1;
 
     fn dump() -> Dump {
         let (t, l) = (3, 4);
         Dump {
-            meta: Meta {
-                heads: 8,
-                dim: 32,
-                topk: 2,
-                ratio: 1,
-                q_format: Format::E4m3,
-                k_format: Format::E4m3,
-                role: RoleKind::Plain,
-                block_size: 8,
-                num_blocks: 2048,
-                page_cols: None,
-                tail: None,
-                description: String::new(),
-            },
+            meta: Meta::plain_e4m3_h8_d32(2),
             seq_lens: vec![4],
             layout: Layout::Contiguous(vec![1]),
             q: QData::E4m3(Array3::from_shape_fn((t, 8, 32), |(i, _, _)| {

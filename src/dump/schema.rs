@@ -49,6 +49,28 @@ pub struct Meta {
     pub description: String,
 }
 
+#[cfg(test)]
+impl Meta {
+    /// A plain fp8 x fp8 layer's metadata, H = 8, D = 32, ratio 1, default blocks: the
+    /// dump module's unit tests' small problem.
+    pub(crate) fn plain_e4m3_h8_d32(topk: usize) -> Meta {
+        Meta {
+            heads: 8,
+            dim: 32,
+            topk,
+            ratio: 1,
+            q_format: Format::E4m3,
+            k_format: Format::E4m3,
+            role: RoleKind::Plain,
+            block_size: 8,
+            num_blocks: 2048,
+            page_cols: None,
+            tail: None,
+            description: String::new(),
+        }
+    }
+}
+
 /// Query tensors, owned.
 #[derive(Debug, Clone, PartialEq)]
 pub enum QData {

@@ -190,27 +190,13 @@ impl Dump {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dump::{Expected, Meta, RoleKind};
-    use crate::problem::Format;
+    use crate::dump::{Expected, Meta};
     use ndarray::{Array1, Array3};
 
     /// One request of `seq_len` tokens, its last row a query; fp8 x fp8, H = 8, D = 32.
     fn dump(seq_len: usize, query_start: usize) -> Dump {
         Dump {
-            meta: Meta {
-                heads: 8,
-                dim: 32,
-                topk: 1,
-                ratio: 1,
-                q_format: Format::E4m3,
-                k_format: Format::E4m3,
-                role: RoleKind::Plain,
-                block_size: 8,
-                num_blocks: 2048,
-                page_cols: None,
-                tail: None,
-                description: String::new(),
-            },
+            meta: Meta::plain_e4m3_h8_d32(1),
             seq_lens: vec![seq_len],
             layout: Layout::Contiguous(vec![query_start]),
             q: QData::E4m3(Array3::from_elem((1, 8, 32), 0x38)),
