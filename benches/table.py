@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""One table per workload: the crate beside its peers, from one GPU run.
+
+Reads the JSON lines of `dsa-indexer bench --device cuda --json` (ours) and of
+`benches/peers.py` (the peers) and prints, per workload of ours, a Markdown table:
+
+- ours: end to end, logits, selection (and the path counters per run);
+- DeepGEMM + FlashInfer's top-k, DeepGEMM + torch.topk (end to end);
+- DeepGEMM's logits alone, FlashInfer's top-k alone, torch.topk alone;
+- the fp4 -> fp8 conversion for V4.1 (a peer's fp4 figures run on fp8 converted from
+  the fp4 inputs, so it is added beside them);
+
+each with its ratio `peer / ours` against the part of ours it stands for (above 1: ours
+is faster). Peers are taken from the peer workload of the same shape
+(`v41-chunk-source` -> `v41-chunk`, `v41-1m-256m` -> `v41-1m`) in the mode that runs
+at ours' default budget (`row_chunked` where peers.py chunks, else `single_call`).
+
+    python3 benches/table.py DIR                 # DIR/bench.jsonl and DIR/peers.jsonl
+    python3 benches/table.py --ours A --peers B  # any two files
+
+Lines that are not JSON objects are skipped, so a whole log can be given. Exit status 0,
+or 2 when ours has no workload line.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+PEER_SHAPE = {"v41-chunk-source": "v41-chunk", "v41-1m-256m": "v41-1m"}
+EMULATED = "EMULATED:"
+
+
+def read_jsonl(path):
+    out = []
+    if path is None or not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                v = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(v, dict):
+                out.append(v)
+    return out
+
+
+class Peers:
+    """peers.py's records by (workload, mode, peer), `EMULATED:` stripped and noted."""
+
+    def __init__(self, records):
+        self.by = {}
+        self.emulated = False
+        self.flashinfer_missing = None
+        for r in records:
+            if r.get("flashinfer") is False:
+                self.flashinfer_missing = r.get("why", "not available")
+            if "peer" not in r or "workload" not in r:
+                continue
+            peer = r["peer"]
+            if peer.startswith(EMULATED):
+                peer = peer[len(EMULATED):]
+                self.emulated = True
+            self.by[(r["workload"], r.get("mode", ""), peer)] = r
+
+    def modes(self, workload):
+        return {m for (w, m, _) in self.by if w == workload and m}
+
+    def get(self, workload, mode, peer):
+        return self.by.get((workload, mode, peer)) or self.by.get((workload, "", peer))
+
+
+def ms(x):
+    return f"{x:.3f}" if isinstance(x, (int, float)) else ""
+
+
+def ratio(peer_ms, ours_ms):
+    if not isinstance(peer_ms, (int, float)) or not isinstance(ours_ms, (int, float)) or ours_ms <= 0:
+        return ""
+    return f"{peer_ms / ours_ms:.2f}"
+
+
+def peer_cell(rec):
+    """(ms or None, text): a record's median, or why there is none."""
+    if rec is None:
+        return None, "n/a"
+    if "error" in rec:
+        return None, "error: " + str(rec["error"])[:80].replace("|", "/")
+    return rec.get("median_ms"), ms(rec.get("median_ms"))
+
+
+def table(o, peers):
+    """The Markdown lines of one workload of ours `o`."""
+    name = o["name"]
+    pw = PEER_SHAPE.get(name, name)
+    modes = peers.modes(pw)
+    mode = "row_chunked" if "row_chunked" in modes else ("single_call" if "single_call" in modes else "")
+    e2e, lg, sel = o.get("median_ms"), o.get("logits_ms"), o.get("select_ms")
+    conv = peers.get(pw, "", "fp4_to_fp8_total")
+    conv_ms = conv.get("median_ms") if conv and "error" not in conv else None
+    lines = []
+    head = f"### {name}"
+    if pw != name:
+        head += f" (peers: the {pw} shape)"
+    if mode:
+        head += f", peers {mode}"
+        any_rec = next((r for (w, m, _), r in peers.by.items() if w == pw and m == mode), {})
+        if "chunks" in any_rec:
+            head += f" ({any_rec['chunks']} call{'s' if any_rec['chunks'] != 1 else ''})"
+    lines.append(head)
+    lines.append("")
+    lines.append("| part | median ms | TFLOP/s or GB/s | peer / ours |")
+    lines.append("|---|---|---|---|")
+    lines.append(f"| ours, end to end | {ms(e2e)} | {o.get('tflops', 0):.1f} TFLOP/s | |")
+    lines.append(f"| ours, logits | {ms(lg)} | {o.get('logits_tflops', 0):.1f} TFLOP/s | |")
+    lines.append(f"| ours, selection | {ms(sel)} | {o.get('topk_gbs', 0):.0f} GB/s | |")
+    rows = [
+        ("DeepGEMM + FlashInfer top-k", "deepgemm+flashinfer_top_k_page_table_transform", e2e, "tflops", True),
+        ("DeepGEMM + torch.topk", "deepgemm+torch_topk", e2e, "tflops", True),
+        ("DeepGEMM logits alone", "deepgemm_fp8_mqa_logits", lg, "tflops", False),
+        ("FlashInfer top-k alone", "flashinfer_top_k_page_table_transform", sel, "gbs", False),
+        ("torch.topk alone", "torch_topk", sel, "gbs", False),
+    ]
+    for label, peer, ours_ms, unit, plus_conv in rows:
+        rec = peers.get(pw, mode, peer) if mode else None
+        t, text = peer_cell(rec)
+        rate = ""
+        if t is not None and unit == "tflops" and rec.get("effective_tflops") is not None:
+            rate = f"{rec['effective_tflops']:.1f} TFLOP/s"
+        elif t is not None and unit == "gbs" and rec.get("gbs_valid") is not None:
+            rate = f"{rec['gbs_valid']:.0f} GB/s"
+        r = ratio(t, ours_ms)
+        if t is not None and plus_conv and conv_ms is not None:
+            text += f" (+{conv_ms:.3f} conversion)"
+            r += f" ({ratio(t + conv_ms, ours_ms)} with it)"
+        lines.append(f"| {label} | {text} | {rate} | {r} |")
+    if conv is not None:
+        t, text = peer_cell(conv)
+        lines.append(f"| fp4 -> fp8 conversion (V4.1, q + k) | {text} | | |")
+    lines.append("")
+    notes = []
+    p, f = o.get("topk_paths"), o.get("fold_counts")
+    if p:
+        notes.append("top-k rows per run: " + ", ".join(f"{k} {v}" for k, v in p.items()))
+    if f and any(f.values()):
+        qf, qp = f.get("query_blocks_folded", 0), f.get("query_blocks_plain", 0)
+        share = f" ({100.0 * qf / (qf + qp):.1f} % folded)" if qf + qp else ""
+        notes.append("exact-class fold counters per run: " + ", ".join(f"{k} {v}" for k, v in f.items()) + share)
+    fi = peers.get(pw, mode, "flashinfer_top_k_page_table_transform") if mode else None
+    if fi and fi.get("flashinfer_algorithm"):
+        notes.append(f"FlashInfer took {fi['flashinfer_algorithm']}; its selection: {fi.get('flashinfer_selection', '?')}")
+    lines.extend(f"- {n}" for n in notes)
+    if notes:
+        lines.append("")
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir", nargs="?", help="folder with bench.jsonl and peers.jsonl")
+    ap.add_argument("--ours", help="dsa-indexer bench --json lines (default DIR/bench.jsonl)")
+    ap.add_argument("--peers", help="benches/peers.py lines (default DIR/peers.jsonl)")
+    a = ap.parse_args(argv)
+    if a.dir is None and a.ours is None:
+        ap.error("give DIR or --ours")
+    ours_path = a.ours or os.path.join(a.dir, "bench.jsonl")
+    peers_path = a.peers or (os.path.join(a.dir, "peers.jsonl") if a.dir else None)
+    ours = [r for r in read_jsonl(ours_path) if "name" in r and "median_ms" in r]
+    peers = Peers(read_jsonl(peers_path))
+    if not ours:
+        print(f"table.py: no workload line of dsa-indexer bench in {ours_path}", file=sys.stderr)
+        return 2
+    device = ours[0].get("device", "?")
+    print(f"## Ours and the peers on {device}, one run")
+    print()
+    if peers.emulated:
+        print("EMULATED: the peer figures below come from peers.py --emulate; they are no peer figures.")
+        print()
+    if not peers.by:
+        print(f"No peer figures ({peers_path or 'no peers file'}).")
+        print()
+    elif peers.flashinfer_missing:
+        print(f"flashinfer: not available ({peers.flashinfer_missing})")
+        print()
+    for o in ours:
+        print("\n".join(table(o, peers)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
