@@ -15,9 +15,20 @@ the same GPU. Peers:
   `clean_logits=True` (what an engine that calls torch.topk on DeepGEMM's output
   passes), and a torch `masked_fill_` of a column-index comparison (`torch_mask`,
   timed on its own).
-- FlashInfer's radix top-k (`flashinfer.top_k_ragged_transform` on the unmasked
-  logits, `flashinfer.top_k` on the masked ones), only when `import flashinfer`
-  works; otherwise the script prints "flashinfer: not available".
+- FlashInfer's radix top-k as an engine calls it on DeepGEMM's logits:
+  `flashinfer.top_k_page_table_transform(logits, page_table, lengths, K, row_to_batch,
+  row_starts=ks)` on the unmasked, strided `[T, L]` logits, one request's identity page
+  table (so an index comes back as the key `ks + i`), `lengths = ke - ks`. (Its ragged
+  variant wants contiguous rows, which DeepGEMM's padded view is not; the page-table
+  entry takes the row stride.) It runs through our C ABI
+  (`benches/flashinfer_topk/binding.cu`: the call FlashInfer's own launcher makes, its
+  FilteredTopK / multi-CTA RadixTopK heuristic included), built from the
+  flashinfer-python wheel by `benches/flashinfer_topk/build.sh` into
+  `.whl/flashinfer_topk/libdsa_fi_topk.so` (or `--flashinfer-so`, or
+  `$DSA_FI_TOPK_SO`) and loaded with ctypes. Its selection is checked against
+  `torch.topk`'s on the same logits, up to exact ties (`--check`, and once per workload).
+  When the library is missing or does not load, the script prints
+  "flashinfer: not available (why)" and measures the rest.
 - Two ceilings, once per run: a 2 GiB device-to-device copy (GB/s read + write) and
   8192^3 matmuls through torch (bf16, and fp8 e4m3 through `torch._scaled_mm`).
 
@@ -29,13 +40,20 @@ Workloads (one request of `S` tokens, its last `rows` positions as query rows, r
 | v32-16k   | e4m3 x e4m3 | 64 | 128 | 2048 | 16384   | 16384 |
 | v32-64k   | e4m3 x e4m3 | 64 | 128 | 2048 | 65536   | 65536 |
 | v41-chunk | e2m1 x e2m1 | 32 | 128 | 512  | 262144  | 4096  |
+| v41-chunk-wide | e2m1 x e2m1, uniform scales | 32 | 128 | 512 | 262144 | 4096 |
 | v41-1m    | e2m1 x e2m1 | 32 | 128 | 512  | 1048576 | 16384 |
 
-Inputs are drawn as bench.rs draws them, in distribution, not bit for bit (torch's
-generator, not ChaCha8): E4M3 codes are uniform random bytes with the NaN codes
-(`b & 0x7F == 0x7F`) mapped to `b & 0xF7`, per-key scales uniform in [0.5, 2),
-weights uniform in [-1, 1); E2M1 bytes are uniform random bytes and UE8M0 block
-scales uniform in 124..=130 (2^-3 .. 2^3), one per 32 elements.
+Inputs are drawn as `dsa-indexer bench` (src/bin/cli/bench.rs) draws them, in
+distribution, not bit for bit (torch's generator, not ChaCha8): E4M3 codes are uniform
+random bytes with the NaN codes (`b & 0x7F == 0x7F`) mapped to `b & 0xF7`, per-key
+scales uniform in [0.5, 2), weights uniform in [-1, 1). fp4 inputs are engine-like: f32
+activations, each element a standard normal times `2^u_c` with one `u_c` per channel
+(per (head, channel) for queries, per channel for keys) uniform in [-2, 2], through a
+torch copy of SPEC 2's fp4 block quantizer (DeepGEMM's floor; `--check` compares it with
+the crate's golden quantizer vectors). `v41-chunk-wide` keeps the stress draw: uniform
+random E2M1 bytes and UE8M0 block scales uniform in 124..=130 (2^-3 .. 2^3), one per 32
+elements. `dsa-indexer bench`'s v41-chunk-source and v41-1m-256m have the shapes of
+v41-chunk and v41-1m here.
 
 fp4 workloads: on SM90 this DeepGEMM has no fp4 logits kernel (its fp4 path is
 SM100 only). The script probes it once in a child process, so that a failure cannot
@@ -43,9 +61,14 @@ take the measuring process down, and prints what the probe said. Then the peer r
 E4M3 converted from the fp4 data: q and k are decoded to f32 (code value times its
 block scale) and quantized to E4M3 with a power-of-two scale per (row, head) of q and
 per key of k (`scale = 2^ceil(log2(max(amax, 1e-4) / 448))`), the q scale folded into
-the weights and the k scale passed as DeepGEMM's per-key scale. On these inputs the
-conversion is exact (an E2M1 value times a power of two has two significant bits, and
-a row's dynamic range is at most 768), which the script verifies: the peer then
+the weights and the k scale passed as DeepGEMM's per-key scale. The conversion is exact
+when each vector's group scales (over groups holding a nonzero code) span at most 14
+binades: every value of group g is a multiple of `0.5 * 2^(e_g - 127)` with at most two
+significant bits, the vector's scale is at most `2^(e_max - 127 - 6)` (`amax <= 6 *
+2^(e_max - 127)`, and `6 / 448` rounds up to `2^-6`), so every scaled value is a
+multiple of `2^(e_g - e_max - 1 + 6) >= 2^-9`, E4M3's subnormal step, and at most 448.
+The engine-like draw spans a binade or two and the uniform one at most 6, so it holds on
+every workload; the script verifies it bit for bit (`conversion_exact`): the peer then
 computes the same function as the crate. The conversion (torch ops, not a fused
 kernel) is timed on its own and reported, q and k apart; it is not part of any other
 figure.
@@ -66,9 +89,11 @@ repetitions. Effective TFLOP/s = `2 * valid_pairs * H * D / t` with
 read (`4 * rows * L / t`, what torch.topk reads) and as `4 * valid_pairs / t` (the
 crate's `topk_gbs`).
 
-Output: one JSON line per workload, mode and peer part, then a human table.
+Output: one JSON line per workload, mode and peer part, then a human table
+(`benches/table.py` puts them beside `dsa-indexer bench --json`'s lines).
 Exit status: 0 when every requested part ran, 1 when a workload (or a check) failed,
-2 when deep_gemm cannot be imported.
+2 when deep_gemm cannot be imported. FlashInfer being unavailable is not a failure;
+a FlashInfer call that fails, or selects differently from torch.topk, is.
 
 Usage (on the GPU machine; the wheels in `.whl/`):
 
@@ -82,17 +107,24 @@ to fp8; H = 32 and 64) against a float64 reference computed in torch, and report
 `max |x - ref| / M` as a power of two, `M = kscale * sum_h |w_h| * sum_d |q_d k_d|`
 (block scales included): the tolerance class of SPEC 4 bounds it by 2^-8. It also
 checks that `clean_logits=True` writes -inf outside `[ks, ke)` and the same bits
-inside, that row chunks give the same bits as one call, and that top-k after the mask
-selects only visible keys.
+inside, that row chunks give the same bits as one call, that top-k after the mask
+selects only visible keys, and that FlashInfer's top-k on the unmasked logits selects
+the same values as torch.topk on the masked ones (ragged rows, rows shorter than K).
+First it compares the torch fp4 block quantizer with the crate's golden vectors
+(`tests/golden/quantizers.safetensors`). `benches/peers_test.py` tests the selection
+comparison, the quantizer and the loader on the CPU.
 
 `--emulate` replaces deep_gemm by a torch stand-in (`EmulatedDeepGemm`, the same
-formula in f32) so the harness can be tried on a machine without a GPU, e.g.
+formula in f32), and FlashInfer by one too (`EmulatedFlashInferTopK`, the page-table
+transform's contract in torch; unless `--flashinfer-so` names a library), so the
+harness can be tried on a machine without a GPU, e.g.
 `python3 benches/peers.py --emulate --shrink 128 --reps 1 --check`. Its figures are
 labelled `EMULATED:` and are never peer figures. `--shrink N` divides S and rows by N
 (and the budget by N^2, so the chunk count stays), for quick trials.
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import math
@@ -116,6 +148,7 @@ WORKLOADS = {
     "v32-16k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=16384, rows=16384),
     "v32-64k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=65536, rows=65536),
     "v41-chunk": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=262144, rows=4096),
+    "v41-chunk-wide": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=262144, rows=4096, draw="uniform"),
     "v41-1m": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=1 << 20, rows=16384),
 }
 
@@ -253,6 +286,83 @@ def ue8m0_to_f32(e):
     return torch.where(e == 0, torch.full_like(bits, 2.0**-127), bits)
 
 
+def ue8m0_ceil(x):
+    """SPEC 2's UE8M0 byte of the smallest power of two >= x (f32, > 0), clamped to [1, 254]
+    (src/formats/ue8m0.rs `encode_ceil`; an f32 subnormal gives 1)."""
+    bits = x.contiguous().view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    e = torch.where(exp == 0, torch.ones_like(exp), exp + ((bits & 0x7FFFFF) != 0).to(torch.int32))
+    return e.clamp(1, 254).to(torch.uint8)
+
+
+# E2M1 code of each doubled magnitude 0..12 (entries off the grid are never looked up).
+E2M1_CODE_OF_DOUBLED = [0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7]
+
+
+def encode_e2m1(y):
+    """SPEC 2's E2M1 codes of f32 `y`: round to nearest, ties to even, saturating to +-6; a
+    result that rounds to zero is +0 (src/formats/e2m1.rs `encode`)."""
+    a = y.abs()
+    quantum = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    v = (torch.round(a / quantum) * quantum).clamp_max(6.0)  # torch.round: half to even
+    table = torch.tensor(E2M1_CODE_OF_DOUBLED, dtype=torch.uint8, device=y.device)
+    idx = table[(2.0 * v).long()]
+    return torch.where((y < 0) & (v != 0), idx | 8, idx)
+
+
+def quantize_fp4_blocks(x):
+    """SPEC 2's fp4 block quantizer (DeepGEMM's floor) over the last dim of f32 `x` (a
+    multiple of 32): per 32 elements `scale = pow2ceil(max(amax, 1e-4) / 6)` (the division
+    in f32), codes of `x / scale`. Returns packed codes `[..., D/2]` (element 2i in the low
+    nibble) and UE8M0 bytes `[..., D/32]`, as src/formats/quant.rs `quantize_fp4_blocks`."""
+    if not torch.isfinite(x).all():
+        raise ValueError("quantize_fp4_blocks: x holds NaN or infinity")
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = g.abs().amax(dim=-1)
+    e = ue8m0_ceil(amax.clamp_min(1e-4) / 6.0)
+    codes = encode_e2m1(g / ue8m0_to_f32(e)[..., None]).reshape(x.shape)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), e
+
+
+CHANNEL_LOG2_SPREAD = 2.0
+
+
+def engine_like_fp4(shape, channels, g, dev):
+    """Engine-like fp4 vectors of `shape` (`[..., P, D]`, `channels` the `[P, D]`
+    per-channel exponents): f32 activations, a standard normal times `2^u_c`, through
+    SPEC 2's fp4 block quantizer. As src/bin/cli/workload.rs draws them, in distribution."""
+    x = torch.randn(shape, generator=g, device=dev, dtype=torch.float32) * torch.exp2(channels)
+    return quantize_fp4_blocks(x)
+
+
+def channel_exponents(shape, g, dev):
+    """Per-channel exponents `u_c`, uniform in [-CHANNEL_LOG2_SPREAD, CHANNEL_LOG2_SPREAD]."""
+    return rand_uniform(shape, -CHANNEL_LOG2_SPREAD, CHANNEL_LOG2_SPREAD, g, dev)
+
+
+def read_safetensors(path):
+    """The tensors of a safetensors file (U8 and F32 only) as CPU torch tensors."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    dtypes = {"U8": torch.uint8, "F32": torch.float32}
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=dtypes[t["dtype"]]).reshape(t["shape"])
+    return out
+
+
+def quantizer_matches_golden(path):
+    """The torch fp4 block quantizer against the crate's golden quantizer vectors."""
+    t = read_safetensors(path)
+    packed, scale = quantize_fp4_blocks(t["x"])
+    return bool(torch.equal(packed, t["expected_fp4_packed"]) and torch.equal(scale, t["expected_fp4_scale"]))
+
+
 def decode_e2m1(packed, scale):
     """Packed E2M1 `[..., D/2]` (element 2i in the low nibble) times its UE8M0 block scales
     `[..., D/32]`, as f32 `[..., D]`. Exact: a code value times a power of two."""
@@ -289,6 +399,18 @@ def convert_k(k4, ks8):
     return k8, s.contiguous()
 
 
+def scale_span_stats(p):
+    """How far each fp4 vector's group scales spread: the share of query (row, head)
+    vectors and of keys whose UE8M0 bytes span 0, 1, ... binades (max - min)."""
+
+    def shares(e):
+        sp = (e.amax(dim=-1).to(torch.int32) - e.amin(dim=-1).to(torch.int32)).flatten()
+        counts = torch.bincount(sp, minlength=int(sp.max()) + 1).tolist()
+        return [round(c / sp.numel(), 6) for c in counts]
+
+    return {"q": shares(p.qs), "k": shares(p.ks8)}
+
+
 def conversion_exact(p):
     """True when problem `p`'s E4M3 data times its scales is its fp4 data, bit for bit,
     and its folded weights are `w` times the query scales."""
@@ -309,14 +431,24 @@ def conversion_exact(p):
 class Problem:
     """One input set: what the crate takes (fp8 or fp4) and what DeepGEMM takes (fp8)."""
 
-    def __init__(self, fp4, t, l, h, d, g, dev):
+    def __init__(self, fp4, t, l, h, d, g, dev, draw="engine"):
         self.fp4 = fp4
         self.w = rand_uniform((t, h), -1.0, 1.0, g, dev)
-        if fp4:
+        if fp4 and draw == "uniform":
             self.q4 = rand_bytes((t, h, d // 2), g, dev)
             self.qs = rand_bytes((t, h, d // 32), g, dev, 124, 131)
             self.k4 = rand_bytes((l, d // 2), g, dev)
             self.ks8 = rand_bytes((l, d // 32), g, dev, 124, 131)
+        elif fp4:
+            qc = channel_exponents((h, d), g, dev)
+            kc = channel_exponents((d,), g, dev)
+            self.q4, self.qs = engine_like_fp4((t, h, d), qc, g, dev)
+            # Keys in slices, so the f32 activations of a long request never exist at once.
+            step = 1 << 18
+            parts = [engine_like_fp4((min(step, l - a), d), kc, g, dev) for a in range(0, l, step)]
+            self.k4 = torch.cat([p[0] for p in parts])
+            self.ks8 = torch.cat([p[1] for p in parts])
+        if fp4:
             self.q8 = self.w8 = self.k8 = self.kscale = self.qscale = None
         else:
             self.q8 = rand_e4m3((t, h, d), g, dev)
@@ -384,13 +516,136 @@ def mask_invalid_(logits, ks, ke):
     return logits
 
 
-def load_flashinfer():
-    try:
-        import flashinfer  # noqa: F401
+FI_ABI_VERSION = 1
+FI_DEFAULT_SO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".whl", "flashinfer_topk", "libdsa_fi_topk.so")
 
-        return flashinfer, None
-    except Exception as e:  # not installed, or its JIT cannot run here
-        return None, f"{type(e).__name__}: {e}"
+
+class FlashInferTopK:
+    """FlashInfer's top-k page-table transform through our C ABI (benches/flashinfer_topk).
+
+    `prepare(ks, ke, l)` builds what an engine holds for one prefill request (lengths, row
+    starts, a one-request identity page table, the row-to-request map) outside any timed
+    region; `page_table_transform(logits, meta, k)` is the timed call: `[T, k]` int32 key
+    indices `ks + i`, -1 past a row's length, in no particular order."""
+
+    name = "flashinfer"
+
+    def __init__(self, path):
+        lib = ctypes.CDLL(os.path.abspath(path))
+        lib.dsa_fi_abi_version.restype = ctypes.c_int
+        got = lib.dsa_fi_abi_version()
+        if got != FI_ABI_VERSION:
+            raise RuntimeError(f"{path}: ABI version {got}, expected {FI_ABI_VERSION} (rebuild it with build.sh)")
+        lib.dsa_fi_row_state_bytes.restype = ctypes.c_int64
+        lib.dsa_fi_uses_filtered.restype = ctypes.c_int
+        lib.dsa_fi_uses_filtered.argtypes = [ctypes.c_uint32] * 3 + [ctypes.c_int]
+        lib.dsa_fi_error_string.restype = ctypes.c_char_p
+        lib.dsa_fi_error_string.argtypes = [ctypes.c_int]
+        f = lib.dsa_fi_top_k_page_table_transform
+        f.restype = ctypes.c_int
+        vp, i64, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32
+        f.argtypes = [vp, i64, vp, vp, i64, vp, vp, vp, u32, u32, u32, vp, ctypes.c_int, vp]
+        self.lib, self.path, self.row_states = lib, path, None
+
+    def algorithm(self, rows, k, l):
+        """Which kernel FlashInfer's heuristic takes for f32 rows of this shape."""
+        return "FilteredTopK" if self.lib.dsa_fi_uses_filtered(rows, k, l, 0) else "RadixTopK multi-CTA"
+
+    def prepare(self, ks, ke, l):
+        dev = ks.device
+        return {
+            "lengths": (ke - ks).to(torch.int32).contiguous(),
+            "starts": ks.to(torch.int32).contiguous(),
+            "table": torch.arange(l, dtype=torch.int32, device=dev)[None, :],
+            "row_to_batch": torch.zeros_like(ks, dtype=torch.int32),
+        }
+
+    def page_table_transform(self, logits, meta, k):
+        t, l = logits.shape
+        if not logits.is_cuda or logits.dtype != torch.float32 or logits.stride(1) != 1:
+            raise ValueError(f"flashinfer top-k: wants CUDA f32 rows with unit column stride, got {logits.device} {logits.dtype} strides {logits.stride()}")
+        if meta["lengths"].shape != (t,) or meta["table"].shape[1] < l or not 0 < k <= 1 << 16:
+            raise ValueError(f"flashinfer top-k: metadata for {meta['lengths'].shape[0]} rows of {meta['table'].shape[1]} keys, logits [{t}, {l}], k = {k}")
+        if self.row_states is None or self.row_states.device != logits.device:
+            self.row_states = torch.zeros(self.lib.dsa_fi_row_state_bytes(), dtype=torch.uint8, device=logits.device)
+        out = torch.empty((t, k), dtype=torch.int32, device=logits.device)
+        rc = self.lib.dsa_fi_top_k_page_table_transform(
+            logits.data_ptr(), logits.stride(0), out.data_ptr(), meta["table"].data_ptr(), meta["table"].stride(0),
+            meta["lengths"].data_ptr(), meta["starts"].data_ptr(), meta["row_to_batch"].data_ptr(),
+            t, k, l, self.row_states.data_ptr(), 0, torch.cuda.current_stream(logits.device).cuda_stream,
+        )
+        if rc != 0:
+            raise RuntimeError(f"flashinfer top-k: CUDA error {rc} ({self.lib.dsa_fi_error_string(rc).decode()})")
+        return out
+
+
+class EmulatedFlashInferTopK(FlashInferTopK):
+    """Stand-in for FlashInferTopK under `--emulate`: NOT a peer. The page-table transform's
+    contract in torch (the top k of each row's window, through the identity table)."""
+
+    name = "EMULATED:flashinfer"
+
+    def __init__(self):
+        self.path, self.row_states = "emulated", None
+
+    def algorithm(self, rows, k, l):
+        return "emulated"
+
+    def page_table_transform(self, logits, meta, k):
+        t, l = logits.shape
+        s0, n = meta["starts"].long(), meta["lengths"].long()
+        cols = torch.arange(l, device=logits.device)[None, :]
+        inside = (cols >= s0[:, None]) & (cols < (s0 + n)[:, None])
+        idx = torch.where(inside, logits, float("-inf")).topk(min(k, l), dim=-1).indices
+        keys = meta["table"][0].long()[idx]
+        out = torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
+        out[:, : idx.shape[1]] = torch.where(torch.arange(idx.shape[1], device=logits.device)[None, :] < n[:, None], keys, -1).to(torch.int32)
+        return out
+
+
+def load_flashinfer(path, emulated):
+    """(the FlashInfer peer, None) or (None, why not)."""
+    if emulated and path is None:
+        return EmulatedFlashInferTopK(), None
+    path = path or os.environ.get("DSA_FI_TOPK_SO") or FI_DEFAULT_SO
+    if not os.path.exists(path):
+        return None, f"no {os.path.normpath(path)}; build it with benches/flashinfer_topk/build.sh"
+    try:
+        return FlashInferTopK(path), None
+    except Exception as e:
+        return None, f"{os.path.normpath(path)}: {type(e).__name__}: {e}"
+
+
+def same_selection(logits, ks, ke, got, k):
+    """Whether `got` (`[T, k]` key indices, -1 padded) is a top-k of each row's visible
+    logits `[ks, ke)`: the same values as torch.topk's, so equal up to exact ties, with
+    distinct visible keys and -1 exactly past `min(k, ke - ks)`. Returns (ok, why)."""
+    t, l = logits.shape
+    dev = logits.device
+    m = (ke - ks).long().clamp(0, k)
+    pos = torch.arange(k, device=dev)[None, :]
+    valid = pos < m[:, None]
+    if got.shape != (t, k):
+        return False, f"shape {tuple(got.shape)}, expected {(t, k)}"
+    if not torch.equal(got < 0, ~valid):
+        return False, "the -1 padding is not exactly past min(k, ke - ks)"
+    g = got.long().clamp_min(0)
+    if not bool(((g >= ks[:, None]) & (g < ke[:, None]))[valid].all()):
+        return False, "a selected key outside its row's [ks, ke)"
+    srt = torch.where(valid, g, -1 - pos).sort(dim=1).values
+    if bool((srt[:, 1:] == srt[:, :-1]).any()):
+        return False, "a key selected twice in one row"
+    mine = torch.where(valid, logits.gather(1, g), float("-inf")).sort(dim=1, descending=True).values
+    masked = mask_invalid_(logits.clone(), ks, ke)
+    ref = torch.topk(masked, min(k, l), dim=-1).values
+    ref = torch.nn.functional.pad(ref, (0, k - ref.shape[1]), value=float("-inf"))
+    ref = torch.where(valid, ref, float("-inf"))
+    del masked
+    bad = (mine != ref).any(dim=1)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0])
+        return False, f"{int(bad.sum())} rows select other values than torch.topk (first: row {r})"
+    return True, "same values as torch.topk (equal up to ties)"
 
 
 def row_layout(s, rows, dev):
@@ -472,6 +727,7 @@ class Shape:
     def __init__(self, name, spec, shrink, budget):
         self.name = name if shrink == 1 else f"{name}/shrink{shrink}"
         self.fp4 = spec["fp4"]
+        self.draw = spec.get("draw", "engine")
         self.h, self.d = spec["heads"], spec["dim"]
         self.s = max(1, spec["seq_len"] // shrink)
         self.t = max(1, min(self.s, spec["rows"] // shrink))
@@ -492,6 +748,7 @@ class Shape:
             "topk": self.k,
             "valid_pairs": self.valid_pairs,
             "format": "e2m1 x e2m1 (run as e4m3 x e4m3)" if self.fp4 else "e4m3 x e4m3",
+            **({"fp4_draw": "uniform scales 124..=130" if self.draw == "uniform" else "engine-like (quantized normal activations)"} if self.fp4 else {}),
         }
 
 
@@ -503,7 +760,8 @@ class Runner:
         self.dev = dev
         self.clock = Clock(dev)
         self.records = []
-        self.fi, self.fi_why = load_flashinfer()
+        self.failures = []
+        self.fi, self.fi_why = load_flashinfer(args.flashinfer_so, emulated)
         self.fp4_probe = None
         self.device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 
@@ -530,12 +788,12 @@ class Runner:
         base = sh.meta()
         full_max = self.args.full_max // (self.args.shrink * self.args.shrink)
         g = torch.Generator(device=self.dev).manual_seed(0x5EED)
-        first = Problem(sh.fp4, sh.t, sh.l, sh.h, sh.d, g, self.dev)
+        first = Problem(sh.fp4, sh.t, sh.l, sh.h, sh.d, g, self.dev, sh.draw)
         if sh.fp4:
             first.convert()
         set_bytes = first.fp8_bytes()
         nsets = 1 if set_bytes >= 2 * L2_BYTES else min(4, math.ceil(2 * L2_BYTES / set_bytes))
-        sets = [first] + [Problem(sh.fp4, sh.t, sh.l, sh.h, sh.d, g, self.dev) for _ in range(nsets - 1)]
+        sets = [first] + [Problem(sh.fp4, sh.t, sh.l, sh.h, sh.d, g, self.dev, sh.draw) for _ in range(nsets - 1)]
         if sh.fp4:
             for p in sets[1:]:
                 p.convert()
@@ -558,6 +816,8 @@ class Runner:
             base["fp4_direct"] = bool(self.fp4_probe.get("fp4_direct"))
 
         self.sample_check(sh, base, sets[0], ks, ke)
+        if sh.fp4:
+            base["group_scale_span"] = scale_span_stats(sets[0])
 
         plan = chunk_plan(sh.t, sh.l, sh.budget)
         modes = [("row_chunked" if len(plan) > 1 else "single_call", plan)]
@@ -613,14 +873,19 @@ class Runner:
         def args_of(p, a, b):
             return p.q8[a:b], p.k8, p.kscale, p.w8[a:b], ks[a:b], ke[a:b]
 
+        fi_meta = {}
+        if fi is not None:
+            for a, b in chunks:
+                fi_meta[a] = fi.prepare(ks[a:b], ke[a:b], sh.l)
+
         def e2e(p, how):
             for a, b in chunks:
                 q8, k8, sc, w8, s0, s1 = args_of(p, a, b)
                 lg = dg_logits(dg, q8, k8, sc, w8, s0, s1, how == "clean")
                 if how == "mask":
                     mask_invalid_(lg, s0, s1)
-                if how == "fi_ragged":
-                    fi.top_k_ragged_transform(lg, s0, s1 - s0, K)
+                if how == "fi":
+                    fi.page_table_transform(lg, fi_meta[a], K)
                 else:
                     torch.topk(lg, K, dim=-1)
                 del lg
@@ -633,6 +898,22 @@ class Runner:
         clock.sync()
 
         fi_errors = {}
+        if fi is not None:
+            # FlashInfer's selection against torch.topk's on the first chunk's logits.
+            try:
+                a, b = chunks[0]
+                lg = dg_logits(dg, q8, k8, sc, w8, s0, s1, False)
+                ok, why = same_selection(lg, s0, s1, fi.page_table_transform(lg, fi_meta[a], K), K)
+                mb["flashinfer_algorithm"] = fi.algorithm(b - a, K, sh.l)
+                mb["flashinfer_selection_ok"] = ok
+                mb["flashinfer_selection"] = why
+                del lg
+                if not ok:
+                    self.failures.append(f"{sh.name}: flashinfer's selection: {why}")
+            except Exception as e:
+                fi_errors["fi"] = fi_errors["e2e_fi"] = f"{type(e).__name__}: {e}"
+                self.failures.append(f"{sh.name}: flashinfer: {fi_errors['fi']}")
+            free_memory()
         runs = {}
         for rep in range(self.args.reps + 1):
             p = sets[rep % len(sets)]
@@ -649,6 +930,7 @@ class Runner:
                     add(key, ms)
                 except Exception as e:
                     fi_errors[key] = f"{type(e).__name__}: {e}"
+                    self.failures.append(f"{sh.name}: flashinfer: {fi_errors[key]}")
 
             for a, b in chunks:
                 q8, k8, sc, w8, s0, s1 = args_of(p, a, b)
@@ -663,13 +945,11 @@ class Runner:
                 ms, lg = clock.time(lambda: dg_logits(dg, q8, k8, sc, w8, s0, s1, False))
                 add("logits", ms)
                 if fi is not None:
-                    try_fi("fi_ragged", lambda: fi.top_k_ragged_transform(lg, s0, s1 - s0, K))
+                    try_fi("fi", lambda: fi.page_table_transform(lg, fi_meta[a], K))
                 ms, _ = clock.time(lambda: mask_invalid_(lg, s0, s1))
                 add("mask", ms)
                 ms, _ = clock.time(lambda: torch.topk(lg, K, dim=-1))
                 add("topk", ms)
-                if fi is not None:
-                    try_fi("fi_topk", lambda: fi.top_k(lg, K))
                 del lg
                 ms, lg = clock.time(lambda: dg_logits(dg, q8, k8, sc, w8, s0, s1, True))
                 add("logits_clean", ms)
@@ -679,7 +959,7 @@ class Runner:
             ms, _ = clock.time(lambda: e2e(p, "mask"))
             add("e2e_mask", ms)
             if fi is not None:
-                try_fi("e2e_fi", lambda: e2e(p, "fi_ragged"))
+                try_fi("e2e_fi", lambda: e2e(p, "fi"))
             if rep:
                 for key, v in acc.items():
                     runs.setdefault(key, []).append(v)
@@ -711,19 +991,15 @@ class Runner:
         self.record(mb, "torch_mask", what="masked_fill_(-inf) outside [ks, ke)", **rates(st["median_ms"]), **st)
         st = self.stats(runs["topk"])
         self.record(mb, "torch_topk", sorted=True, **rates(st["median_ms"]), **st)
-        for key, peer in (
-            ("fi_ragged", "flashinfer_top_k_ragged_transform"),
-            ("fi_topk", "flashinfer_top_k"),
-        ):
-            if key in fi_errors:
-                self.record(mb, peer, error=fi_errors[key])
-            elif key in runs:
-                st = self.stats(runs[key])
-                self.record(mb, peer, **rates(st["median_ms"]), **st)
+        if "fi" in fi_errors:
+            self.record(mb, "flashinfer_top_k_page_table_transform", error=fi_errors["fi"])
+        elif "fi" in runs:
+            st = self.stats(runs["fi"])
+            self.record(mb, "flashinfer_top_k_page_table_transform", library=fi.path, **rates(st["median_ms"]), **st)
         for key, peer, how in (
             ("e2e_clean", "deepgemm+torch_topk", "clean_logits=True"),
             ("e2e_mask", "deepgemm+torch_mask+torch_topk", "clean_logits=False, then torch masked_fill_"),
-            ("e2e_fi", "deepgemm+flashinfer_top_k_ragged_transform", "clean_logits=False, ragged top-k"),
+            ("e2e_fi", "deepgemm+flashinfer_top_k_page_table_transform", "clean_logits=False, page-table top-k with row starts"),
         ):
             if key in fi_errors:
                 self.record(mb, peer, error=fi_errors[key])
@@ -803,8 +1079,18 @@ class Runner:
     # -- the check ------------------------------------------------------------------------
 
     def check(self):
-        """DeepGEMM against the float64 reference on small ragged problems."""
+        """The torch fp4 quantizer against the crate's golden vectors, then DeepGEMM
+        against the float64 reference (and FlashInfer's selection against torch.topk's)
+        on small ragged problems."""
         ok_all = True
+        golden = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", "quantizers.safetensors")
+        try:
+            ok = quantizer_matches_golden(golden)
+            emit({"check": "torch fp4 block quantizer vs tests/golden/quantizers.safetensors", "pass": ok})
+        except Exception as e:
+            ok = False
+            emit({"check": "torch fp4 block quantizer vs tests/golden/quantizers.safetensors", "pass": False, "error": f"{type(e).__name__}: {e}"})
+        ok_all &= ok
         t, l, d, kk = 99, 3000, 128, 64
         for fp4 in (False, True):
             for h in (64, 32):
@@ -856,12 +1142,22 @@ class Runner:
         long_rows = (ke - ks) >= kk
         vis = (idx >= ks[:, None]) & (idx < ke[:, None])
         rec["topk_selects_visible"] = bool(vis[long_rows].all())
+        fi_ok = True
+        if self.fi is not None:
+            try:
+                got = self.fi.page_table_transform(lg, self.fi.prepare(ks, ke, l), kk)
+                fi_ok, why = same_selection(lg, ks, ke, got, kk)
+            except Exception as e:
+                fi_ok, why = False, f"{type(e).__name__}: {e}"
+            rec["flashinfer_selection_ok"] = fi_ok
+            rec["flashinfer_selection"] = why
         rec["pass"] = bool(
             err <= 2.0**SPEC_BOUND_LOG2
             and rec["clean_logits_ok"]
             and rec["row_chunks_same_bits"]
             and rec["topk_selects_visible"]
             and rec.get("conversion_exact", True)
+            and fi_ok
         )
         if self.emulated:
             rec["emulated"] = True
@@ -914,6 +1210,7 @@ def main():
     ap.add_argument("--no-ceilings", action="store_true", help="skip the copy and matmul ceilings")
     ap.add_argument("--emulate", action="store_true", help="torch stand-in for deep_gemm (harness tests; no peer figures)")
     ap.add_argument("--shrink", type=int, default=1, help="divide S and rows by N (budget by N^2)")
+    ap.add_argument("--flashinfer-so", default=None, help=f"FlashInfer top-k library (default $DSA_FI_TOPK_SO, else {os.path.normpath(FI_DEFAULT_SO)})")
     ap.add_argument("--probe-fp4", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -964,8 +1261,10 @@ def main():
         env.update(sm_count=prop.multi_processor_count, memory_bytes=prop.total_memory, capability=f"{prop.major}.{prop.minor}")
     emit(env)
     if r.fi is None:
-        print("flashinfer: not available", flush=True)
-        note(f"  ({r.fi_why})")
+        print(f"flashinfer: not available ({r.fi_why})", flush=True)
+        emit({"flashinfer": False, "why": r.fi_why})
+    else:
+        emit({"flashinfer": True, "library": r.fi.path})
 
     failed = False
     if args.check or args.check_only:
@@ -988,7 +1287,9 @@ def main():
             r.records.append(rec)
         free_memory()
     r.table()
-    return 1 if failed else 0
+    for f in r.failures:
+        note(f"peers.py: {f}")
+    return 1 if failed or r.failures else 0
 
 
 if __name__ == "__main__":
