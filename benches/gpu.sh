@@ -13,6 +13,11 @@
 # parts that set $DSA_CUDA_DEFINES (the W8=1 re-runs, the A/B runs) or give the
 # benchmark hooks: without `tuning` the library never reads either variable.
 #
+# `bench` runs ours (bench.jsonl), the peers (benches/peers.py: DeepGEMM, FlashInfer's
+# top-k, torch.topk; peers.jsonl) and prints one table per workload with the ratios
+# (benches/table.py; table.md). It needs .whl/ (the DeepGEMM and tvm-ffi wheels, and
+# flashinfer_topk/libdsa_fi_topk.so) carried beside .gpu/.
+#
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
 # `run --device cuda`, about 4 minutes; each on request). The golden files are read from
@@ -83,12 +88,33 @@ if has tests; then
   done
 fi
 
-W="v32-16k v41-chunk v41-chunk-source v32-64k v41-1m v41-1m-256m"
+W="v32-16k v41-chunk v41-chunk-source v41-chunk-wide v32-64k v41-1m v41-1m-256m"
+# The peers' shapes (v41-chunk-source and v41-1m-256m have v41-chunk's and v41-1m's).
+PW="v32-16k v41-chunk v41-chunk-wide v32-64k v41-1m"
+# DeepGEMM's logits, FlashInfer's top-k (through .whl/flashinfer_topk/, built by
+# benches/flashinfer_topk/build.sh) and torch.topk on the same shapes, with --check; the
+# wheels travel in .whl/ (benches/peers.py says how). Its JSON lines go to peers.jsonl.
+peers_run() {
+  log "peers"
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  PYTHONUNBUFFERED=1 timeout 360 python3 benches/peers.py --check $PW > "$OUT/peers.txt" 2>&1
+  echo "peers rc=$?" | tee -a "$OUT/summary.txt"
+  grep '^{' "$OUT/peers.txt" > "$OUT/peers.jsonl"
+  grep -E '^flashinfer: not available|FAILED|^peers.py: ' "$OUT/peers.txt" | tee -a "$OUT/summary.txt"
+}
+
 if has bench; then
+  # Ours, then the peers in the same call, then one table per workload (table.md).
   log "bench (median of 5)"
-  timeout 300 $B/dsa-indexer bench --device cuda --json $W --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
+  timeout 240 $B/dsa-indexer bench --device cuda --json $W --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
   cat "$OUT/bench.jsonl" >> "$OUT/summary.txt"
   timeout 60 $B/dsa-indexer bench --workload v41-chunk --device cuda --reps 3 >> "$OUT/summary.txt" 2>&1
+  peers_run
+  python3 benches/table.py "$OUT" > "$OUT/table.md" 2>&1
+  cat "$OUT/table.md" >> "$OUT/summary.txt"
 fi
 
 if has ab; then
@@ -199,18 +225,10 @@ if has replay; then
   echo "replay: $rp_fail files not identical" | tee -a "$OUT/summary.txt"
 fi
 
-if has peers; then
-  # DeepGEMM's logits, torch.topk (and FlashInfer's top-k where it imports) on the same
-  # workload shapes; the wheels travel in .whl/ (benches/peers.py says how).
-  log "peers"
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-  fi
-  PYTHONUNBUFFERED=1 timeout 400 python3 benches/peers.py --check > "$OUT/peers.txt" 2>&1
-  echo "peers rc=$?" | tee -a "$OUT/summary.txt"
-  grep '^{' "$OUT/peers.txt" > "$OUT/peers.jsonl"
-  tail -30 "$OUT/peers.txt" >> "$OUT/summary.txt"
+if has peers && ! has bench; then
+  # The peers alone (bench runs them too).
+  peers_run
+  tail -40 "$OUT/peers.txt" >> "$OUT/summary.txt"
 fi
 
 log "done"
