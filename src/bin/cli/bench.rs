@@ -13,8 +13,8 @@ use crate::{checksum, parse_bytes, replay, Device, ShapeArgs};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Named GPU workloads (v32-16k, v32-64k, v41-chunk, v41-chunk-source, v41-1m,
-    /// v41-1m-256m, or `all`), timed with CUDA events; needs `--device cuda`. Without
+    /// Named GPU workloads (v32-16k, v32-64k, v41-chunk, v41-chunk-source, v41-chunk-wide,
+    /// v41-1m, v41-1m-256m, or `all`), timed with CUDA events; needs `--device cuda`. Without
     /// one, the preset runs.
     workloads: Vec<String>,
     #[command(flatten)]
@@ -115,9 +115,11 @@ mod gpu {
     use rand_chacha::ChaCha8Rng;
 
     use super::{CliError, Result};
+    use crate::workload;
 
-    /// A workload's inputs, owned: random codes, scales near 1 and weights in [-1, 1),
-    /// from a fixed seed.
+    /// A workload's inputs, owned, from a fixed seed: fp4 queries and keys as the
+    /// workload's [`bench::Fp4Draw`] says, fp8 codes uniform (away from NaN) with per-key
+    /// scales in [0.5, 2), weights in [-1, 1).
     struct Data {
         weights: Array2<f32>,
         q: Array3<u8>,
@@ -132,12 +134,12 @@ mod gpu {
     }
 
     impl Data {
-        fn new(w: &bench::Workload, t: usize, l: usize) -> Data {
+        fn new(w: &bench::Workload, t: usize, l: usize) -> Result<Data> {
             let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
             let (h, d) = (w.heads, w.dim);
             let g = d / 32;
             let weights = Array2::from_shape_fn((t, h), |_| rng.gen_range(-1.0f32..1.0));
-            // E4M3 bytes away from the NaN codes; E2M1 bytes are any byte.
+            // E4M3 bytes away from the NaN codes.
             let byte = |r: &mut ChaCha8Rng| -> u8 {
                 let b: u8 = r.gen();
                 if b & 0x7F == 0x7F {
@@ -148,24 +150,36 @@ mod gpu {
             };
             let none3 = || Array3::zeros((0, 0, 0));
             if w.fp4 {
-                let q = Array3::from_shape_fn((t, h, d / 2), |_| rng.gen::<u8>());
-                let qs = Array3::from_shape_fn((t, h, g), |_| rng.gen_range(124u8..=130));
-                let k = Array2::from_shape_fn((l, d / 2), |_| rng.gen::<u8>());
-                let ks = Array2::from_shape_fn((l, g), |_| rng.gen_range(124u8..=130));
-                Data {
+                let ((q, qs), (k, ks)) = match w.fp4_draw {
+                    bench::Fp4Draw::Quantized => {
+                        let qc = workload::channel_exponents(h * d, &mut rng);
+                        let kc = workload::channel_exponents(d, &mut rng);
+                        let seed: u64 = rng.gen();
+                        (
+                            workload::engine_like_fp4(t * h, d, &qc, seed)?,
+                            workload::engine_like_fp4(l, d, &kc, seed ^ 0x6b65_7973)?,
+                        )
+                    }
+                    bench::Fp4Draw::UniformScales => (
+                        workload::uniform_scale_fp4(t * h * d / 2, t * h * g, &mut rng),
+                        workload::uniform_scale_fp4(l * d / 2, l * g, &mut rng),
+                    ),
+                };
+                let shape = |e: ndarray::ShapeError| CliError::input(format!("bench inputs: {e}"));
+                Ok(Data {
                     weights,
-                    q,
-                    qs,
-                    k,
-                    ks,
+                    q: Array3::from_shape_vec((t, h, d / 2), q).map_err(shape)?,
+                    qs: Array3::from_shape_vec((t, h, g), qs).map_err(shape)?,
+                    k: Array2::from_shape_vec((l, d / 2), k).map_err(shape)?,
+                    ks: Array2::from_shape_vec((l, g), ks).map_err(shape)?,
                     kscale: Array1::zeros(0),
                     fp4: true,
-                }
+                })
             } else {
                 let q = Array3::from_shape_fn((t, h, d), |_| byte(&mut rng));
                 let k = Array2::from_shape_fn((l, d), |_| byte(&mut rng));
                 let kscale = Array1::from_shape_fn(l, |_| rng.gen_range(0.5f32..2.0));
-                Data {
+                Ok(Data {
                     weights,
                     q,
                     qs: none3(),
@@ -173,7 +187,7 @@ mod gpu {
                     ks: Array2::zeros((0, 0)),
                     kscale,
                     fp4: false,
-                }
+                })
             }
         }
 
@@ -212,11 +226,12 @@ mod gpu {
         b: &mut CudaBackend,
         w: &bench::Workload,
         reps: usize,
-    ) -> dsa_indexer::Result<bench::BenchResult> {
-        let batch = w.batch()?;
-        let data = Data::new(w, batch.num_rows(), batch.num_keys());
-        let p = w.problem(&batch, data.inputs())?;
-        bench::run_workload(b, w, &p, reps)
+    ) -> Result<bench::BenchResult> {
+        let lib = |e| CliError::lib(w.name, e);
+        let batch = w.batch().map_err(lib)?;
+        let data = Data::new(w, batch.num_rows(), batch.num_keys())?;
+        let p = w.problem(&batch, data.inputs()).map_err(lib)?;
+        bench::run_workload(b, w, &p, reps).map_err(lib)
     }
 
     /// The named workloads (`all`: every one) on GPU 0, one after the other, each timed
@@ -239,7 +254,6 @@ mod gpu {
                 Ok(r) if json => println!("{}", r.to_json()),
                 Ok(r) => print_text(&r),
                 Err(e) => {
-                    let e = CliError::lib(w.name, e);
                     eprintln!("error: {}", e.msg);
                     code = code.max(e.code);
                 }
@@ -258,6 +272,13 @@ mod gpu {
              selection {:.3} ms ({:.0} GB/s of logits); device peak {} B (planned {} B)",
             r.median_ms, r.reps, r.min_ms, r.tflops, r.logits_ms, r.logits_tflops, r.select_ms, r.topk_gbs,
             r.measured_peak, r.planned_peak
+        );
+        let (p, f) = (&r.topk_paths, &r.fold_counts);
+        println!(
+            "  per run: top-k rows all {} short {} sampled {} two-pass {} general {}; exact-class query \
+             blocks folded {} plain {}, threads one multiply {} two {}",
+            p.all, p.short, p.sampled, p.two_pass, p.general, f.query_blocks_folded,
+            f.query_blocks_plain, f.threads_one_multiply, f.threads_two_multiplies
         );
     }
 }

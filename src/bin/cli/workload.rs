@@ -127,10 +127,82 @@ impl Shape {
 }
 
 /// A standard normal sample (Box-Muller), in f32.
-fn normal(rng: &mut ChaCha8Rng) -> f32 {
+pub fn normal(rng: &mut ChaCha8Rng) -> f32 {
     let u: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
     let v: f64 = rng.gen();
     ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+}
+
+/// The per-channel spread of [`engine_like_fp4`]: channel `c`'s values are a standard
+/// normal times `2^u_c`, `u_c` uniform in `[-CHANNEL_LOG2_SPREAD, CHANNEL_LOG2_SPREAD]`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the GPU benchmark draws with it
+pub const CHANNEL_LOG2_SPREAD: f32 = 2.0;
+
+/// `n` per-channel exponents `u_c` for [`engine_like_fp4`], uniform in
+/// `[-CHANNEL_LOG2_SPREAD, CHANNEL_LOG2_SPREAD]`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the GPU benchmark draws with it
+pub fn channel_exponents(n: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.gen_range(-CHANNEL_LOG2_SPREAD..=CHANNEL_LOG2_SPREAD))
+        .collect()
+}
+
+/// Engine-like fp4 vectors: `n` vectors of `dim` f32 activations, element `c` of vector
+/// `i` a standard normal times `2^u`, `u = channels[(i % p) * dim + c]` (`p =
+/// channels.len() / dim`: the heads of a query row, or 1 for keys), each vector quantized
+/// with SPEC 2's fp4 block quantizer (DeepGEMM's floor). Returns the packed codes
+/// (`n * dim / 2` bytes) and the UE8M0 scales (`n * dim / 32`), vector after vector.
+/// Vector `i` draws from stream `i` of ChaCha8 seeded with `seed`, so the result does not
+/// depend on how many threads draw.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the GPU benchmark draws with it
+pub fn engine_like_fp4(
+    n: usize,
+    dim: usize,
+    channels: &[f32],
+    seed: u64,
+) -> Result<(Vec<u8>, Vec<u8>)> {
+    use rayon::prelude::*;
+    if dim == 0 || !dim.is_multiple_of(32) || channels.is_empty() {
+        bail!("dim = {dim}: expected a positive multiple of 32 and a channel table");
+    }
+    if !channels.len().is_multiple_of(dim) {
+        bail!(
+            "channels.len = {}: expected a multiple of dim = {dim}",
+            channels.len()
+        );
+    }
+    let period = channels.len() / dim;
+    let mut packed = vec![0u8; n * dim / 2];
+    let mut scale = vec![0u8; n * dim / 32];
+    packed
+        .par_chunks_mut(dim / 2)
+        .zip(scale.par_chunks_mut(dim / 32))
+        .enumerate()
+        .try_for_each_init(
+            || vec![0f32; dim],
+            |x, (i, (p, s))| -> dsa_indexer::Result<()> {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                rng.set_stream(i as u64);
+                let u = &channels[(i % period) * dim..][..dim];
+                for (v, &e) in x.iter_mut().zip(u) {
+                    *v = normal(&mut rng) * e.exp2();
+                }
+                let (cp, cs) = quantize_fp4_blocks(x, Fp4Floor::AmaxFloor)?;
+                p.copy_from_slice(&cp);
+                s.copy_from_slice(&cs);
+                Ok(())
+            },
+        )?;
+    Ok((packed, scale))
+}
+
+/// The stress draw of fp4 vectors: `bytes` random E2M1 bytes (any byte is two valid
+/// codes) and `groups` UE8M0 scales, each uniform in 124..=130.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the GPU benchmark draws with it
+pub fn uniform_scale_fp4(bytes: usize, groups: usize, rng: &mut ChaCha8Rng) -> (Vec<u8>, Vec<u8>) {
+    let packed = (0..bytes).map(|_| rng.gen::<u8>()).collect();
+    let scale = (0..groups).map(|_| rng.gen_range(124u8..=130)).collect();
+    (packed, scale)
 }
 
 /// Random inputs for `shape` (no expected outputs yet). Values are normal with a
@@ -257,4 +329,84 @@ pub fn set_expected(dump: &mut Dump, batch: &Batch, out: &Output, logits: Option
         e.published_rows = Some(rows);
     }
     e.logits = logits;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dsa_indexer::formats::{e2m1, ue8m0};
+
+    /// Per vector of `g` group scales: the span `max - min` of its UE8M0 bytes.
+    fn spans(scale: &[u8], g: usize) -> Vec<u8> {
+        scale
+            .chunks(g)
+            .map(|s| s.iter().max().unwrap() - s.iter().min().unwrap())
+            .collect()
+    }
+
+    fn share(v: &[u8], f: impl Fn(u8) -> bool) -> f64 {
+        v.iter().filter(|&&x| f(x)).count() as f64 / v.len() as f64
+    }
+
+    /// The engine-like draw: group scales within a few binades of each other (the
+    /// stress draw's spread up to 6), valid scale bytes, and the per-channel spread
+    /// visible in the decoded values.
+    #[test]
+    fn engine_like_fp4_scales_span_few_binades() {
+        let (n, d, heads) = (8192, 128, 32);
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let ch = channel_exponents(heads * d, &mut rng);
+        let (packed, scale) = engine_like_fp4(n, d, &ch, 11).unwrap();
+        assert!(scale.iter().all(|&e| (1..=254).contains(&e)));
+        // About 84 % of the vectors span at most 1 binade, 99.5 % at most 2, the rest 3.
+        let sp = spans(&scale, d / 32);
+        let (le2, max) = (share(&sp, |s| s <= 2), *sp.iter().max().unwrap());
+        println!(
+            "engine-like: span <= 1: {:.4}, <= 2: {le2:.4}, max span {max}",
+            share(&sp, |s| s <= 1)
+        );
+        assert!(max <= 4, "max span {max}");
+        assert!(le2 >= 0.98, "span <= 2 in {le2}");
+        // Per-channel RMS of the decoded values: the channels' 2^u_c shows as a spread of
+        // about 2 * CHANNEL_LOG2_SPREAD binades between the quietest and loudest channel
+        // (4.3 here: the quantizer rounds the quietest channels coarsely).
+        let mut ss = vec![0f64; heads * d];
+        for (i, (p, s)) in packed.chunks(d / 2).zip(scale.chunks(d / 32)).enumerate() {
+            for c in 0..d {
+                let v = e2m1::decode(e2m1::unpack(p, c)) * ue8m0::decode(s[c / 32]);
+                ss[(i % heads) * d + c] += f64::from(v) * f64::from(v);
+            }
+        }
+        let lg: Vec<f64> = ss.iter().map(|&x| 0.5 * x.log2()).collect();
+        let spread = lg.iter().cloned().fold(f64::MIN, f64::max)
+            - lg.iter().cloned().fold(f64::MAX, f64::min);
+        println!("per-channel RMS spread: {spread:.2} binades");
+        assert!((3.0..=5.0).contains(&spread), "spread {spread}");
+        // The stress draw, for contrast: spans of 4 binades or more are common.
+        let (_, wide) = uniform_scale_fp4(n * d / 2, n * d / 32, &mut rng);
+        let ws = spans(&wide, d / 32);
+        let ge4 = share(&ws, |s| s >= 4);
+        println!("uniform scales: span >= 4: {ge4:.4}");
+        assert!(ge4 >= 0.3 && *ws.iter().max().unwrap() == 6);
+    }
+
+    /// Vector `i` draws from its own stream: one thread and many give the same bytes,
+    /// and a vector does not depend on how many come before it.
+    #[test]
+    fn engine_like_fp4_is_independent_of_threads_and_count() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let ch = channel_exponents(4 * 64, &mut rng);
+        let many = engine_like_fp4(300, 64, &ch, 9).unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        let one = pool.install(|| engine_like_fp4(300, 64, &ch, 9).unwrap());
+        assert_eq!(many, one);
+        let few = engine_like_fp4(7, 64, &ch, 9).unwrap();
+        assert_eq!(few.0[..], many.0[..7 * 32]);
+        assert_eq!(few.1[..], many.1[..7 * 2]);
+        assert!(engine_like_fp4(1, 48, &ch, 9).is_err());
+        assert!(engine_like_fp4(1, 64, &ch[..100], 9).is_err());
+    }
 }
