@@ -284,6 +284,11 @@ def plan(*, budget=DEFAULT_BUDGET, **inputs) -> dict:
     return _native.plan(_inputs(inputs), budget)
 
 
+def _input_pointers(**inputs) -> dict:
+    """The addresses of the buffers the crate reads for a layer (a test hook)."""
+    return dict(_native._input_pointers(_inputs(inputs)))
+
+
 # ==== the verdict ====
 
 

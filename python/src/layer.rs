@@ -485,7 +485,7 @@ impl Layer {
     }
 
     /// Views of the inputs (shapes are checked by `Problem::new`).
-    fn inputs(&self) -> Result<Inputs<'_>> {
+    pub fn inputs(&self) -> Result<Inputs<'_>> {
         let q = match &self.q {
             Q::E4m3(s) => Queries::E4m3(view3("q", s)?),
             Q::E2m1 { packed, scale } => Queries::E2m1 {

@@ -314,6 +314,21 @@ fn outputs(d: &Bound<'_, PyDict>) -> PyResult<(Expected, Option<Array2<f32>>)> {
     Ok((e, engine))
 }
 
+/// A judge's error on an engine's outputs named as `check`'s arguments name them
+/// (`engine_raw` where a dump has `expected_raw`).
+fn engine_names(e: Error) -> Error {
+    match e {
+        Error::Dump { tensor, problem } => Error::Dump {
+            tensor: match tensor.strip_prefix("expected_") {
+                Some(t) => format!("engine_{t}"),
+                None => tensor,
+            },
+            problem,
+        },
+        e => e,
+    }
+}
+
 /// Judge an engine's `engine` outputs of the layer `args` against the reference's,
 /// computed on the CPU under `budget`.
 #[pyfunction]
@@ -333,7 +348,8 @@ fn check(
         let budget = bytes_arg("budget", budget)?;
         let parts = layer.parts().map_err(to_py)?;
         let p = layer.problem(&parts).map_err(to_py)?;
-        dsa_indexer::verdict::check_shapes(&p, &expected, engine_logits.as_ref()).map_err(to_py)?;
+        dsa_indexer::verdict::check_shapes(&p, &expected, engine_logits.as_ref())
+            .map_err(|e| to_py(engine_names(e)))?;
         let parse = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let out = py.detach(|| Device::Cpu.run(&p, budget)).map_err(to_py)?;
@@ -350,7 +366,7 @@ fn check(
         };
         let r = py
             .detach(|| judge::judge(&p, &out, &expected, engine_logits.as_ref(), &opts))
-            .map_err(to_py)?;
+            .map_err(|e| to_py(engine_names(e)))?;
         Ok(Report::new(r))
     })
 }
@@ -661,6 +677,40 @@ fn _panic_for_tests(py: Python<'_>) -> PyResult<()> {
     })
 }
 
+/// The addresses of the buffers the library reads for the layer `args` (a test hook:
+/// inputs are read in place, not copied).
+#[pyfunction]
+fn _input_pointers(args: &Bound<'_, PyDict>) -> PyResult<Vec<(&'static str, usize)>> {
+    use dsa_indexer::problem::{Keys, Queries};
+    guard(|| {
+        let layer = Layer::from_dict(args)?;
+        let i = layer.inputs().map_err(to_py)?;
+        let mut v = Vec::new();
+        match i.q {
+            Queries::E4m3(q) => v.push(("q", q.as_ptr() as usize)),
+            Queries::E2m1 { packed, scale } => {
+                v.push(("q", packed.as_ptr() as usize));
+                v.push(("q_scale", scale.as_ptr() as usize));
+            }
+        }
+        match i.k {
+            Keys::E4m3 { codes, scale } => {
+                v.push(("k", codes.as_ptr() as usize));
+                v.push(("k_scale", scale.as_ptr() as usize));
+            }
+            Keys::E2m1 { packed, scale } => {
+                v.push(("k", packed.as_ptr() as usize));
+                v.push(("k_scale", scale.as_ptr() as usize));
+            }
+        }
+        v.push(("weights", i.weights.as_ptr() as usize));
+        if let Some(s) = i.k_slots {
+            v.push(("k_slots", s.as_ptr() as usize));
+        }
+        Ok(v)
+    })
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Array>()?;
@@ -673,6 +723,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(load_dump, m)?)?;
     m.add_function(wrap_pyfunction!(replay, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
+    m.add_function(wrap_pyfunction!(_input_pointers, m)?)?;
     m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

@@ -71,6 +71,32 @@ impl Dt {
     }
 }
 
+/// A DLPack dtype in words: `float64`, `int16`, `float8 (code 11)`.
+fn dl_name(t: DLDataType) -> String {
+    let c = t.code;
+    let kind = if c == DLDataTypeCode::INT {
+        "int".to_string()
+    } else if c == DLDataTypeCode::UINT {
+        "uint".into()
+    } else if c == DLDataTypeCode::FLOAT {
+        "float".into()
+    } else if c == DLDataTypeCode::BFLOAT {
+        "bfloat".into()
+    } else if c == DLDataTypeCode::BOOL {
+        "bool".into()
+    } else if c == DLDataTypeCode::COMPLEX {
+        "complex".into()
+    } else {
+        format!("DLPack code {} of ", c.0)
+    };
+    let lanes = if t.lanes > 1 {
+        format!(" x{}", t.lanes)
+    } else {
+        String::new()
+    };
+    format!("{kind}{}{lanes}", t.bits)
+}
+
 /// An input error naming the tensor: a ValueError with the crate's message.
 pub fn bad(field: &str, problem: impl Into<String>) -> Error {
     Error::Dump {
@@ -105,13 +131,12 @@ impl Tensor {
             .validate()
             .map_err(|e| crate::to_py(bad(name, format!("DLPack: {e}"))))?;
         let dtype = Dt::of(v.dtype()).ok_or_else(|| {
-            let d = v.dtype();
             crate::to_py(bad(
                 name,
                 format!(
-                    "DLPack dtype (code {}, {} bits, {} lanes) is none of SPEC 9's: uint8, int8, \
-                     float8_e4m3fn, float8_e8m0fnu, float4_e2m1fn_x2, int32, int64, float32, bfloat16",
-                    d.code.0, d.bits, d.lanes
+                    "dtype {}, expected one of SPEC 9's: uint8, int8, float8_e4m3fn, \
+                     float8_e8m0fnu, float4_e2m1fn_x2, int32, int64, float32, bfloat16",
+                    dl_name(v.dtype())
                 ),
             ))
         })?;
@@ -164,27 +189,67 @@ impl Tensor {
 
     /// The tensor's bytes in host memory, row-major, borrowed.
     pub fn bytes(&self) -> dsa_indexer::Result<&[u8]> {
-        self.host()?;
-        let v = self
-            .dl
-            .validate()
-            .map_err(|e| bad(self.name, format!("DLPack: {e}")))?;
-        // SAFETY: the producer keeps `num_bytes` initialised bytes behind the data
-        // pointer while `self.dl` (the managed tensor) lives; the slice borrows `self`.
-        unsafe { v.cpu_bytes() }
-            .map_err(|e| bad(self.name, format!("{e} (pass a contiguous array)")))
+        let (ptr, bytes, _) = self.host_data()?;
+        if bytes == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: the producer keeps `bytes` initialised bytes behind the data pointer
+        // while `self.dl` (the managed tensor) lives, and the slice borrows `self`.
+        Ok(unsafe { std::slice::from_raw_parts(ptr, bytes) })
     }
 
-    /// The tensor's elements as `T` (dtype checked by dlpark), borrowed.
+    /// The tensor's elements as `T` (its dtype must be `T`'s), borrowed.
     pub fn slice<T: dlpark::DlpackElement>(&self) -> dsa_indexer::Result<&[T]> {
-        self.host()?;
-        let v = self
-            .dl
+        let (ptr, _, elements) = self.host_data()?;
+        let v = self.validated()?;
+        if !v.dtype().is::<T>() {
+            return Err(self.error(format!("{} elements", dl_name(T::DTYPE))));
+        }
+        if elements == 0 {
+            return Ok(&[]);
+        }
+        if !(ptr as usize).is_multiple_of(std::mem::align_of::<T>()) {
+            return Err(bad(
+                self.name,
+                format!("data at {ptr:p} is not aligned to its dtype"),
+            ));
+        }
+        // SAFETY: as in `bytes`; the dtype is `T`'s and the pointer aligned to it.
+        Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<T>(), elements) })
+    }
+
+    fn validated(&self) -> dsa_indexer::Result<dlpark::TensorRef<'_>> {
+        self.dl
             .validate()
+            .map_err(|e| bad(self.name, format!("DLPack: {e}")))
+    }
+
+    /// The host data pointer (byte offset applied), bytes and elements, once the
+    /// layout is checked to be row-major. A dimension of size 1 may have any stride
+    /// (numpy exports `a[:, None]` with stride 0), as DLPack allows.
+    fn host_data(&self) -> dsa_indexer::Result<(*const u8, usize, usize)> {
+        self.host()?;
+        let v = self.validated()?;
+        let strides = v
+            .strides_or_compact()
             .map_err(|e| bad(self.name, format!("DLPack: {e}")))?;
-        // SAFETY: as in `bytes`; dlpark checks the dtype, compactness and alignment.
-        unsafe { v.cpu_slice::<T>() }
-            .map_err(|e| bad(self.name, format!("{e} (pass a contiguous array)")))
+        let mut want = 1i64;
+        for (&n, &s) in v.shape().iter().zip(strides.iter()).rev() {
+            if n != 1 && s != want {
+                return Err(bad(
+                    self.name,
+                    format!(
+                        "strides {strides:?} of shape {:?} are not row-major (pass a contiguous array)",
+                        self.shape
+                    ),
+                ));
+            }
+            want = want.saturating_mul(n);
+        }
+        // SAFETY: the pointer is only offset (by DLPack's byte offset), not read.
+        let ptr =
+            unsafe { v.offset_bytes_ptr() }.map_err(|e| bad(self.name, format!("DLPack: {e}")))?;
+        Ok((ptr, v.num_bytes(), v.num_elements()))
     }
 
     /// Elements as `f32`: borrowed for `float32`, converted from `bfloat16`.
