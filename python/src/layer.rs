@@ -298,13 +298,20 @@ fn queries(q: Tensor, q_scale: Option<Tensor>) -> Result<(Q, Format, usize, usiz
     }
 }
 
-fn keys(k: Tensor, k_scale: Tensor) -> Result<(K, Format)> {
-    const WANT: &str = "float8_e4m3fn or uint8 E4M3 codes [L, D] with float32 k_scale [L], \
-                        or packed fp4 (uint8, int8, float4_e2m1fn_x2) [L, D/2] with UE8M0 k_scale";
+fn keys(k: Tensor, k_scale: Tensor, dim: usize) -> Result<(K, Format)> {
     if k.shape.len() != 2 {
-        return Err(k.error(WANT));
+        return Err(k.error(format!(
+            "E4M3 codes [L, {dim}] with a float32 k_scale [L], or packed fp4 [L, {}] with \
+             UE8M0 k_scale (D = {dim}, from q)",
+            dim / 2
+        )));
     }
     let l = k.shape[0];
+    let want = format!(
+        "E4M3 codes (float8_e4m3fn, uint8) [{l}, {dim}] with a float32 k_scale [{l}], or packed \
+         fp4 (uint8, int8, float4_e2m1fn_x2) [{l}, {}] with UE8M0 k_scale (D = {dim}, from q)",
+        dim / 2
+    );
     match (k.dtype, k_scale.dtype) {
         (Dt::F8E4m3 | Dt::U8, Dt::F32) => {
             if k_scale.shape != [l] && k_scale.shape != [l, 1] {
@@ -324,9 +331,18 @@ fn keys(k: Tensor, k_scale: Tensor) -> Result<(K, Format)> {
             ))
         }
         (Dt::F8E4m3, _) => Err(k_scale.error(format!("float32 [{l}] for float8_e4m3fn keys"))),
-        (_, Dt::F32) => Err(k.error(WANT)),
+        (_, Dt::F32) => Err(k.error(want)),
         _ => {
-            let (packed, dim) = packed(k, 2, WANT)?;
+            // Packed fp4 must be as wide as q's D (a uint8 buffer could be either format).
+            let kdim = if k.dtype == Dt::F4 {
+                k.shape[1]
+            } else {
+                k.shape[1].saturating_mul(2)
+            };
+            if kdim != dim {
+                return Err(k.error(want));
+            }
+            let (packed, _) = packed(k, 2, &want)?;
             let scale = scales(k_scale, &[l], groups(dim)?)?;
             Ok((K::E2m1 { packed, scale }, Format::E2m1))
         }
@@ -409,7 +425,7 @@ impl Layer {
         let a = Args { d };
         let ve = crate::to_py;
         let (q, qfmt, heads, dim) = queries(a.need("q")?, a.tensor("q_scale")?).map_err(ve)?;
-        let (k, kfmt) = keys(a.need("k")?, a.need("k_scale")?).map_err(ve)?;
+        let (k, kfmt) = keys(a.need("k")?, a.need("k_scale")?, dim).map_err(ve)?;
         let w = a.need("weights")?;
         if w.shape.len() != 2 {
             return Err(ve(w.error("float32 or bfloat16 [T, H]")));

@@ -32,10 +32,13 @@ use layer::Layer;
 use tensor::{bad, Tensor};
 
 /// A library error as a Python exception: a backend failure is the environment's
-/// (`RuntimeError`), every other error names bad input (`ValueError`).
+/// (`RuntimeError`), every other error names bad input (`ValueError`). An argument's
+/// tensor (an [`Error::Dump`] of this package's checks) reads `q: shape [..], ...`;
+/// errors about a dump file are made by [`replay`] and [`load_dump`], with its name.
 pub(crate) fn to_py(e: Error) -> PyErr {
     match e {
         Error::Backend { .. } => PyRuntimeError::new_err(e.to_string()),
+        Error::Dump { tensor, problem } => PyValueError::new_err(format!("{tensor}: {problem}")),
         _ => PyValueError::new_err(e.to_string()),
     }
 }
@@ -267,10 +270,38 @@ fn i32_1d(t: &Tensor) -> Result<Vec<i32>> {
     Ok(t.i32s()?.as_slice().to_vec())
 }
 
-/// Outputs to judge (or to write into a dump), by the schema's names without the
-/// `expected_` prefix: `raw`, `page`, `published`, `published_rows`, `ks`, `ke`,
-/// `logits` (`[sum n]`, the reference's form) and `engine_logits` (`[T, L]`).
-fn outputs(d: &Bound<'_, PyDict>) -> PyResult<(Expected, Option<Array2<f32>>)> {
+/// The names `check`'s arguments give the outputs, in [`OUTPUT_KEYS`]'s order.
+const ENGINE_NAMES: [&str; 8] = [
+    "engine_raw",
+    "engine_page",
+    "engine_published",
+    "engine_published_rows",
+    "engine_ks",
+    "engine_ke",
+    "engine_logits",
+    "engine_logits",
+];
+
+/// The names `save_dump`'s arguments (and the dump schema) give them.
+const DUMP_NAMES: [&str; 8] = [
+    "expected_raw",
+    "expected_page",
+    "expected_published",
+    "expected_published_rows",
+    "expected_ks",
+    "expected_ke",
+    "expected_logits",
+    "engine_logits",
+];
+
+/// Outputs to judge (or to write into a dump), keyed by the schema's names without
+/// the `expected_` prefix: `raw`, `page`, `published`, `published_rows`, `ks`, `ke`,
+/// `logits` (`[sum n]`, the reference's form) and `engine_logits` (`[T, L]`); errors
+/// name them as `names` does.
+fn outputs(
+    d: &Bound<'_, PyDict>,
+    names: &[&'static str; 8],
+) -> PyResult<(Expected, Option<Array2<f32>>)> {
     let mut e = Expected::default();
     let mut engine = None;
     for (k, v) in d.iter() {
@@ -278,12 +309,12 @@ fn outputs(d: &Bound<'_, PyDict>) -> PyResult<(Expected, Option<Array2<f32>>)> {
             continue;
         }
         let k: String = k.extract()?;
-        let Some(&name) = OUTPUT_KEYS.iter().find(|&&n| n == k) else {
+        let Some(i) = OUTPUT_KEYS.iter().position(|&n| n == k) else {
             return Err(to_py(bad(&k, "not an output the judge reads")));
         };
-        let t = Tensor::import(name, &v)?;
+        let t = Tensor::import(names[i], &v)?;
         let r: Result<()> = (|| {
-            match name {
+            match OUTPUT_KEYS[i] {
                 "raw" => e.raw = Some(i32_2d(&t)?),
                 "page" => e.page = Some(i32_2d(&t)?),
                 "published" => e.published = Some(i32_2d(&t)?),
@@ -303,7 +334,7 @@ fn outputs(d: &Bound<'_, PyDict>) -> PyResult<(Expected, Option<Array2<f32>>)> {
                     let v = t.floats()?.as_slice().to_vec();
                     engine = Some(
                         Array2::from_shape_vec((t.shape[0], t.shape[1]), v)
-                            .map_err(|err| bad(name, err.to_string()))?,
+                            .map_err(|err| bad(t.name, err.to_string()))?,
                     );
                 }
             }
@@ -344,7 +375,7 @@ fn check(
     guard(|| {
         let t0 = Instant::now();
         let layer = Layer::from_dict(args)?;
-        let (expected, engine_logits) = outputs(engine)?;
+        let (expected, engine_logits) = outputs(engine, &ENGINE_NAMES)?;
         let budget = bytes_arg("budget", budget)?;
         let parts = layer.parts().map_err(to_py)?;
         let p = layer.problem(&parts).map_err(to_py)?;
@@ -385,7 +416,7 @@ fn save_dump(
 ) -> PyResult<()> {
     guard(|| {
         let layer = Layer::from_dict(args)?;
-        let (e, engine_logits) = outputs(expected)?;
+        let (e, engine_logits) = outputs(expected, &DUMP_NAMES)?;
         let parts = layer.parts().map_err(to_py)?;
         // The same checks `replay` makes: a dump written here replays.
         let p = layer.problem(&parts).map_err(to_py)?;
