@@ -148,22 +148,35 @@ def test_torch_dtypes_give_the_same_outputs(name):
     same_outputs(got16, want16, f"{name}, torch weights bfloat16")
 
 
-def test_inputs_are_read_in_place():
+IN_PLACE = {
+    "v41_plain.safetensors": ("q", "q_scale", "k", "k_scale", "weights", "k_slots"),
+    "v32_plain.safetensors": ("q", "k", "k_scale", "weights"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_PLACE))
+def test_inputs_are_read_in_place(name):
     """The library reads the caller's buffers of codes, scale bytes, float32 weights
-    and int32 slots: the addresses it views are the arrays' own."""
-    _, _, args = golden("v41_plain.safetensors")
+    and key scales and int32 slots: the addresses it views are the arrays' own."""
+    _, _, args = golden(name)
     args = {n: (np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v) for n, v in args.items()}
     ptrs = di._input_pointers(**args)
-    for name in ("q", "q_scale", "k", "k_scale", "weights", "k_slots"):
-        assert ptrs[name] == args[name].ctypes.data, name
+    assert set(ptrs) == set(IN_PLACE[name]), ptrs
+    for n in IN_PLACE[name]:
+        assert ptrs[n] == args[n].ctypes.data, n
 
 
-def test_torch_inputs_are_read_in_place():
+@pytest.mark.parametrize("name", sorted(IN_PLACE))
+def test_torch_inputs_are_read_in_place(name):
     torch = pytest.importorskip("torch")
-    _, _, args = golden("v41_plain.safetensors")
+    _, _, args = golden(name)
     t = {n: (torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v) for n, v in args.items()}
-    t["q"] = t["q"].view(torch.float4_e2m1fn_x2)
-    t["k_scale"] = t["k_scale"].view(torch.float8_e8m0fnu)
+    if args["q_scale"] is None:
+        t["q"] = t["q"].view(torch.float8_e4m3fn)
+        t["k"] = t["k"].view(torch.float8_e4m3fn)
+    else:
+        t["q"] = t["q"].view(torch.float4_e2m1fn_x2)
+        t["k_scale"] = t["k_scale"].view(torch.float8_e8m0fnu)
     ptrs = di._input_pointers(**t)
-    for name in ("q", "q_scale", "k", "k_scale", "weights", "k_slots"):
-        assert ptrs[name] == t[name].data_ptr(), name
+    for n in IN_PLACE[name]:
+        assert ptrs[n] == t[n].data_ptr(), n
