@@ -108,3 +108,30 @@ def test_an_engine_s_torch_topk_is_judged():
         raw[i, : len(top)] = top
     r = di.check(raw, **args)
     assert r.tensors["raw"]["rows_different"] == 0, str(r)
+
+
+def readme_example(path):
+    text = path.read_text()
+    start = text.index("```python\nimport dsa_indexer\n")
+    return text[start + len("```python\n") : text.index("```", start + 3)]
+
+
+def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
+    from conftest import REPO
+
+    code = readme_example(REPO / "README.md")
+    assert code == readme_example(REPO / "python" / "README.md")
+    assert len(code.strip().splitlines()) <= 12
+    _, _, a = golden("v32_plain.safetensors")
+    names = dict(q_fp8=a["q"], k_fp8=a["k"], k_scale=a["k_scale"], weights=a["weights"],
+                 seq_lens=a["seq_lens"], query_starts=a["query_starts"])
+    full = di.reference(**{**a, "topk": 2048, "page_cols": None})
+    monkeypatch.chdir(tmp_path)
+    exec(code, {**names, "topk_indices": full.raw})
+    assert capsys.readouterr().out.splitlines() == ["identical"]
+    moved = full.raw.copy()
+    moved[40, 0] = -1  # row 40 leaves out a key it must select
+    exec(code, {**names, "topk_indices": moved})
+    out = capsys.readouterr().out
+    assert out.startswith("different\nreplay check: 55 rows"), out
+    assert di.replay(tmp_path / "layer.safetensors").verdict == "different"
