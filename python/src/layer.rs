@@ -1,0 +1,615 @@
+//! One layer-forward's arguments as Python gives them (a dict built by the Python
+//! wrapper), checked against SPEC 9's dtypes and turned into the library's views.
+//!
+//! The formats follow from the arguments: queries with no `q_scale` are E4M3 (their
+//! scale is folded into the weights, SPEC 4), with one packed fp4; keys whose
+//! `k_scale` is `float32` are E4M3, any other `k_scale` (UE8M0 bytes or `int32` words)
+//! makes them packed fp4. Codes, packed fp4, UE8M0 bytes, `float32` weights and key
+//! scales and `int32` slots are borrowed from the caller's buffers; `bfloat16` weights,
+//! `int32` scale words of `D < 128`, `int64` indices and the small index tensors are
+//! converted.
+
+use dsa_indexer::batch::Batch;
+use dsa_indexer::dump::{Dump, Expected, KData, Layout, Meta, QData, RoleKind};
+use dsa_indexer::problem::{Format, Inputs, Keys, Params, Problem, Published, Queries, Role};
+use dsa_indexer::{Error, Result};
+use ndarray::{Array2, ArrayView1, ArrayView2, ArrayView3};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::tensor::{bad, Dt, Tensor};
+
+/// Bytes: the caller's buffer, or converted.
+enum Bytes {
+    View(Tensor),
+    Owned(Vec<u8>),
+}
+
+impl Bytes {
+    fn get(&self) -> Result<&[u8]> {
+        match self {
+            Bytes::View(t) => t.bytes(),
+            Bytes::Owned(v) => Ok(v),
+        }
+    }
+}
+
+/// `f32` values: the caller's buffer, or converted.
+enum Floats {
+    View(Tensor),
+    Owned(Vec<f32>),
+}
+
+impl Floats {
+    fn of(t: Tensor) -> Result<Floats> {
+        match t.dtype {
+            Dt::F32 => Ok(Floats::View(t)),
+            _ => Ok(Floats::Owned(t.floats()?.as_slice().to_vec())),
+        }
+    }
+    fn get(&self) -> Result<&[f32]> {
+        match self {
+            Floats::View(t) => t.slice::<f32>(),
+            Floats::Owned(v) => Ok(v),
+        }
+    }
+}
+
+/// `i32` values: the caller's buffer, or converted.
+enum Ints {
+    View(Tensor),
+    Owned(Vec<i32>),
+}
+
+impl Ints {
+    fn of(t: Tensor) -> Result<Ints> {
+        match t.dtype {
+            Dt::I32 => Ok(Ints::View(t)),
+            _ => Ok(Ints::Owned(t.i32s()?.as_slice().to_vec())),
+        }
+    }
+    fn get(&self) -> Result<&[i32]> {
+        match self {
+            Ints::View(t) => t.slice::<i32>(),
+            Ints::Owned(v) => Ok(v),
+        }
+    }
+}
+
+/// A tensor's bytes and the shape the library reads them as.
+struct Shaped {
+    bytes: Bytes,
+    shape: Vec<usize>,
+}
+
+enum Q {
+    E4m3(Shaped),
+    E2m1 { packed: Shaped, scale: Shaped },
+}
+
+enum K {
+    E4m3 {
+        codes: Shaped,
+        scale: Floats,
+        len: usize,
+    },
+    E2m1 {
+        packed: Shaped,
+        scale: Shaped,
+    },
+}
+
+/// One layer-forward's arguments, checked and ready to view.
+pub struct Layer {
+    /// Scalars, as a dump states them.
+    pub meta: Meta,
+    /// `S_b`.
+    pub seq_lens: Vec<usize>,
+    /// The rows.
+    pub layout: Layout,
+    q: Q,
+    k: K,
+    weights: Floats,
+    weights_shape: [usize; 2],
+    k_slots: Option<Ints>,
+    candidates: Option<Array2<i32>>,
+}
+
+/// The batch and the consumer's candidates of a [`Layer`], which its problem borrows.
+pub struct Parts {
+    /// The batch.
+    pub batch: Batch,
+    published: Option<Published>,
+}
+
+/// The arguments dict, read key by key; a key the package does not know is an error.
+struct Args<'a, 'py> {
+    d: &'a Bound<'py, PyDict>,
+}
+
+const KEYS: [&str; 18] = [
+    "q",
+    "q_scale",
+    "k",
+    "k_scale",
+    "weights",
+    "seq_lens",
+    "query_starts",
+    "row_requests",
+    "row_positions",
+    "topk",
+    "ratio",
+    "role",
+    "tail",
+    "block_size",
+    "num_blocks",
+    "candidates",
+    "page_cols",
+    "k_slots",
+];
+
+impl<'py> Args<'_, 'py> {
+    fn get(&self, key: &str) -> PyResult<Option<Bound<'py, PyAny>>> {
+        Ok(self.d.get_item(key)?.filter(|v| !v.is_none()))
+    }
+
+    fn tensor(&self, key: &'static str) -> PyResult<Option<Tensor>> {
+        self.get(key)?.map(|v| Tensor::import(key, &v)).transpose()
+    }
+
+    fn need(&self, key: &'static str) -> PyResult<Tensor> {
+        self.tensor(key)?
+            .ok_or_else(|| crate::to_py(bad(key, "missing")))
+    }
+
+    /// A non-negative integer argument.
+    fn count(&self, key: &'static str) -> PyResult<Option<usize>> {
+        let Some(v) = self.get(key)? else {
+            return Ok(None);
+        };
+        let n: i64 = v.extract().map_err(|_| {
+            crate::to_py(Error::OutOfRange {
+                field: key.into(),
+                value: v.repr().map(|r| r.to_string()).unwrap_or_default(),
+                expected: "an integer",
+            })
+        })?;
+        usize::try_from(n).map(Some).map_err(|_| {
+            crate::to_py(Error::OutOfRange {
+                field: key.into(),
+                value: n.to_string(),
+                expected: "an integer >= 0",
+            })
+        })
+    }
+}
+
+/// `dim` from the packed width, an error in the library's words when it is not one
+/// SPEC 4 allows (the scale words' width depends on it).
+fn groups(dim: usize) -> Result<usize> {
+    if [32, 64, 128].contains(&dim) {
+        Ok(dim / 32)
+    } else {
+        Err(Error::OutOfRange {
+            field: "dim".into(),
+            value: dim.to_string(),
+            expected: "32, 64 or 128",
+        })
+    }
+}
+
+/// Packed fp4 `[.., D/2]` bytes (or `float4_e2m1fn` `[.., D]` values): bytes, their
+/// shape, and `D`.
+fn packed(t: Tensor, ndim: usize, want: &str) -> Result<(Shaped, usize)> {
+    if t.shape.len() != ndim || !matches!(t.dtype, Dt::U8 | Dt::I8 | Dt::F4x2 | Dt::F4) {
+        return Err(t.error(want));
+    }
+    let mut shape = t.shape.clone();
+    let last = shape[ndim - 1];
+    let dim = if t.dtype == Dt::F4 {
+        if !last.is_multiple_of(2) {
+            return Err(t.error("an even number of float4_e2m1fn values a row"));
+        }
+        shape[ndim - 1] = last / 2;
+        last
+    } else {
+        last.saturating_mul(2)
+    };
+    Ok((
+        Shaped {
+            bytes: Bytes::View(t),
+            shape,
+        },
+        dim,
+    ))
+}
+
+/// UE8M0 scales `[lead.., G]` from bytes (`uint8`, `float8_e8m0fnu`) or from `int32`
+/// words `[lead..]` (byte `g` = group `g`).
+fn scales(t: Tensor, lead: &[usize], g: usize) -> Result<Shaped> {
+    let want = [lead, &[g]].concat();
+    match t.dtype {
+        Dt::U8 | Dt::F8E8m0 => {
+            if t.shape.len() != want.len() {
+                return Err(t.error(format!("UE8M0 bytes {want:?}")));
+            }
+            Ok(Shaped {
+                shape: t.shape.clone(),
+                bytes: Bytes::View(t),
+            })
+        }
+        Dt::I32 => {
+            if t.shape != lead && t.shape != [lead, &[1]].concat() {
+                return Err(t.error(format!("int32 words {lead:?}, or UE8M0 bytes {want:?}")));
+            }
+            let bytes = if g == 4 {
+                // The words' little-endian bytes are the [.., 4] scale bytes.
+                Bytes::View(t)
+            } else {
+                let w = t.bytes()?;
+                Bytes::Owned(w.chunks_exact(4).flat_map(|c| c[..g].to_vec()).collect())
+            };
+            Ok(Shaped { bytes, shape: want })
+        }
+        _ => Err(t.error(format!(
+            "UE8M0 bytes {want:?} (uint8, float8_e8m0fnu) or int32 words {lead:?}"
+        ))),
+    }
+}
+
+fn queries(q: Tensor, q_scale: Option<Tensor>) -> Result<(Q, Format, usize, usize)> {
+    const WANT: &str = "float8_e4m3fn or uint8 E4M3 codes [T, H, D] (no q_scale), \
+                        or packed fp4 (uint8, int8, float4_e2m1fn_x2) [T, H, D/2] with q_scale";
+    if q.shape.len() != 3 {
+        return Err(q.error(WANT));
+    }
+    let (t, h) = (q.shape[0], q.shape[1]);
+    match (q.dtype, q_scale) {
+        (Dt::F8E4m3 | Dt::U8, None) => {
+            let dim = q.shape[2];
+            Ok((
+                Q::E4m3(Shaped {
+                    shape: q.shape.clone(),
+                    bytes: Bytes::View(q),
+                }),
+                Format::E4m3,
+                h,
+                dim,
+            ))
+        }
+        (Dt::F8E4m3, Some(_)) => Err(bad(
+            "q_scale",
+            "given with float8_e4m3fn queries, which have none: fold the query scale into \
+             the weights (SPEC 4)",
+        )),
+        (Dt::I8 | Dt::F4x2 | Dt::F4, None) => Err(bad(
+            "q_scale",
+            format!(
+                "missing: packed fp4 queries (q dtype {}) need their UE8M0 scales",
+                q.dtype.name()
+            ),
+        )),
+        (_, Some(s)) => {
+            let (packed, dim) = packed(q, 3, WANT)?;
+            let scale = scales(s, &[t, h], groups(dim)?)?;
+            Ok((Q::E2m1 { packed, scale }, Format::E2m1, h, dim))
+        }
+        (_, None) => Err(q.error(WANT)),
+    }
+}
+
+fn keys(k: Tensor, k_scale: Tensor, dim: usize) -> Result<(K, Format)> {
+    if k.shape.len() != 2 {
+        return Err(k.error(format!(
+            "E4M3 codes [L, {dim}] with a float32 k_scale [L], or packed fp4 [L, {}] with \
+             UE8M0 k_scale (D = {dim}, from q)",
+            dim / 2
+        )));
+    }
+    let l = k.shape[0];
+    let want = format!(
+        "E4M3 codes (float8_e4m3fn, uint8) [{l}, {dim}] with a float32 k_scale [{l}], or packed \
+         fp4 (uint8, int8, float4_e2m1fn_x2) [{l}, {}] with UE8M0 k_scale (D = {dim}, from q)",
+        dim / 2
+    );
+    match (k.dtype, k_scale.dtype) {
+        (Dt::F8E4m3 | Dt::U8, Dt::F32) => {
+            if k_scale.shape != [l] && k_scale.shape != [l, 1] {
+                return Err(k_scale.error(format!("float32 [{l}] (one scale per key)")));
+            }
+            let len = k_scale.shape[0];
+            Ok((
+                K::E4m3 {
+                    codes: Shaped {
+                        shape: k.shape.clone(),
+                        bytes: Bytes::View(k),
+                    },
+                    scale: Floats::of(k_scale)?,
+                    len,
+                },
+                Format::E4m3,
+            ))
+        }
+        (Dt::F8E4m3, _) => Err(k_scale.error(format!("float32 [{l}] for float8_e4m3fn keys"))),
+        (_, Dt::F32) => Err(k.error(want)),
+        _ => {
+            // Packed fp4 must be as wide as q's D (a uint8 buffer could be either format).
+            let kdim = if k.dtype == Dt::F4 {
+                k.shape[1]
+            } else {
+                k.shape[1].saturating_mul(2)
+            };
+            if kdim != dim {
+                return Err(k.error(want));
+            }
+            let (packed, _) = packed(k, 2, &want)?;
+            let scale = scales(k_scale, &[l], groups(dim)?)?;
+            Ok((K::E2m1 { packed, scale }, Format::E2m1))
+        }
+    }
+}
+
+fn view3<'a>(name: &str, s: &'a Shaped) -> Result<ArrayView3<'a, u8>> {
+    let b = s.bytes.get()?;
+    ArrayView3::from_shape((s.shape[0], s.shape[1], s.shape[2]), b)
+        .map_err(|e| bad(name, format!("{} bytes as {:?}: {e}", b.len(), s.shape)))
+}
+
+fn view2<'a>(name: &str, s: &'a Shaped) -> Result<ArrayView2<'a, u8>> {
+    let b = s.bytes.get()?;
+    ArrayView2::from_shape((s.shape[0], s.shape[1]), b)
+        .map_err(|e| bad(name, format!("{} bytes as {:?}: {e}", b.len(), s.shape)))
+}
+
+/// The rows: `query_starts`, or `row_requests` with `row_positions`; `T` rows of a
+/// contiguous layout are checked against `q` before they are materialised.
+fn layout(a: &Args, seq_lens: &[usize], t: usize) -> PyResult<Layout> {
+    match (
+        a.tensor("query_starts")?,
+        a.tensor("row_requests")?,
+        a.tensor("row_positions")?,
+    ) {
+        (Some(qs), None, None) => {
+            let q0 = qs.counts().map_err(crate::to_py)?;
+            let rows = seq_lens
+                .iter()
+                .zip(&q0)
+                .try_fold(0usize, |n, (&s, &q)| n.checked_add(s.saturating_sub(q)));
+            if q0.len() == seq_lens.len() && rows != Some(t) {
+                return Err(crate::to_py(bad(
+                    "query_starts",
+                    format!(
+                        "seq_lens - query_starts sum to {} rows, q has {t}",
+                        rows.map_or("more than usize::MAX".into(), |r| r.to_string())
+                    ),
+                )));
+            }
+            Ok(Layout::Contiguous(q0))
+        }
+        (None, Some(rr), Some(rp)) => Ok(Layout::Explicit {
+            requests: rr.counts().map_err(crate::to_py)?,
+            positions: rp.counts().map_err(crate::to_py)?,
+        }),
+        _ => Err(crate::to_py(bad(
+            "query_starts",
+            "expected either query_starts, or both row_requests and row_positions",
+        ))),
+    }
+}
+
+fn role(a: &Args) -> PyResult<RoleKind> {
+    let Some(v) = a.get("role")? else {
+        return Ok(RoleKind::Plain);
+    };
+    match v.extract::<String>().ok().as_deref() {
+        Some("plain") => Ok(RoleKind::Plain),
+        Some("source") => Ok(RoleKind::Source),
+        Some("consumer") => Ok(RoleKind::Consumer),
+        _ => Err(crate::to_py(Error::OutOfRange {
+            field: "role".into(),
+            value: v.repr().map(|r| r.to_string()).unwrap_or_default(),
+            expected: "\"plain\", \"source\" or \"consumer\"",
+        })),
+    }
+}
+
+impl Layer {
+    /// Read and check the arguments dict.
+    pub fn from_dict(d: &Bound<'_, PyDict>) -> PyResult<Layer> {
+        for k in d.keys() {
+            let k: String = k.extract()?;
+            if !KEYS.contains(&k.as_str()) {
+                return Err(crate::to_py(bad(&k, "not an argument of the layer")));
+            }
+        }
+        let a = Args { d };
+        let ve = crate::to_py;
+        let (q, qfmt, heads, dim) = queries(a.need("q")?, a.tensor("q_scale")?).map_err(ve)?;
+        let (k, kfmt) = keys(a.need("k")?, a.need("k_scale")?, dim).map_err(ve)?;
+        let w = a.need("weights")?;
+        if w.shape.len() != 2 {
+            return Err(ve(w.error("float32 or bfloat16 [T, H]")));
+        }
+        let weights_shape = [w.shape[0], w.shape[1]];
+        let weights = Floats::of(w).map_err(ve)?;
+        let seq_lens = a.need("seq_lens")?.counts().map_err(ve)?;
+        let t = match &q {
+            Q::E4m3(s) | Q::E2m1 { packed: s, .. } => s.shape[0],
+        };
+        let layout = layout(&a, &seq_lens, t)?;
+        let role = role(&a)?;
+        let tail = a.count("tail")?;
+        if tail.is_some() && role != RoleKind::Source {
+            return Err(ve(bad(
+                "tail",
+                "given for a layer that publishes nothing (role = \"source\" publishes)",
+            )));
+        }
+        let candidates = match a.tensor("candidates")? {
+            Some(c) if role == RoleKind::Consumer => {
+                if c.shape.len() != 2 {
+                    return Err(ve(c.error("int32 [T, NB] block ids")));
+                }
+                let v = c.i32s().map_err(ve)?.as_slice().to_vec();
+                Some(
+                    Array2::from_shape_vec((c.shape[0], c.shape[1]), v)
+                        .map_err(|e| ve(bad("candidates", e.to_string())))?,
+                )
+            }
+            Some(_) => {
+                return Err(ve(bad(
+                    "candidates",
+                    "given for a layer that is not a consumer (role = \"consumer\")",
+                )))
+            }
+            None if role == RoleKind::Consumer => {
+                return Err(ve(bad("candidates", "missing (role = consumer)")))
+            }
+            None => None,
+        };
+        let k_slots = match a.tensor("k_slots")? {
+            Some(s) if s.shape.len() == 1 => Some(Ints::of(s).map_err(ve)?),
+            Some(s) => return Err(ve(s.error("int32 [L]"))),
+            None => None,
+        };
+        let topk = a.count("topk")?.ok_or_else(|| ve(bad("topk", "missing")))?;
+        let meta = Meta {
+            heads,
+            dim,
+            topk,
+            ratio: a.count("ratio")?.unwrap_or(1),
+            q_format: qfmt,
+            k_format: kfmt,
+            role,
+            block_size: a.count("block_size")?.unwrap_or(8),
+            num_blocks: a.count("num_blocks")?.unwrap_or(2048),
+            page_cols: a.count("page_cols")?,
+            tail,
+            description: String::new(),
+        };
+        Ok(Layer {
+            meta,
+            seq_lens,
+            layout,
+            q,
+            k,
+            weights,
+            weights_shape,
+            k_slots,
+            candidates,
+        })
+    }
+
+    /// Views of the inputs (shapes are checked by `Problem::new`).
+    pub fn inputs(&self) -> Result<Inputs<'_>> {
+        let q = match &self.q {
+            Q::E4m3(s) => Queries::E4m3(view3("q", s)?),
+            Q::E2m1 { packed, scale } => Queries::E2m1 {
+                packed: view3("q", packed)?,
+                scale: view3("q_scale", scale)?,
+            },
+        };
+        let k = match &self.k {
+            K::E4m3 { codes, scale, len } => Keys::E4m3 {
+                codes: view2("k", codes)?,
+                scale: ArrayView1::from_shape(*len, scale.get()?)
+                    .map_err(|e| bad("k_scale", e.to_string()))?,
+            },
+            K::E2m1 { packed, scale } => Keys::E2m1 {
+                packed: view2("k", packed)?,
+                scale: view2("k_scale", scale)?,
+            },
+        };
+        let [t, h] = self.weights_shape;
+        let weights = ArrayView2::from_shape((t, h), self.weights.get()?)
+            .map_err(|e| bad("weights", e.to_string()))?;
+        let k_slots = match &self.k_slots {
+            Some(s) => Some(ArrayView1::from(s.get()?)),
+            None => None,
+        };
+        Ok(Inputs {
+            q,
+            k,
+            weights,
+            k_slots,
+        })
+    }
+
+    /// The batch and the consumer's candidates.
+    pub fn parts(&self) -> Result<Parts> {
+        let batch = match &self.layout {
+            Layout::Contiguous(q0) => Batch::contiguous(&self.seq_lens, q0, self.meta.ratio)?,
+            Layout::Explicit {
+                requests,
+                positions,
+            } => Batch::explicit(&self.seq_lens, requests, positions, self.meta.ratio)?,
+        };
+        let published = self
+            .candidates
+            .as_ref()
+            .map(|c| Published::for_batch(&batch, self.meta.block_size, c.clone()));
+        Ok(Parts { batch, published })
+    }
+
+    /// The validated problem over `parts` (from [`Layer::parts`]).
+    pub fn problem<'s>(&'s self, parts: &'s Parts) -> Result<Problem<'s>> {
+        let m = &self.meta;
+        let role = match (m.role, &parts.published) {
+            (RoleKind::Plain, _) => Role::Plain,
+            (RoleKind::Source, _) => Role::Source { tail: m.tail },
+            (RoleKind::Consumer, Some(p)) => Role::Consumer(p),
+            (RoleKind::Consumer, None) => {
+                return Err(bad("candidates", "missing (role = consumer)"))
+            }
+        };
+        let params = Params {
+            topk: m.topk,
+            page_cols: m.page_cols,
+            block_size: m.block_size,
+            num_blocks: m.num_blocks,
+        };
+        Problem::new(&parts.batch, self.inputs()?, params, role)
+    }
+
+    /// The layer as a dump (owned copies of the inputs) carrying `expected`.
+    pub fn to_dump(
+        &self,
+        expected: Expected,
+        engine_logits: Option<Array2<f32>>,
+        description: String,
+    ) -> Result<Dump> {
+        let i = self.inputs()?;
+        let q = match i.q {
+            Queries::E4m3(q) => QData::E4m3(q.to_owned()),
+            Queries::E2m1 { packed, scale } => QData::E2m1 {
+                packed: packed.to_owned(),
+                scale: scale.to_owned(),
+            },
+        };
+        let k = match i.k {
+            Keys::E4m3 { codes, scale } => KData::E4m3 {
+                codes: codes.to_owned(),
+                scale: scale.to_owned(),
+            },
+            Keys::E2m1 { packed, scale } => KData::E2m1 {
+                packed: packed.to_owned(),
+                scale: scale.to_owned(),
+            },
+        };
+        Ok(Dump {
+            meta: Meta {
+                description,
+                ..self.meta.clone()
+            },
+            seq_lens: self.seq_lens.clone(),
+            layout: self.layout.clone(),
+            q,
+            k,
+            weights: i.weights.to_owned(),
+            k_slots: i.k_slots.map(|s| s.to_owned()),
+            candidates: self.candidates.clone(),
+            engine_logits,
+            expected,
+        })
+    }
+}
