@@ -142,13 +142,13 @@ pub fn int8_pair_admits(eq: &[u8], ek: &[u8]) -> bool {
         // matters only when the key's scale is below 1.
         return eq[0] <= MAX_Q_EXP || ek[0] >= 127;
     }
-    let e: Vec<u32> = eq
-        .iter()
-        .zip(ek)
-        .map(|(&a, &b)| a as u32 + b as u32)
-        .collect();
+    let mut e = [0u32; 4];
+    for (x, (&a, &b)) in e.iter_mut().zip(eq.iter().zip(ek)) {
+        *x = a as u32 + b as u32;
+    }
+    let e = &e[..g];
     let groups_ok = eq.iter().all(|&x| x <= MAX_Q_EXP) && e.iter().all(|&x| x <= MAX_GROUP_EXP_SUM);
-    // G = 4: the two half sums must not overflow either (both 371 can).
+    // G = 4: the two half sums must not overflow either (both at 371 can).
     let halves_ok = g != 4
         || e.chunks(2)
             .all(|p| !(p[0] == MAX_GROUP_EXP_SUM && p[1] == MAX_GROUP_EXP_SUM));
