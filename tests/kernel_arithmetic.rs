@@ -5,7 +5,8 @@
 //! CI that has no GPU.
 //!
 //! `cargo test --test kernel_arithmetic -- --ignored` runs the exhaustive versions
-//! (every f32 bit pattern; about 10 s in release).
+//! (every f32 bit pattern, about 10 s in release; every exponent position of the int8
+//! path's model, a few minutes).
 
 use dsa_indexer::reference::rank_key;
 use rand::{Rng, SeedableRng};
@@ -250,4 +251,728 @@ fn restated_formulas_are_the_kernels_text() {
     assert_eq!(f32::from_bits(0x0000_0200), 2f32.powi(-140));
     assert_eq!(f32::from_bits(0x7600_0000), 2f32.powi(109));
     assert!(WGR.contains("__fmaf_rn(x0[i], cf[kk][g2], __fmul_rn(x1[i], cf[kk][g2 + 1]))"));
+}
+
+// ==== the exact class on int8 tensor cores (reference::int8_path) ====
+//
+// The model of `docs/numerics.md` section 6 against the crate's reference head score
+// (`reference::logits::{group_dot, exact_head_score}`, the functions `reference::logits`
+// computes SPEC 4 steps 1 and 2 with). Codes are one E2M1 nibble per element here.
+
+use dsa_indexer::formats::{e2m1, quantize_fp4_blocks, ue8m0, Fp4Floor};
+use dsa_indexer::reference::int8_path::{
+    block_max_exp_sum, int8_head_score, int8_pair_admits, int8_path_admits, shifted_codes,
+    ScaleWindow, MAX_C_EXP_SUM, MAX_Q_EXP, MIN_EXP_SUM, S8_MAX_SPAN,
+};
+use dsa_indexer::reference::logits::{exact_head_score, group_dot};
+
+/// One (head vector, key) pair: `G` group bytes per side and `32 G` codes per side.
+#[derive(Clone, Debug)]
+struct Pair {
+    eq: Vec<u8>,
+    ek: Vec<u8>,
+    q: Vec<u8>,
+    k: Vec<u8>,
+}
+
+fn span(v: &[u8]) -> u8 {
+    v.iter().max().unwrap() - v.iter().min().unwrap()
+}
+
+fn min_sum(eq: &[u8], ek: &[u8]) -> i32 {
+    *eq.iter().min().unwrap() as i32 + *ek.iter().min().unwrap() as i32
+}
+
+impl Pair {
+    fn zeros(eq: &[u8], ek: &[u8]) -> Pair {
+        Pair {
+            eq: eq.to_vec(),
+            ek: ek.to_vec(),
+            q: vec![0; 32 * eq.len()],
+            k: vec![0; 32 * eq.len()],
+        }
+    }
+
+    /// SPEC 4's a_h by the crate's reference functions.
+    fn reference(&self) -> f32 {
+        let dec = |c: &[u8]| {
+            c.iter()
+                .map(|&x| e2m1::decode(x) as f64)
+                .collect::<Vec<_>>()
+        };
+        let (qv, kv) = (dec(&self.q), dec(&self.k));
+        let s: Vec<f32> = (0..self.eq.len())
+            .map(|g| group_dot(&qv[32 * g..32 * g + 32], &kv[32 * g..32 * g + 32]) as f32)
+            .collect();
+        let qs: Vec<f32> = self.eq.iter().map(|&e| ue8m0::decode(e)).collect();
+        let ks: Vec<f32> = self.ek.iter().map(|&e| ue8m0::decode(e)).collect();
+        exact_head_score(&s, &qs, &ks)
+    }
+
+    /// The model: shifted s8 operands, one i32 sum, one multiply. `None` where the
+    /// model cannot run (a span over 3, or C not an f32).
+    fn int_path(&self) -> Option<f32> {
+        let q = shifted_codes(&e2m1::pack(&self.q), &self.eq).unwrap()?;
+        let k = shifted_codes(&e2m1::pack(&self.k), &self.ek).unwrap()?;
+        int8_head_score(q.dot(&k)?, q.e_min, k.e_min)
+    }
+
+    /// `Y = sum_g 4 s_g 2^(shift_q,g + shift_k,g)`, computed apart from the model.
+    fn y(&self) -> i64 {
+        let (lq, lk) = (
+            *self.eq.iter().min().unwrap(),
+            *self.ek.iter().min().unwrap(),
+        );
+        (0..self.eq.len())
+            .map(|g| {
+                let x: i64 = (32 * g..32 * g + 32)
+                    .map(|d| {
+                        e2m1::DOUBLED[self.q[d] as usize] as i64
+                            * e2m1::DOUBLED[self.k[d] as usize] as i64
+                    })
+                    .sum();
+                x << ((self.eq[g] - lq) + (self.ek[g] - lk))
+            })
+            .sum()
+    }
+
+    /// The exact a_h rounded once to f32 (f64 holds `Y 2^E` exactly).
+    fn rounded_once(&self) -> f32 {
+        (self.y() as f64 * 2f64.powi(min_sum(&self.eq, &self.ek) - 256)) as f32
+    }
+
+    /// An int path guarded by the final range only multiplies by the f32 nearest to C.
+    fn int_path_nearest_c(&self) -> f32 {
+        self.y() as f32 * 2f64.powi(min_sum(&self.eq, &self.ek) - 256) as f32
+    }
+}
+
+/// A guard on the final range only: spans within s8 and `G * 4608 * 2^(E_hi - 256)`
+/// below `2^128`, nothing on the first product or the low end.
+fn final_range_admits(eq: &[u8], ek: &[u8]) -> bool {
+    let hi = *eq.iter().max().unwrap() as u32 + *ek.iter().max().unwrap() as u32;
+    span(eq) <= S8_MAX_SPAN && span(ek) <= S8_MAX_SPAN && hi <= block_max_exp_sum(eq.len()).unwrap()
+}
+
+fn window(e: &[u8]) -> ScaleWindow {
+    ScaleWindow::of(e, e.len()).unwrap()
+}
+
+/// Doubled E2M1 magnitude -> code index.
+fn mag_code(m: i32) -> u8 {
+    [0, 1, 2, 3, 4, 6, 8, 12]
+        .iter()
+        .position(|&x| x == m)
+        .unwrap() as u8
+}
+
+/// Codes for group `g` whose integer dot `4 s_g` is `x` (greedy, largest product
+/// first; the targets used here are all reachable). Queries positive, keys signed.
+fn set_dot(p: &mut Pair, g: usize, x: i32) {
+    const M: [i32; 8] = [0, 1, 2, 3, 4, 6, 8, 12];
+    let mut r = x.abs();
+    for d in 32 * g..32 * g + 32 {
+        let (a, b) = match r {
+            0 => (0, 0),
+            144.. => (12, 12),
+            _ => M
+                .iter()
+                .flat_map(|&a| M.iter().map(move |&b| (a, b)))
+                .filter(|&(a, b)| a * b <= r)
+                .max_by_key(|&(a, b)| (a * b, a))
+                .unwrap(),
+        };
+        r -= a * b;
+        p.q[d] = mag_code(a);
+        p.k[d] = mag_code(b) | if x < 0 && b != 0 { 8 } else { 0 };
+    }
+    assert_eq!(r, 0, "4 s_g = {x} not reached");
+}
+
+/// The code patterns the sweeps try on one exponent configuration: random codes
+/// (-0 included), every group at the largest magnitude with equal and alternating signs,
+/// one group alone, odd unit dots (t_g at its lsb: subnormal near the low edge),
+/// groups that cancel exactly across shifts, and a head of -0 products.
+fn patterns(eq: &[u8], ek: &[u8], rng: &mut impl Rng, random: usize) -> Vec<Pair> {
+    let g = eq.len();
+    let mut out = Vec::new();
+    for _ in 0..random {
+        let mut p = Pair::zeros(eq, ek);
+        p.q.iter_mut().for_each(|c| *c = rng.gen_range(0..16));
+        p.k.iter_mut().for_each(|c| *c = rng.gen_range(0..16));
+        out.push(p);
+    }
+    let dots = |xs: &[i32]| {
+        let mut p = Pair::zeros(eq, ek);
+        for (i, &x) in xs.iter().enumerate() {
+            set_dot(&mut p, i, x);
+        }
+        p
+    };
+    out.push(dots(&vec![4608; g]));
+    out.push(dots(
+        &(0..g)
+            .map(|i| if i % 2 == 0 { 4608 } else { -4608 })
+            .collect::<Vec<_>>(),
+    ));
+    out.push(dots(
+        &(0..g)
+            .map(|i| if i == 0 { -4608 } else { 0 })
+            .collect::<Vec<_>>(),
+    ));
+    out.push(dots(
+        &(0..g)
+            .map(|i| if i == g - 1 { 4096 } else { 0 })
+            .collect::<Vec<_>>(),
+    ));
+    out.push(dots(
+        &(0..g)
+            .map(|i| if i % 2 == 0 { 1 } else { -1 })
+            .collect::<Vec<_>>(),
+    ));
+    out.push(dots(&vec![-1; g]));
+    // Two groups at 2^12 and a third pulling the sum back (a half sum of G = 4 that
+    // reaches 2^128 while the exact a_h does not).
+    if g == 4 {
+        out.push(dots(&[4096, 4096, -4608, 0]));
+        out.push(dots(&[0, -4608, 4096, 4096]));
+    } else if g == 2 {
+        out.push(dots(&[4096, -4608]));
+    }
+    if g >= 2 {
+        // X_a 2^sh_a = -X_b 2^sh_b: the two groups cancel exactly (the largest and the
+        // smallest shift sums).
+        let sh: Vec<i32> = (0..g)
+            .map(|i| {
+                (eq[i] as i32 - *eq.iter().min().unwrap() as i32)
+                    + (ek[i] - ek.iter().min().unwrap()) as i32
+            })
+            .collect();
+        let a = (0..g).max_by_key(|&i| sh[i]).unwrap();
+        let b = (0..g).min_by_key(|&i| sh[i]).unwrap();
+        if a != b {
+            for base in [1, 64] {
+                let mut xs = vec![0; g];
+                xs[a] = base;
+                xs[b] = -(base << (sh[a] - sh[b]));
+                out.push(dots(&xs));
+            }
+        }
+    }
+    // -0 queries against non-negative keys: every product is -0.
+    let mut p = Pair::zeros(eq, ek);
+    p.q.iter_mut().for_each(|c| *c = 8);
+    p.k.iter_mut().for_each(|c| *c = rng.gen_range(0..8));
+    out.push(p);
+    out
+}
+
+/// Group shifts of one side with span `s`: the arrangements that put the largest
+/// shifts together or apart, and one random arrangement.
+fn arrangements(g: usize, s: u8, rng: &mut impl Rng) -> Vec<Vec<u8>> {
+    if g == 1 {
+        return vec![vec![0]];
+    }
+    let mut v = vec![
+        (0..g)
+            .map(|i| if i == 0 { s } else { 0 })
+            .collect::<Vec<u8>>(),
+        (0..g).map(|i| if i == 1 { s } else { 0 }).collect(),
+        (0..g).map(|i| if i < 2 { s } else { 0 }).collect(),
+        (0..g).map(|i| if i + 1 < g { s } else { 0 }).collect(),
+    ];
+    let mut r: Vec<u8> = (0..g).map(|_| rng.gen_range(0..=s)).collect();
+    r[rng.gen_range(0..g)] = 0;
+    let top = rng.gen_range(0..g);
+    if r.iter().all(|&x| x == 0) || top != 0 {
+        r[top] = s;
+    }
+    if span(&r) == s {
+        v.push(r);
+    }
+    v.retain(|a| span(a) == s);
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// What one configuration showed.
+#[derive(Default, Debug)]
+struct Tally {
+    configs_admitted: u64,
+    configs_block_admitted: u64,
+    admitted: u64,
+    rejected: u64,
+    rejected_differ: u64,
+    block_admitted: u64,
+}
+
+/// Every pattern on one exponent configuration: where the pair guard admits, the model
+/// equals the reference bitwise (and the once-rounded exact value); the block guard
+/// (over this one pair) implies the pair guard.
+fn check_config(eq: &[u8], ek: &[u8], rng: &mut impl Rng, random: usize, t: &mut Tally) {
+    let adm = int8_pair_admits(eq, ek);
+    let blk = int8_path_admits(window(eq), window(ek), eq.len());
+    assert!(
+        !blk || adm,
+        "block guard admits what the pair guard rejects: {eq:?} {ek:?}"
+    );
+    t.configs_admitted += adm as u64;
+    t.configs_block_admitted += blk as u64;
+    for p in patterns(eq, ek, rng, random) {
+        let r = p.reference();
+        if adm {
+            let m = p.int_path().expect("admitted pairs run the int path");
+            assert_eq!(
+                m.to_bits(),
+                r.to_bits(),
+                "eq {eq:?} ek {ek:?}: model {m:e} reference {r:e}\n{p:?}"
+            );
+            assert_eq!(p.rounded_once().to_bits(), r.to_bits());
+            // The block guard also keeps every value of step 2 finite.
+            assert!(!blk || r.is_finite(), "eq {eq:?} ek {ek:?}: a_h = {r}");
+            t.admitted += 1;
+            t.block_admitted += blk as u64;
+        } else {
+            t.rejected += 1;
+            t.rejected_differ += (p.rounded_once().to_bits() != r.to_bits()) as u64;
+        }
+    }
+}
+
+/// Exponent positions (`eq_min`, `ek_min`) for spans `sq`, `sk`: both sides of every
+/// edge of the guard (the low end, the first product, the group sums, C's top) and the
+/// engines' range around 2^0.
+fn positions(g: usize, sq: u8, sk: u8) -> Vec<(u8, u8)> {
+    let (qm, km) = (254 - sq as i32, 254 - sk as i32);
+    let mut v = Vec::new();
+    let mut push = |a: i32, b: i32| {
+        if (0..=qm).contains(&a) && (0..=km).contains(&b) {
+            v.push((a as u8, b as u8));
+        }
+    };
+    for lo in 103..=111 {
+        for a in [0, 1, lo / 2, lo - 1, lo] {
+            push(a, lo - a);
+        }
+    }
+    for top in 241..=248 {
+        for b in [0, 1, 60, 110, 120, 124, 125, 126, 127, 128, 131] {
+            push(top - sq as i32, b);
+        }
+    }
+    let ceiling = block_max_exp_sum(g).unwrap() as i32;
+    for hi in ceiling - 5..=ceiling + 5 {
+        for a in [117, 180, 240, 243, 244, 245] {
+            push(a - sq as i32, hi - a - sk as i32);
+        }
+    }
+    for hi in MAX_C_EXP_SUM as i32 - 3..=MAX_C_EXP_SUM as i32 + 3 {
+        for a in [129, 200, 244, 254] {
+            push(a, hi - a);
+        }
+    }
+    for a in (118..=132).step_by(2) {
+        for b in (118..=132).step_by(3) {
+            push(a, b);
+        }
+    }
+    v
+}
+
+#[test]
+fn int8_path_matches_the_reference_wherever_the_guard_admits() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
+    for g in [1usize, 2, 4] {
+        let spans = if g == 1 { 0..=0 } else { 0..=S8_MAX_SPAN };
+        let mut t = Tally::default();
+        for sq in spans.clone() {
+            for sk in spans.clone() {
+                for (qm, km) in positions(g, sq, sk) {
+                    for aq in arrangements(g, sq, &mut rng) {
+                        for ak in arrangements(g, sk, &mut rng) {
+                            let eq: Vec<u8> = aq.iter().map(|&s| qm + s).collect();
+                            let ek: Vec<u8> = ak.iter().map(|&s| km + s).collect();
+                            check_config(&eq, &ek, &mut rng, 2, &mut t);
+                        }
+                    }
+                }
+            }
+        }
+        println!("G = {g}: {t:?}");
+        // Both sides of the guard were reached, and some rejected cases do differ.
+        assert!(
+            t.admitted > 1_000 && t.rejected > 100 && t.rejected_differ > 10,
+            "{t:?}"
+        );
+    }
+}
+
+/// The sweep above at every exponent position: every `eq_min` and `ek_min` in 0..=254
+/// for every span, the largest shifts of both sides in one group and one random
+/// arrangement, one random draw besides the adversarial codes, and the witness of every
+/// rejected configuration.
+#[test]
+#[ignore = "every exponent position: run with --ignored (a few minutes)"]
+fn int8_path_every_exponent_position() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20);
+    for g in [1usize, 2, 4] {
+        let spans = if g == 1 { 0..=0 } else { 0..=S8_MAX_SPAN };
+        let mut t = Tally::default();
+        for sq in spans.clone() {
+            for sk in spans.clone() {
+                for qm in 0..=254 - sq {
+                    for km in 0..=254 - sk {
+                        // The first arrangement and the last (the random one).
+                        let two = |v: Vec<Vec<u8>>| [v[0].clone(), v[v.len() - 1].clone()];
+                        let aq = two(arrangements(g, sq, &mut rng));
+                        let ak = two(arrangements(g, sk, &mut rng));
+                        for (a, b) in aq.iter().zip(&ak) {
+                            let eq: Vec<u8> = a.iter().map(|&s| qm + s).collect();
+                            let ek: Vec<u8> = b.iter().map(|&s| km + s).collect();
+                            check_config(&eq, &ek, &mut rng, 1, &mut t);
+                            let lo = min_sum(&eq, &ek) as u32;
+                            if !int8_pair_admits(&eq, &ek)
+                                && (MIN_EXP_SUM..=MAX_C_EXP_SUM).contains(&lo)
+                            {
+                                let p = witness(&eq, &ek).expect("a witness");
+                                assert_ne!(
+                                    p.reference().to_bits(),
+                                    p.int_path().unwrap().to_bits()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        println!("G = {g}: {t:?}");
+    }
+}
+
+/// Every configuration the pair guard rejects (with spans that fit s8 and C an f32)
+/// has codes on which the reference and the int path differ: the witnesses of
+/// `docs/numerics.md` 6.3, so the pair condition is exact, not only sufficient.
+#[test]
+fn int8_pair_guard_rejects_only_pairs_that_can_differ() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+    for g in [1usize, 2, 4] {
+        let spans = if g == 1 { 0..=0 } else { 0..=S8_MAX_SPAN };
+        let mut witnessed = 0;
+        for sq in spans.clone() {
+            for sk in spans.clone() {
+                for (qm, km) in positions(g, sq, sk) {
+                    for aq in arrangements(g, sq, &mut rng) {
+                        for ak in arrangements(g, sk, &mut rng) {
+                            let eq: Vec<u8> = aq.iter().map(|&s| qm + s).collect();
+                            let ek: Vec<u8> = ak.iter().map(|&s| km + s).collect();
+                            let lo = min_sum(&eq, &ek) as u32;
+                            if int8_pair_admits(&eq, &ek)
+                                || !(MIN_EXP_SUM..=MAX_C_EXP_SUM).contains(&lo)
+                            {
+                                continue;
+                            }
+                            let p = witness(&eq, &ek)
+                                .unwrap_or_else(|| panic!("no witness: {eq:?} {ek:?}"));
+                            let (r, m) = (p.reference(), p.int_path().unwrap());
+                            assert_ne!(r.to_bits(), m.to_bits(), "no difference: {eq:?} {ek:?}");
+                            witnessed += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(witnessed > 20, "G = {g}: {witnessed}");
+        println!("G = {g}: {witnessed} rejected configurations, each with a witness");
+    }
+}
+
+/// The codes of the derivation that make a rejected configuration differ; `None` when
+/// the derivation has none (then the guard rejected a pair it need not have).
+fn witness(eq: &[u8], ek: &[u8]) -> Option<Pair> {
+    let g = eq.len();
+    let mut p = Pair::zeros(eq, ek);
+    let e: Vec<i32> = (0..g).map(|i| eq[i] as i32 + ek[i] as i32).collect();
+    // The first product overflows while t_g's exact value is finite.
+    if let Some(i) = (0..g).find(|&i| eq[i] > MAX_Q_EXP && ek[i] < 127) {
+        set_dot(&mut p, i, 1 << (257 - eq[i] as i32));
+        return Some(p);
+    }
+    if g == 1 {
+        return None;
+    }
+    // t_g reaches 2^128; another group pulls the exact sum back below (or to -inf).
+    if let Some(i) = (0..g).find(|&i| e[i] > 371) {
+        let f = e[i] - 256;
+        set_dot(&mut p, i, if f <= 128 { 1 << (128 - f) } else { 1 });
+        set_dot(&mut p, (i + 1) % g, -4608);
+        return Some(p);
+    }
+    // G = 4: a half sum reaches 2^128 (both of its groups at 371).
+    let h = (0..g / 2).find(|&h| g == 4 && e[2 * h] == 371 && e[2 * h + 1] == 371)?;
+    set_dot(&mut p, 2 * h, 4096);
+    set_dot(&mut p, 2 * h + 1, 4096);
+    set_dot(&mut p, 2 - 2 * h, -4608);
+    Some(p)
+}
+
+/// Spans of 4 and more do not fit s8 for every code: the largest code shifted by 4 is
+/// 192. `shifted_codes` declines them.
+#[test]
+fn int8_spans_past_three_do_not_fit_s8() {
+    assert_eq!(12i32 << S8_MAX_SPAN, 96);
+    assert!(12i32 << (S8_MAX_SPAN + 1) > i8::MAX as i32);
+    for s in 0..=8u8 {
+        let eq = [120, 120 + s, 120, 120];
+        let mut p = Pair::zeros(&eq, &eq);
+        set_dot(&mut p, 1, 4608);
+        let q = shifted_codes(&e2m1::pack(&p.q), &eq).unwrap();
+        assert_eq!(q.is_some(), s <= S8_MAX_SPAN, "span {s}");
+        if let Some(q) = q {
+            assert_eq!(*q.codes.iter().max().unwrap() as i32, 12 << s);
+        }
+    }
+}
+
+/// The issue's failures of a guard on the final range only, each one admitted by it,
+/// different from the reference, and rejected by both guards of the model.
+#[test]
+fn int8_final_range_guard_admits_pairs_that_differ() {
+    let rejected = |p: &Pair| {
+        !int8_pair_admits(&p.eq, &p.ek)
+            && !int8_path_admits(window(&p.eq), window(&p.ek), p.eq.len())
+    };
+    // The first product overflows: 1152 * 2^118 = inf, so SPEC 4 gives NaN (or inf)
+    // where the exact a_h, and the int path, are finite.
+    let mut p = Pair::zeros(&[245, 245], &[10, 10]);
+    set_dot(&mut p, 0, 4608);
+    set_dot(&mut p, 1, -4608);
+    assert!(final_range_admits(&p.eq, &p.ek) && rejected(&p));
+    assert!(p.reference().is_nan());
+    assert_eq!(p.int_path_nearest_c(), 0.0);
+    set_dot(&mut p, 1, 0);
+    assert_eq!(p.reference(), f32::INFINITY);
+    assert_eq!(p.int_path_nearest_c(), 2304.0);
+    // The sign of an underflowed zero: t_0 = RN(-2^-156) = -0 and t_1 = +0 sum to +0;
+    // the exact a_h rounds to -0, and so does f32(-1) times C's nearest f32 (0).
+    let mut p = Pair::zeros(&[50, 50], &[50, 50]);
+    set_dot(&mut p, 0, -1);
+    assert!(final_range_admits(&p.eq, &p.ek) && rejected(&p));
+    assert_eq!(p.reference().to_bits(), 0x0000_0000);
+    assert_eq!(p.int_path_nearest_c().to_bits(), 0x8000_0000);
+    assert_eq!(p.rounded_once().to_bits(), 0x8000_0000);
+    // An underflowed value: C = 2^-151 rounds to 0, but group 0 (shifted by 6) has
+    // t_0 = 2^-145 exactly.
+    let mut p = Pair::zeros(&[56, 53], &[55, 52]);
+    set_dot(&mut p, 0, 1);
+    set_dot(&mut p, 1, 1);
+    assert!(final_range_admits(&p.eq, &p.ek) && rejected(&p));
+    assert_eq!(p.reference(), 2f32.powi(-145));
+    assert_eq!(p.int_path_nearest_c(), 0.0);
+}
+
+/// A head of -0 products: SPEC 4's s_g is a real zero, so a_h is +0, as the int path
+/// gives (`reference::logits::group_dot` starts its sum from +0).
+#[test]
+fn int8_path_zero_head_is_plus_zero_as_the_reference() {
+    let mut p = Pair::zeros(&[127; 4], &[127; 4]);
+    p.q.iter_mut().for_each(|c| *c = 8);
+    p.k.iter_mut()
+        .enumerate()
+        .for_each(|(d, c)| *c = (d % 8) as u8);
+    assert_eq!(p.reference().to_bits(), 0);
+    assert_eq!(p.int_path().unwrap().to_bits(), 0);
+}
+
+/// The issue's random 4-group experiment over the whole exponent range: exponents
+/// uniform, spans 0..=3, random codes. No pair the guard admits differs; a guard on the
+/// final range only admits pairs that do.
+#[test]
+fn int8_path_random_blocks_over_the_whole_range() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(18);
+    let (mut final_adm, mut final_diff, mut adm, mut rej, mut rej_diff) = (0, 0, 0, 0, 0);
+    for _ in 0..100_000 {
+        let side = |rng: &mut rand_chacha::ChaCha8Rng| {
+            let s = rng.gen_range(0..=S8_MAX_SPAN);
+            let lo = rng.gen_range(0..=254 - s);
+            let mut v: Vec<u8> = (0..4).map(|_| lo + rng.gen_range(0..=s)).collect();
+            v[rng.gen_range(0..4)] = lo;
+            v
+        };
+        let (eq, ek) = (side(&mut rng), side(&mut rng));
+        let mut p = Pair::zeros(&eq, &ek);
+        p.q.iter_mut().for_each(|c| *c = rng.gen_range(0..16));
+        p.k.iter_mut().for_each(|c| *c = rng.gen_range(0..16));
+        let r = p.reference();
+        if final_range_admits(&eq, &ek) {
+            final_adm += 1;
+            final_diff += (p.int_path_nearest_c().to_bits() != r.to_bits()) as u64;
+        }
+        if int8_pair_admits(&eq, &ek) {
+            adm += 1;
+            assert_eq!(p.int_path().unwrap().to_bits(), r.to_bits(), "{p:?}");
+        } else {
+            rej += 1;
+            rej_diff += (p.rounded_once().to_bits() != r.to_bits()) as u64;
+        }
+    }
+    println!(
+        "final range only: {final_diff} of {final_adm} differ; guard: {adm} admitted, \
+         {rej} rejected, of which {rej_diff} differ from the once-rounded a_h"
+    );
+    assert!(final_diff > 100 && adm > 50_000 && rej_diff > 0);
+    // Engine-like scales: bytes near 127 (a vector's smallest in 118..=132), spans 0..=3.
+    let mut engine = 0;
+    for _ in 0..100_000 {
+        let side = |rng: &mut rand_chacha::ChaCha8Rng| {
+            let (s, lo) = (rng.gen_range(0..=S8_MAX_SPAN), rng.gen_range(118..=132));
+            let mut v: Vec<u8> = (0..4).map(|_| lo + rng.gen_range(0..=s)).collect();
+            v[rng.gen_range(0..4)] = lo;
+            v[rng.gen_range(0..4)] = lo + s;
+            v
+        };
+        let (eq, ek) = (side(&mut rng), side(&mut rng));
+        let mut p = Pair::zeros(&eq, &ek);
+        p.q.iter_mut().for_each(|c| *c = rng.gen_range(0..16));
+        p.k.iter_mut().for_each(|c| *c = rng.gen_range(0..16));
+        if int8_path_admits(window(&eq), window(&ek), 4) {
+            engine += 1;
+            assert_eq!(p.int_path().unwrap().to_bits(), p.reference().to_bits());
+        }
+    }
+    println!("engine-like scales: {engine} of 100000 admitted by the block guard");
+    assert_eq!(engine, 100_000);
+}
+
+/// Box-Muller, as `dsa-indexer gen` draws.
+fn normal(rng: &mut impl Rng) -> f32 {
+    let u: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
+    let v: f64 = rng.gen();
+    ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+}
+
+/// The scale bytes of `n` engine-like vectors of `D = channels.len()`: normal f32
+/// activations times a per-channel `2^u` (`u` uniform in [-2, 2], fixed per channel),
+/// quantized by SPEC 2's block quantizer. `[n, D / 32]`.
+fn engine_like_scales(rng: &mut impl Rng, n: usize, channels: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n * channels.len() / 32);
+    let mut x = vec![0f32; channels.len()];
+    for _ in 0..n {
+        for (v, &c) in x.iter_mut().zip(channels) {
+            *v = normal(rng) * c;
+        }
+        out.extend(quantize_fp4_blocks(&x, Fp4Floor::AmaxFloor).unwrap().1);
+    }
+    out
+}
+
+/// What the int8 path admits on one set of scale bytes: the fractions of head vectors
+/// and keys within span 3, of (row-head, key) pairs, of (row, key) pairs with every head
+/// admitted, and of tiles of today's exact kernel (2 rows x 32 heads x 64 keys); and the
+/// head vectors' span histogram (0..=6, then more).
+struct Admission {
+    fractions: [f64; 5],
+    spans: [u64; 8],
+}
+
+/// `qs`: `[rows, heads, G]`; `ks`: `[keys, G]`.
+fn admission(qs: &[u8], ks: &[u8], rows: usize, heads: usize, g: usize) -> Admission {
+    let keys = ks.len() / g;
+    let qv = |r: usize, h: usize| &qs[(r * heads + h) * g..(r * heads + h + 1) * g];
+    let kv = |j: usize| &ks[j * g..(j + 1) * g];
+    let mut spans = [0u64; 8];
+    for v in qs.chunks(g) {
+        spans[(span(v) as usize).min(7)] += 1;
+    }
+    let q_fit = qs.chunks(g).filter(|v| span(v) <= S8_MAX_SPAN).count();
+    let k_fit = ks.chunks(g).filter(|v| span(v) <= S8_MAX_SPAN).count();
+    let (mut pairs, mut row_keys, mut tiles, mut tiles_all) = (0u64, 0u64, 0u64, 0u64);
+    for r in 0..rows {
+        for j in 0..keys {
+            let n = (0..heads)
+                .filter(|&h| int8_pair_admits(qv(r, h), kv(j)))
+                .count();
+            pairs += n as u64;
+            row_keys += (n == heads) as u64;
+        }
+    }
+    for r in (0..rows).step_by(2) {
+        let qw = ScaleWindow::of(&qs[r * heads * g..(r + 2) * heads * g], g).unwrap();
+        for j in (0..keys).step_by(64) {
+            let kw = ScaleWindow::of(&ks[j * g..(j + 64) * g], g).unwrap();
+            tiles += int8_path_admits(qw, kw, g) as u64;
+            tiles_all += 1;
+        }
+    }
+    Admission {
+        fractions: [
+            q_fit as f64 / (rows * heads) as f64,
+            k_fit as f64 / keys as f64,
+            pairs as f64 / (rows * heads * keys) as f64,
+            row_keys as f64 / (rows * keys) as f64,
+            tiles as f64 / tiles_all as f64,
+        ],
+        spans,
+    }
+}
+
+/// What the int8 path admits on engine-like inputs (`docs/numerics.md` 6.6): V4.1's
+/// `H = 32` at `D = 128` and `D = 64`, 256 rows against 2048 keys, quantized by SPEC 2's
+/// block quantizer from normal activations with a per-channel `2^u`, `u` uniform in
+/// [-2, 2] (and, for the margin, [-4, 4]); beside them today's `v41-*` draw, every
+/// group byte uniform in 124..=130, whose admitted fraction is known in closed form.
+#[test]
+fn int8_path_admits_engine_like_inputs() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(19);
+    let (rows, heads, keys) = (256usize, 32usize, 2048usize);
+    for dim in [128usize, 64] {
+        let g = dim / 32;
+        for half_width in [2.0f32, 4.0] {
+            let mut channels = |n: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|_| 2f32.powf(rng.gen_range(-half_width..=half_width)))
+                    .collect()
+            };
+            let (qc, kc) = (channels(heads * dim), channels(dim));
+            let mut qs = Vec::with_capacity(rows * heads * g);
+            for _ in 0..rows {
+                for h in 0..heads {
+                    qs.extend(engine_like_scales(&mut rng, 1, &qc[h * dim..(h + 1) * dim]));
+                }
+            }
+            let ks = engine_like_scales(&mut rng, keys, &kc);
+            let a = admission(&qs, &ks, rows, heads, g);
+            println!(
+                "D = {dim}, u in [-{half_width}, {half_width}]: {:.5?}, head vector spans {:?}",
+                a.fractions, a.spans
+            );
+            if half_width == 2.0 {
+                assert_eq!(
+                    a.fractions, [1.0; 5],
+                    "D = {dim}: every pair and tile admitted"
+                );
+            } else {
+                assert!(
+                    a.fractions[2] > 0.99 && a.fractions[4] < 1.0,
+                    "{:?}",
+                    a.fractions
+                );
+            }
+        }
+        // Every group byte uniform in 124..=130: a vector is within span 3 with
+        // probability 781 / 2401 (G = 4) or 37 / 49 (G = 2).
+        let qs: Vec<u8> = (0..rows * heads * g)
+            .map(|_| rng.gen_range(124..=130))
+            .collect();
+        let ks: Vec<u8> = (0..keys * g).map(|_| rng.gen_range(124..=130)).collect();
+        let a = admission(&qs, &ks, rows, heads, g);
+        let p = if g == 4 { 781.0 / 2401.0 } else { 37.0 / 49.0 };
+        println!("D = {dim}, bytes uniform in 124..=130: {:.5?}", a.fractions);
+        assert!((a.fractions[0] - p).abs() < 0.02 && (a.fractions[1] - p).abs() < 0.04);
+        assert!((a.fractions[2] - p * p).abs() < 0.03, "{:?}", a.fractions);
+        assert_eq!(
+            a.fractions[4], 0.0,
+            "no tile of 64 vectors and 64 keys fits"
+        );
+    }
 }

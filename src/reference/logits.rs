@@ -31,6 +31,29 @@ pub fn relu(x: f32) -> f32 {
     }
 }
 
+/// SPEC 4 step 1 for one group: `s_g = sum_d q_d * k_d` over the group's decoded
+/// values, exact in f64 (every product and partial sum of 32 is). `s_g` is a real
+/// number: a zero sum is +0, whatever the signs of zero among the products (Rust's
+/// `f64` `Sum` starts from -0.0, which would make a group of -0 products -0).
+pub fn group_dot(q: &[f64], k: &[f64]) -> f64 {
+    q.iter().zip(k).fold(0.0, |acc, (x, y)| acc + x * y)
+}
+
+/// SPEC 4 step 2 in the exact class (E2M1 x E2M1), one head: from the group dots
+/// `s` (exact in f32) and the decoded UE8M0 group scales `qs`, `ks` (`G` each),
+/// `t_g = (s_g * qs_g) * ks_g`, two f32 multiplies in that order, and
+/// `a_h = P(t_0 .. t_{G-1})`, the f32 pairwise sum. `G = s.len()` is 1, 2 or 4;
+/// `qs` and `ks` hold at least `G` scales (later ones are not read).
+pub fn exact_head_score(s: &[f32], qs: &[f32], ks: &[f32]) -> f32 {
+    let mut t = [0f32; 4];
+    let mut g = 0;
+    for ((ti, &sg), (&q, &k)) in t.iter_mut().zip(s).zip(qs.iter().zip(ks)) {
+        *ti = (sg * q) * k;
+        g += 1;
+    }
+    pairwise_f32(&t[..g])
+}
+
 /// One side of the dot product, decoded: element values (no scales) and the group scales.
 pub(crate) struct Decoded {
     /// Element values, `[H or 1, D]`.
@@ -116,9 +139,7 @@ pub(crate) fn logit(
         // 1. Group dots, exact in f64 for every format pair.
         let mut s = [0f64; 4];
         for (g, sg) in s.iter_mut().enumerate().take(groups) {
-            *sg = (g * 32..g * 32 + 32)
-                .map(|d| qv[d] * k.values[d])
-                .sum::<f64>();
+            *sg = group_dot(&qv[g * 32..g * 32 + 32], &k.values[g * 32..g * 32 + 32]);
         }
         // 2. Head score.
         let a = if exact {
@@ -128,12 +149,12 @@ pub(crate) fn logit(
                 .map(|v| &v[h * groups..(h + 1) * groups])
                 .unwrap_or(&[]);
             let ks = k.scales.as_deref().unwrap_or(&[]);
-            let mut t = [0f32; 4];
+            let mut sf = [0f32; 4];
             for g in 0..groups {
                 // s_g is a multiple of 1/4 with |s_g| <= 1152: exact in f32.
-                t[g] = ((s[g] as f32) * qs[g]) * ks[g];
+                sf[g] = s[g] as f32;
             }
-            pairwise_f32(&t[..groups])
+            exact_head_score(&sf[..groups], qs, ks)
         } else {
             let c: Vec<f64> = match (&q.scales, &k.scales) {
                 (Some(qs), None) => qs[h * groups..(h + 1) * groups]
