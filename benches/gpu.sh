@@ -26,13 +26,14 @@
 # Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
 # (comma-separated): mma_sync_only (mma.sync where wgmma is the default), no_scale_fold
 # (the exact class's two-multiply epilogue), no_short_rows (no shared-memory row),
-# no_sampled_threshold (no sampled threshold). The GPU tests read it in any build (and
+# no_sampled_threshold (no sampled threshold), int8_exact (the exact class at H = 32 on
+# s8 wgmma where the int8 guard admits a tile, mqa_logits_wgi8; opt-in, not a fallback). The GPU tests read it in any build (and
 # one test runs every hook in-process); the benchmark only with `tuning`.
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
 # #defines:
 # - the fp8 wgmma kernel for E4M3 x E4M3 at H = 64: W8=1, W8_SPLIT=0;
-# - tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, W16_MIN_BLOCKS,
+# - tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, W16_MIN_BLOCKS,
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS; host side:
 #   LG_PER_BLOCK.
 set -uo pipefail
@@ -64,6 +65,10 @@ if has tests; then
   hook_tests no_scale_fold exact_class boundary special golden same_bits
   hook_tests no_short_rows boundary topk_ special golden same_bits
   hook_tests no_sampled_threshold boundary topk_ golden same_bits
+  # The int8 exact path (mqa_logits_wgi8) on every exact-class test, and its fallback tile
+  # unfolded.
+  hook_tests int8_exact int8_exact exact_class boundary special golden same_bits engine_api
+  hook_tests int8_exact,no_scale_fold int8_exact exact_class special golden
   # Tuning defines (the `tuning` feature).
   knob_tests() {
     local defs="$1"; shift
@@ -118,14 +123,17 @@ if has bench; then
 fi
 
 if has ab; then
-  # workload:defines or workload:hooks=NAME[,NAME], each against the same call's default
-  # run above ($AB: a shorter list). Needs the `tuning` build.
-  AB="${AB:-v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows}"
+  # workload:NAME=VALUE ..., where NAME=VALUE is a define or hooks=NAME[,NAME], each
+  # against the same call's default run above ($AB: a shorter list). Needs the `tuning`
+  # build.
+  AB="${AB:-v41-chunk:hooks=int8_exact;v41-chunk-wide:hooks=int8_exact;v41-chunk:hooks=int8_exact WGI8_MIN_BLOCKS=4;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
-    wl="${ab%%:*}" defs="${ab#*:}" hooks=""
-    if [[ $defs == hooks=* ]]; then hooks="${defs#hooks=}" defs=""; fi
-    log "A/B $wl: ${hooks:+hooks $hooks}$defs"
+    wl="${ab%%:*}" defs="" hooks=""
+    for tok in ${ab#*:}; do
+      if [[ $tok == hooks=* ]]; then hooks="${tok#hooks=}"; else defs="${defs:+$defs }$tok"; fi
+    done
+    log "A/B $wl: ${hooks:+hooks $hooks }$defs"
     DSA_CUDA_HOOKS="$hooks" DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
   done
 fi

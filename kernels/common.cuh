@@ -45,6 +45,22 @@ __device__ __forceinline__ void e2m1_word_tab(u32 w, u32 t0, u32 t1, u32 &lo, u3
   hi = __byte_perm(t0, t1, w >> 16) | __byte_perm(0x00008000u, 0u, (w >> 19) & 0x1111u);
 }
 
+// Four packed bytes (8 codes) -> 8 s8 bytes as two u32 (low element first): twice each
+// code's value times 2^s, s in 0..3 (magnitudes {0, 1, 2, 3, 4, 6, 8, 12} << s, at most
+// 96; -0 -> 0). p0, p1 hold the shifted magnitudes (a u32 shift moves no bit across a
+// byte: each is below 16 before it), n0, n1 their negations, bytewise (0x80 - m) ^ 0x80
+// with no borrow since m <= 0x80; one byte permute looks up each table (low 3 bits of
+// each selector nibble, as in e2m1_word_tab), a third picks the negative byte (selector
+// n + 4) where the code's sign is set.
+__device__ __forceinline__ void e2m1_word_s8(u32 w, int s, u32 &lo, u32 &hi) {
+  const u32 p0 = 0x03020100u << s, p1 = 0x0C080604u << s;
+  const u32 n0 = (0x80808080u - p0) ^ 0x80808080u, n1 = (0x80808080u - p1) ^ 0x80808080u;
+  const u32 wh = w >> 16;
+  lo = __byte_perm(__byte_perm(p0, p1, w), __byte_perm(n0, n1, w), 0x3210u | ((w >> 1) & 0x4444u));
+  hi = __byte_perm(__byte_perm(p0, p1, wh), __byte_perm(n0, n1, wh),
+                   0x3210u | ((wh >> 1) & 0x4444u));
+}
+
 // The E4M3 bytes of the codes' values (the table of E2M1_AS_E4M3).
 __device__ __forceinline__ void e2m1_word(u32 w, u32 &lo, u32 &hi) {
   e2m1_word_tab(w, 0x3C383000u, 0x4C484440u, lo, hi);
@@ -230,6 +246,35 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_rs(float (&d)[32], const u3
       "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(0));
+}
+// Pins MMA A fragments: computed before this point (an empty asm that reads and writes
+// each register; volatile asms keep their order, so the fragments are ready before a
+// later wgmma fence).
+template <int N>
+__device__ __forceinline__ void fence_regs_a(u32 (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+// Keeps the compiler from touching integer accumulator registers across the async MMA.
+template <int N>
+__device__ __forceinline__ void fence_regs_s32(int (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(d[i])::"memory");
+}
+// D (+)= A(64x32 s8, registers) * B(32x64 s8, smem, K-major), s32 accumulate, exact (no
+// saturation: .satfinite not given, and the callers' sums stay far inside i32); scale_d
+// = 0 overwrites D. The s8 A fragment and the s32 accumulator have the layouts of the
+// e4m3 ones (wgmma_m64n64k32_e4m3_rs; CUTLASS's ALayout_64x32 and CLayout_64x64 serve
+// both types).
+__device__ __forceinline__ void wgmma_m64n64k32_s8_rs(int (&d)[32], const u32 (&a)[4], u64 db,
+                                                      u32 scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
 }
 // D (+)= A(64x32 e4m3, registers: the mma.sync m16n8k32 A fragment of each warp's 16
 // rows) * B(32x128 e4m3, smem, K-major); scale_d = 0 overwrites D. Accumulator layout as

@@ -5,11 +5,14 @@
 //   WGMMA=0);
 // - mqa_logits_wgr.cu: mqa_logits_wgr, the exact class for H = 32, D >= 64 on fp8
 //   wgmma with the keys in registers;
+// - mqa_logits_wgi8.cu: mqa_logits_wgi8, the same shapes on s8 wgmma where a tile's
+//   scales admit it (one exact int32 chain over all groups, one multiply per head
+//   score), else mqa_logits_wgr's tile (the int8_exact hook; off by default);
 // - mqa_logits_w16.cu: mqa_logits_w16, E4M3 x E4M3 for H = 64 on f16 wgmma (f32
 //   accumulation);
 // - mqa_logits_w8.cu: mqa_logits_w8, the same on fp8 wgmma (W8=1: it misses SPEC 4's
 //   bound on subnormal operands, see there).
-// The two H = 64 kernels share logits_e4m3_h64.cuh.
+// The two H = 64 kernels share logits_e4m3_h64.cuh, the two H = 32 ones logits_wgr.cuh.
 //
 // Every kernel takes the same arguments (mqa_logits_mma.cu names them) and computes
 // logits[row_off[row] + j] for j < row_n[row] of the rows of one row group per
@@ -71,7 +74,11 @@ static_assert(G == 1 || G == 2 || G == 4, "D must be 32, 64 or 128");
 #define LG_PATH_QPLAIN 1
 #define LG_PATH_ONE 2
 #define LG_PATH_TWO 3
-#define LG_PATHS 4
+// mqa_logits_wgi8's key tiles, counted once per block and tile: on the int8 path, and
+// on mqa_logits_wgr's tile (the guard rejected the block's queries or the tile's keys).
+#define LG_PATH_I8 4
+#define LG_PATH_I8_FALLBACK 5
+#define LG_PATHS 6
 __device__ __forceinline__ void count_fold_paths(u32 *paths, const bool fold_q,
                                                  const bool two_mul) {
   if (paths == nullptr) return;

@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use dsa_indexer::batch::Batch;
 use dsa_indexer::cuda::{self, kernels, CudaBackend, Hooks, Variant, TOLERANCE_LOG2};
 use dsa_indexer::dump::{Dump, RoleKind};
-use dsa_indexer::formats::{e2m1, e4m3, ue8m0};
+use dsa_indexer::formats::{e2m1, e4m3, quantize_fp4_blocks, ue8m0, Fp4Floor};
 use dsa_indexer::indexer::{run as run_backend, Backend};
 use dsa_indexer::problem::*;
 use dsa_indexer::reference::{self, Output};
@@ -841,7 +841,12 @@ fn exact_class_scale_folding_edges_are_bitwise() {
                 _ if no_fold => (true, true),
                 Side::Folded => (false, false),
                 Side::QueriesPlain => (true, true),
-                Side::KeyWindow => (false, kernel != "mqa_logits_wgr"),
+                // mqa_logits_wgi8's fallback tile is mqa_logits_wgr's (and its int8 tiles run
+                // one multiply).
+                Side::KeyWindow => (
+                    false,
+                    kernel != "mqa_logits_wgr" && kernel != "mqa_logits_wgi8",
+                ),
                 Side::CNotF32 => (false, true),
             };
             assert!(
@@ -853,6 +858,361 @@ fn exact_class_scale_folding_edges_are_bitwise() {
                 (want_plain, want_two),
                 "{tag}: (blocks with plain queries, threads on two multiplies) {f:?}"
             );
+        }
+    }
+}
+
+/// Engine-like fp4 vectors for the int8 tests: `n` vectors of `d` f32 activations,
+/// element `c` of vector `i` a standard normal (Box-Muller) times `2^u` with
+/// `u = channels[(i % p) * d + c]` and `p = channels.len() / d`, quantized with SPEC 2's
+/// fp4 block quantizer (DeepGEMM's floor), as `dsa-indexer bench` draws its `v41-*`
+/// inputs. Returns the packed codes and the UE8M0 scales, vector after vector.
+fn engine_like_fp4(
+    n: usize,
+    d: usize,
+    channels: &[f32],
+    rng: &mut rand_chacha::ChaCha8Rng,
+) -> (Vec<u8>, Vec<u8>) {
+    use rand::Rng;
+    let period = channels.len() / d;
+    let (mut packed, mut scale) = (Vec::new(), Vec::new());
+    for i in 0..n {
+        let x: Vec<f32> = (0..d)
+            .map(|c| {
+                let (u1, u2): (f32, f32) = (1.0 - rng.gen::<f32>(), rng.gen());
+                let z = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+                z * channels[(i % period) * d + c].exp2()
+            })
+            .collect();
+        let (p, s) = quantize_fp4_blocks(&x, Fp4Floor::AmaxFloor).unwrap();
+        packed.extend(p);
+        scale.extend(s);
+    }
+    (packed, scale)
+}
+
+/// Which path `mqa_logits_wgi8`'s tiles of an int8 test case take.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Int8Side {
+    /// Every tile on the int8 path.
+    Int8,
+    /// Every tile on mqa_logits_wgr's.
+    Fallback,
+    /// Some tiles on each.
+    Both,
+}
+
+/// Group `g`'s offset in a vector that spans 3 binades (0, 3 for `G = 2`; 0..=3 for
+/// `G = 4`).
+fn s3(g: usize, groups: usize) -> usize {
+    if groups == 2 {
+        3 * g
+    } else {
+        g
+    }
+}
+
+/// Whether `mqa_logits_wgi8`'s guard (`kernels/mqa_logits_wgi8.cu`; docs/numerics.md
+/// section 6) admits the block of query rows `rows` (of one request) against its key tile
+/// `tile` (keys `64 tile ..` of the request, up to the rows' longest): every query vector
+/// of the rows spans at most 3 binades and `q_hi <= 244`, and every key of the tile spans
+/// at most 3 with `ek_min + q_lo >= 107` and `ek_max + q_hi <= 369` (`G = 4`) or 370
+/// (`G = 2`). The guard is monotone: a block of more rows or keys is admitted only if
+/// every part of it is.
+fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
+    let (_, h, g) = c.qs.dim();
+    let kc = kernels::LOGITS_KEYS;
+    let window = |v: &mut dyn Iterator<Item = u8>| {
+        let v: Vec<u8> = v.collect();
+        (
+            *v.iter().min().unwrap() as usize,
+            *v.iter().max().unwrap() as usize,
+        )
+    };
+    let (mut q_lo, mut q_hi, mut ok) = (255, 0, true);
+    for &i in rows {
+        for hh in 0..h {
+            let (lo, hi) = window(&mut (0..g).map(|gg| c.qs[[i, hh, gg]]));
+            ok = ok && hi - lo <= 3;
+            (q_lo, q_hi) = (q_lo.min(lo), q_hi.max(hi));
+        }
+    }
+    let all = c.batch.rows();
+    let n = rows.iter().map(|&i| all[i].n).max().unwrap();
+    let top = if g == 4 { 369 } else { 370 };
+    ok && q_hi <= 244
+        && (kc * tile..(kc * tile + kc).min(n)).all(|j| {
+            let (lo, hi) = window(&mut (0..g).map(|gg| c.ks[[all[rows[0]].ks + j, gg]]));
+            hi - lo <= 3 && lo + q_lo >= 107 && hi + q_hi <= top
+        })
+}
+
+/// The side the guard puts a case on, for any grouping of consecutive rows of a request
+/// into blocks of at most 2 (`kernels::LOGITS_WGR_ROWS`), from [`int8_guard_admits`]:
+/// `Int8` when every row and every pair of rows is admitted with every tile, `Fallback`
+/// when no single row is (with any tile), `Both` when some row is rejected with a tile and
+/// some row is admitted, with some tile, alone and with each neighbour; None otherwise (the
+/// side depends on the grouping).
+fn int8_side_on_the_host(c: &Case) -> Option<Int8Side> {
+    let all = c.batch.rows();
+    let kc = kernels::LOGITS_KEYS;
+    assert_eq!(kernels::LOGITS_WGR_ROWS, 2);
+    let same = |i: usize, j: usize| all[i].request == all[j].request;
+    let tiles = |rows: &[usize]| {
+        let n = rows.iter().map(|&i| all[i].n).max().unwrap();
+        0..n.div_ceil(kc)
+    };
+    let admitted = |rows: &[usize]| tiles(rows).all(|t| int8_guard_admits(c, rows, t));
+    let rejected = |rows: &[usize]| tiles(rows).all(|t| !int8_guard_admits(c, rows, t));
+    let t = all.len();
+    let pairs: Vec<[usize; 2]> = (1..t)
+        .filter(|&i| same(i - 1, i))
+        .map(|i| [i - 1, i])
+        .collect();
+    if (0..t).all(|i| admitted(&[i])) && pairs.iter().all(|p| admitted(p)) {
+        return Some(Int8Side::Int8);
+    }
+    if (0..t).all(|i| rejected(&[i])) {
+        return Some(Int8Side::Fallback);
+    }
+    let some_rejected = (0..t).any(|i| tiles(&[i]).any(|k| !int8_guard_admits(c, &[i], k)));
+    let some_admitted = (0..t).any(|i| {
+        tiles(&[i]).any(|k| {
+            let mut groups = vec![vec![i]];
+            if i > 0 && same(i - 1, i) {
+                groups.push(vec![i - 1, i]);
+            }
+            if i + 1 < t && same(i, i + 1) {
+                groups.push(vec![i, i + 1]);
+            }
+            groups
+                .iter()
+                .all(|r| k < tiles(r).end && int8_guard_admits(c, r, k))
+        })
+    });
+    (some_rejected && some_admitted).then_some(Int8Side::Both)
+}
+
+/// The int8 test cases at `D = d`, `H = 32`, each with the side its tiles take: ragged
+/// rows (two requests of 7 and 3 rows: a row group of one row) and keys past tile edges
+/// (3 tiles + 5 keys; 64..=66 keys); scale bytes at each edge of the guard, near 0 and near
+/// 254, on both sides; a block or a key tile outside the guard between admitted ones;
+/// codes at their largest magnitude; engine-like inputs; the wide uniform draw.
+fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
+    use rand::{Rng, SeedableRng};
+    let (h, groups) = (32, d / 32);
+    let kc = kernels::LOGITS_KEYS;
+    let rows = 2 * kernels::LOGITS_WGR_ROWS + 3;
+    let s = 3 * kc + 5;
+    let batch = Batch::contiguous(&[s, kc + 2], &[s - rows, kc - 1], 1).unwrap();
+    type Scales = (
+        fn(usize, usize, usize, usize) -> u8,
+        fn(usize, usize, usize) -> u8,
+    );
+    // (name, side at G = 2, side at G = 4, query byte of (row, head, group, G), key byte
+    // of (key, group, G)).
+    let patterns: [(&str, Int8Side, Int8Side, Scales); 13] = [
+        (
+            "spans of 3 on both sides",
+            Int8Side::Int8,
+            Int8Side::Int8,
+            (
+                |_, _, g, gs| (125 + s3(g, gs)) as u8,
+                |x, g, gs| (126 + (s3(g, gs) + x) % 4) as u8,
+            ),
+        ),
+        (
+            "a query vector spanning 4 (head 5 of row 0: its block falls back)",
+            Int8Side::Both,
+            Int8Side::Both,
+            (
+                |i, h, g, _| if i == 0 && h == 5 && g == 0 { 131 } else { 127 },
+                |_, _, _| 127,
+            ),
+        ),
+        (
+            "keys 64..128 span 4, the others 3",
+            Int8Side::Both,
+            Int8Side::Both,
+            (
+                |_, h, g, _| (125 + (h + g) % 4) as u8,
+                |x, g, gs| {
+                    if (64..128).contains(&x) && g == 0 {
+                        123
+                    } else {
+                        (124 + s3(g, gs)) as u8
+                    }
+                },
+            ),
+        ),
+        (
+            "q_lo + k_lo = 107 (C = 2^-149, subnormal scores)",
+            Int8Side::Int8,
+            Int8Side::Int8,
+            (|_, _, _, _| 50, |_, _, _| 57),
+        ),
+        (
+            "q_lo + k_lo = 106",
+            Int8Side::Fallback,
+            Int8Side::Fallback,
+            (|_, _, _, _| 50, |_, _, _| 56),
+        ),
+        (
+            "q_hi + k_hi = 369",
+            Int8Side::Int8,
+            Int8Side::Int8,
+            (|_, _, _, _| 200, |_, _, _| 169),
+        ),
+        (
+            "q_hi + k_hi = 370 (G = 4 can overflow a half sum)",
+            Int8Side::Int8,
+            Int8Side::Fallback,
+            (|_, _, _, _| 200, |_, _, _| 170),
+        ),
+        (
+            "q_hi + k_hi = 372 (overflow to inf and NaN)",
+            Int8Side::Fallback,
+            Int8Side::Fallback,
+            (|_, _, _, _| 200, |_, _, _| 172),
+        ),
+        (
+            "query bytes up to 244, key bytes 0..=3",
+            Int8Side::Int8,
+            Int8Side::Int8,
+            (
+                |_, h, g, gs| (241 + (s3(g, gs) + h) % 4) as u8,
+                |x, g, gs| ((s3(g, gs) + x) % 4) as u8,
+            ),
+        ),
+        (
+            "a query byte 245 (row 1: its block falls back)",
+            Int8Side::Both,
+            Int8Side::Both,
+            (
+                |i, h, g, _| {
+                    if i == 1 && h == 31 && g == 1 {
+                        245
+                    } else {
+                        243
+                    }
+                },
+                |_, _, _| 0,
+            ),
+        ),
+        (
+            "key bytes up to 254",
+            Int8Side::Int8,
+            Int8Side::Int8,
+            (
+                |_, h, g, gs| (100 + (s3(g, gs) + h) % 4) as u8,
+                |x, g, gs| (251 + (s3(g, gs) + x) % 4) as u8,
+            ),
+        ),
+        (
+            "key byte 0 against query bytes 106 (q_lo + k_lo = 106)",
+            Int8Side::Fallback,
+            Int8Side::Fallback,
+            (
+                |_, _, g, gs| (106 + s3(g, gs)) as u8,
+                |x, g, gs| ((s3(g, gs) + x) % 4) as u8,
+            ),
+        ),
+        (
+            "key byte 0 against query bytes 107",
+            Int8Side::Int8,
+            Int8Side::Int8,
+            (
+                |_, _, g, gs| (107 + s3(g, gs)) as u8,
+                |x, g, gs| ((s3(g, gs) + x) % 4) as u8,
+            ),
+        ),
+    ];
+    let mut cases = Vec::new();
+    for (name, side2, side4, (qe, ke)) in patterns {
+        let mut c = Case::random(batch.clone(), h, d, (h * d + 7) as u64);
+        c.qs = Array3::from_shape_fn(c.qs.dim(), |(i, hh, g)| qe(i, hh, g, groups));
+        c.ks = Array2::from_shape_fn(c.ks.dim(), |(x, g)| ke(x, g, groups));
+        let side = if groups == 2 { side2 } else { side4 };
+        cases.push((name.to_string(), c, side));
+    }
+    // Every code at its largest magnitude (+-6: operands +-96 after a shift of 3), spans
+    // of 3 on both sides with equal shifts (products of 2^6): the largest int32 sums.
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(d as u64);
+    let mut c = Case::random(batch.clone(), h, d, 5);
+    c.q = Array3::from_shape_fn(c.q.dim(), |_| {
+        [0x77u8, 0xFF, 0x7F, 0xF7][rng.gen_range(0..4)]
+    });
+    c.k = Array2::from_shape_fn(c.k.dim(), |_| 0x77u8);
+    c.qs = Array3::from_shape_fn(c.qs.dim(), |(_, _, g)| (124 + s3(g, groups)) as u8);
+    c.ks = Array2::from_shape_fn(c.ks.dim(), |(_, g)| (127 + s3(g, groups)) as u8);
+    cases.push(("codes +-6, spans 3".into(), c, Int8Side::Int8));
+    // Engine-like activations (normal times 2^u per channel, u in [-2, 2]) through SPEC
+    // 2's quantizer: every vector spans at most 3 binades near byte 127.
+    let (t, l) = (batch.num_rows(), batch.num_keys());
+    let mut c = Case::random(batch.clone(), h, d, 6);
+    let qch: Vec<f32> = (0..h * d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
+    let kch: Vec<f32> = (0..d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
+    let (qp, qs) = engine_like_fp4(t * h, d, &qch, &mut rng);
+    let (kp, ks) = engine_like_fp4(l, d, &kch, &mut rng);
+    c.q = Array3::from_shape_vec((t, h, d / 2), qp).unwrap();
+    c.qs = Array3::from_shape_vec((t, h, groups), qs).unwrap();
+    c.k = Array2::from_shape_vec((l, d / 2), kp).unwrap();
+    c.ks = Array2::from_shape_vec((l, groups), ks).unwrap();
+    cases.push(("engine-like".into(), c, Int8Side::Int8));
+    // The wide stress draw of v41-chunk-wide: every byte uniform in 124..=130, so that
+    // every row has a head whose vector spans more than 3 binades.
+    let mut c = Case::random(batch.clone(), h, d, 8);
+    c.qs = Array3::from_shape_fn(c.qs.dim(), |_| rng.gen_range(124..=130));
+    c.ks = Array2::from_shape_fn(c.ks.dim(), |_| rng.gen_range(124..=130));
+    cases.push(("wide".into(), c, Int8Side::Fallback));
+    cases
+}
+
+/// Each int8 test case is on the side it names, by the guard evaluated on the host
+/// ([`int8_side_on_the_host`]): the GPU test's path counters are held to a side the
+/// inputs really have. Runs without a GPU.
+#[test]
+fn int8_cases_are_on_the_sides_they_name() {
+    for d in [64, 128] {
+        for (name, c, side) in int8_cases(d) {
+            assert_eq!(int8_side_on_the_host(&c), Some(side), "D={d}: {name}");
+        }
+    }
+}
+
+/// `mqa_logits_wgi8` (the `int8_exact` hook on top of this process's hooks) against the
+/// reference, bitwise (logits and outputs at several budgets), at `H = 32`, `D = 64` and
+/// 128, on [`int8_cases`]: the tile counters show that each case took its side.
+#[test]
+fn int8_exact_path_is_bitwise_on_both_sides_of_its_guard() {
+    let h8 = Hooks {
+        int8_exact: true,
+        ..hooks()
+    };
+    let Some(mut b) = gpu_with(h8) else { return };
+    for d in [64, 128] {
+        let v = Variant::Logits {
+            heads: 32,
+            groups: d / 32,
+            q: Format::E2m1,
+            k: Format::E2m1,
+        };
+        let kernel = kernels::logits_kernel(v, h8).0;
+        // mma_sync_only in $DSA_CUDA_HOOKS: mqa_logits, which counts no int8 tiles.
+        let on_wgi8 = kernel == "mqa_logits_wgi8";
+        assert_eq!(on_wgi8, !h8.mma_sync_only);
+        for (name, c, side) in int8_cases(d) {
+            let tag = format!("H=32 D={d} ({kernel}): {name}");
+            check_exact(&mut b, &tag, &c.problem(Params::new(9), Role::Plain));
+            // The last run of check_exact (budget usize::MAX): one tile.
+            let f = b.fold_counts();
+            let got = match (f.tiles_int8 > 0, f.tiles_int8_fallback > 0) {
+                (true, false) => Some(Int8Side::Int8),
+                (false, true) => Some(Int8Side::Fallback),
+                (true, true) => Some(Int8Side::Both),
+                (false, false) => None,
+            };
+            assert_eq!(got, on_wgi8.then_some(side), "{tag}: {f:?}");
         }
     }
 }
@@ -1148,10 +1508,23 @@ fn each_hook_takes_its_fallback_and_both_sides_match_the_reference() {
         let f = b.fold_counts();
         let want_kernel = if h.mma_sync_only {
             "mqa_logits"
+        } else if h.int8_exact {
+            "mqa_logits_wgi8"
         } else {
             "mqa_logits_wgr"
         };
         assert_eq!(kernels::logits_kernel(v, h).0, want_kernel, "{tag}");
+        // Only mqa_logits_wgi8 counts int8 tiles; these scales span up to 14 binades per
+        // vector, so its tiles fall back to mqa_logits_wgr's (which fold, as below).
+        if h.int8_exact {
+            assert!(f.tiles_int8_fallback > 0, "{tag}: {f:?}");
+        } else {
+            assert_eq!(
+                (f.tiles_int8, f.tiles_int8_fallback),
+                (0, 0),
+                "{tag}: {f:?}"
+            );
+        }
         if h.no_scale_fold {
             assert_eq!(f.query_blocks_folded, 0, "{tag}: {f:?}");
             assert!(f.query_blocks_plain > 0, "{tag}: {f:?}");

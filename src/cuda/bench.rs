@@ -223,6 +223,8 @@ impl BenchResult {
                 "query_blocks_plain": self.fold_counts.query_blocks_plain,
                 "threads_one_multiply": self.fold_counts.threads_one_multiply,
                 "threads_two_multiplies": self.fold_counts.threads_two_multiplies,
+                "tiles_int8": self.fold_counts.tiles_int8,
+                "tiles_int8_fallback": self.fold_counts.tiles_int8_fallback,
             },
         })
         .to_string()
@@ -418,6 +420,8 @@ mod tests {
                 query_blocks_plain: 0,
                 threads_one_multiply: 1200,
                 threads_two_multiplies: 12,
+                tiles_int8: 24,
+                tiles_int8_fallback: 36,
             }
             .per_run(runs),
         };
@@ -431,8 +435,10 @@ mod tests {
             "query_blocks_plain",
             "threads_one_multiply",
             "threads_two_multiplies",
+            "tiles_int8",
+            "tiles_int8_fallback",
         ]
         .map(|k| f[k].as_u64());
-        assert_eq!(got, [10, 0, 100, 1].map(Some));
+        assert_eq!(got, [10, 0, 100, 1, 2, 3].map(Some));
     }
 }

@@ -3,7 +3,8 @@
 //! A module is the variant's `#define`s + `kernels/common.cuh` + its kernel files: for a
 //! logits variant `kernels/logits_common.cuh` and the one family file of the kernel that
 //! serves it ([`logits_kernel`]; the H = 64 wgmma kernels also `logits_e4m3_h64.cuh`),
-//! for top-k `topk.cu`, for validation `validate.cu`. NVRTC compiles it at run time with
+//! for top-k `topk.cu`, for validation `validate.cu`. The two H = 32 exact-class kernels also
+//! take `logits_wgr.cuh`, the H = 64 E4M3 ones `logits_e4m3_h64.cuh`. NVRTC compiles it at run time with
 //! `--fmad=false --ftz=false` (SPEC 4 forbids contracted multiply-adds and flushing
 //! subnormals) and no toolkit headers. Compilation needs only libnvrtc, not a GPU:
 //! [`compile`] and [`compile_logits`] are what the NVRTC compile test calls.
@@ -28,8 +29,14 @@ pub const COMMON: &str = include_str!("../../kernels/common.cuh");
 pub const LOGITS_COMMON: &str = include_str!("../../kernels/logits_common.cuh");
 /// `kernels/mqa_logits_mma.cu`: `mqa_logits` (`mma.sync`).
 pub const LOGITS_MMA: &str = include_str!("../../kernels/mqa_logits_mma.cu");
+/// `kernels/logits_wgr.cuh`: the tile of `mqa_logits_wgr`, and the fallback tile of
+/// `mqa_logits_wgi8`.
+pub const LOGITS_WGR_TILE: &str = include_str!("../../kernels/logits_wgr.cuh");
 /// `kernels/mqa_logits_wgr.cu`: `mqa_logits_wgr` (the exact class at `H = 32` on `wgmma`).
 pub const LOGITS_WGR: &str = include_str!("../../kernels/mqa_logits_wgr.cu");
+/// `kernels/mqa_logits_wgi8.cu`: `mqa_logits_wgi8` (the exact class at `H = 32` on s8
+/// `wgmma` where the scales admit it; [`Hooks::int8_exact`]).
+pub const LOGITS_WGI8: &str = include_str!("../../kernels/mqa_logits_wgi8.cu");
 /// `kernels/logits_e4m3_h64.cuh`: the tile of `mqa_logits_w16` and `mqa_logits_w8`.
 pub const LOGITS_E4M3_H64: &str = include_str!("../../kernels/logits_e4m3_h64.cuh");
 /// `kernels/mqa_logits_w16.cu`: `mqa_logits_w16` (E4M3 x E4M3 at `H = 64`, f16 `wgmma`).
@@ -63,16 +70,18 @@ pub fn logits_rows(heads: usize) -> usize {
     define_in("LG_ROWS", 1..=16).unwrap_or(default)
 }
 /// Whether the logits of this variant run on Hopper `wgmma` rather than `mqa_logits`
-/// (`mma.sync`): `mqa_logits_wgr` for the exact class with `H = 32` and `D >= 64`,
-/// `mqa_logits_w16` (f16 operands) for E4M3 x E4M3 with `H = 64`.
+/// (`mma.sync`): `mqa_logits_wgr` for the exact class with `H = 32` and `D >= 64`
+/// (`mqa_logits_wgi8` under [`Hooks::int8_exact`]), `mqa_logits_w16` (f16 operands) for
+/// E4M3 x E4M3 with `H = 64`.
 /// [`Hooks::mma_sync_only`] turns both off (the `mma.sync` fallback, forced).
 pub fn logits_wgmma(v: Variant, hooks: Hooks) -> bool {
     !hooks.mma_sync_only && wgmma_family(v).is_some()
 }
 
 /// The `wgmma` kernels that can serve variant `v`, default first, whatever the hooks
-/// and `$DSA_CUDA_DEFINES` say: `mqa_logits_wgr` for the exact class with `H = 32` and
-/// `D >= 64`, `mqa_logits_w16` and `mqa_logits_w8` for E4M3 x E4M3 with `H = 64`.
+/// and `$DSA_CUDA_DEFINES` say: `mqa_logits_wgr` and `mqa_logits_wgi8` for the exact class
+/// with `H = 32` and `D >= 64`, `mqa_logits_w16` and `mqa_logits_w8` for E4M3 x E4M3 with
+/// `H = 64`.
 fn wgmma_family(v: Variant) -> Option<&'static [&'static str]> {
     match v {
         Variant::Logits {
@@ -80,7 +89,7 @@ fn wgmma_family(v: Variant) -> Option<&'static [&'static str]> {
             groups,
             q: Format::E2m1,
             k: Format::E2m1,
-        } if groups >= 2 => Some(&["mqa_logits_wgr"]),
+        } if groups >= 2 => Some(&["mqa_logits_wgr", "mqa_logits_wgi8"]),
         Variant::Logits {
             heads: 64,
             q: Format::E4m3,
@@ -125,8 +134,8 @@ pub fn logits_on_fp8_accumulator(v: Variant, hooks: Hooks) -> bool {
 /// `logits_e4m3_h64.cuh`: 2 rows x 64 heads = one 128-column MMA).
 pub const LOGITS_W16_ROWS: usize = 2;
 
-/// Rows per `mqa_logits_wgr` block (`WGR_ROWS` in `mqa_logits_wgr.cu`: 2 rows x 32 heads
-/// = one 64-column MMA).
+/// Rows per `mqa_logits_wgr` and `mqa_logits_wgi8` block (`WGR_ROWS` in `logits_wgr.cuh`: 2
+/// rows x 32 heads = one 64-column MMA).
 pub const LOGITS_WGR_ROWS: usize = 2;
 
 /// Threads per block of the `wgmma` logits kernels: one warpgroup (`WGR_THREADS`,
@@ -135,7 +144,9 @@ pub const LOGITS_WG_THREADS: usize = 128;
 
 /// Test hooks: each forces one fallback path, everywhere, that production takes only
 /// on some inputs or shapes, so that the tests can hold that path to the reference on
-/// every input. [`Hooks::default()`] is production: no hook set. A
+/// every input; `int8_exact` instead turns on a path that is not yet production's, so
+/// that the tests and the benchmark can run it. [`Hooks::default()`] is production: no
+/// hook set. A
 /// [`crate::cuda::Device`] carries its hooks ([`crate::cuda::Device::with_hooks`]); its
 /// modules are compiled under them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -162,15 +173,23 @@ pub struct Hooks {
     /// keys, among others) and falls back to it when a sample's candidates miss
     /// (fewer than `K` keys at or above its threshold, or more than `TK_CAND_CAP`).
     pub no_sampled_threshold: bool,
+    /// `mqa_logits_wgi8` where `mqa_logits_wgr` serves the exact class (`H = 32`,
+    /// `D >= 64`): each key tile whose scales pass the int8 guard (every query vector
+    /// and key spanning at most 3 binades, and range bounds; `kernels/mqa_logits_wgi8.cu`
+    /// derives it) runs one exact `s8` `wgmma` chain over all groups and one multiply per
+    /// head score; the others run `mqa_logits_wgr`'s tile. Off by default until it is
+    /// measured; [`crate::cuda::FoldCounts`] counts the tiles on each path.
+    pub int8_exact: bool,
 }
 
 impl Hooks {
     /// The hooks' names, as [`Hooks::parse`] takes them (the field names).
-    pub const NAMES: [&'static str; 4] = [
+    pub const NAMES: [&'static str; 5] = [
         "mma_sync_only",
         "no_scale_fold",
         "no_short_rows",
         "no_sampled_threshold",
+        "int8_exact",
     ];
 
     /// The hooks named in `list` (comma-separated field names, spaces allowed; empty:
@@ -182,7 +201,8 @@ impl Hooks {
                 Error::range(
                     "hooks",
                     name,
-                    "mma_sync_only, no_scale_fold, no_short_rows or no_sampled_threshold",
+                    "mma_sync_only, no_scale_fold, no_short_rows, no_sampled_threshold or \
+                     int8_exact",
                 )
             })? = true;
         }
@@ -208,13 +228,14 @@ impl Hooks {
             "no_scale_fold" => Some(&mut self.no_scale_fold),
             "no_short_rows" => Some(&mut self.no_short_rows),
             "no_sampled_threshold" => Some(&mut self.no_sampled_threshold),
+            "int8_exact" => Some(&mut self.int8_exact),
             _ => None,
         }
     }
 
     /// The `#define`s a logits module of formats `q`, `k` gets: `SCALE_FOLD` in the exact
-    /// class, the only one that folds (`mma_sync_only` acts in the host's choice of
-    /// kernel, [`logits_kernel`]).
+    /// class, the only one that folds (`mma_sync_only` and `int8_exact` act in the host's
+    /// choice of kernel, [`logits_kernel`]).
     fn logits_defines(self, q: Format, k: Format) -> &'static str {
         if self.no_scale_fold && q == Format::E2m1 && k == Format::E2m1 {
             "#define SCALE_FOLD 0\n"
@@ -282,7 +303,12 @@ pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
     };
     if logits_wgmma(v, hooks) {
         if exact {
-            return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
+            let name = if hooks.int8_exact {
+                "mqa_logits_wgi8"
+            } else {
+                "mqa_logits_wgr"
+            };
+            return (name, LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
         }
         if logits_fp8_wgmma() {
             return ("mqa_logits_w8", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
@@ -330,9 +356,9 @@ pub fn topk_short_cap(hooks: Hooks) -> usize {
 }
 /// Path counters of the top-k kernels, in `topk.cu`'s `TK_PATH_*` order.
 pub const TOPK_PATHS: [&str; 5] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL"];
-/// Exact-class folding counters of the logits kernels, in `logits_common.cuh`'s
-/// `LG_PATH_*` order.
-pub const LOGITS_PATHS: [&str; 4] = ["QFOLD", "QPLAIN", "ONE", "TWO"];
+/// Exact-class path counters of the logits kernels (scale folding, and
+/// `mqa_logits_wgi8`'s tiles), in `logits_common.cuh`'s `LG_PATH_*` order.
+pub const LOGITS_PATHS: [&str; 6] = ["QFOLD", "QPLAIN", "ONE", "TWO", "I8", "I8_FALLBACK"];
 /// Threads of a `block_keys_f32` block (`BK_THREADS` in `topk.cu`).
 pub const BLOCK_KEYS_THREADS: usize = 256;
 /// Threads of a `validate_inputs` block (`VAL_THREADS`, prepended to `validate.cu`).
@@ -449,7 +475,8 @@ pub fn logits_source(v: Variant, kernel: &str, hooks: Hooks) -> Option<String> {
     };
     let family = match kernel {
         "mqa_logits" => LOGITS_MMA.to_string(),
-        "mqa_logits_wgr" => LOGITS_WGR.to_string(),
+        "mqa_logits_wgr" => format!("{LOGITS_WGR_TILE}\n{LOGITS_WGR}"),
+        "mqa_logits_wgi8" => format!("{LOGITS_WGR_TILE}\n{LOGITS_WGI8}"),
         "mqa_logits_w16" => format!("{LOGITS_E4M3_H64}\n{LOGITS_W16}"),
         "mqa_logits_w8" => format!("{LOGITS_E4M3_H64}\n{LOGITS_W8}"),
         _ => return None,
@@ -593,6 +620,13 @@ mod tests {
                         "{name} {}",
                         v.name()
                     );
+                } else if name == "int8_exact" && logits_kernel(v, h).0 == "mqa_logits_wgi8" {
+                    // The exact class at H = 32, D >= 64: the int8 kernel's module.
+                    assert!(
+                        Some(src) == logits_source(v, "mqa_logits_wgi8", Hooks::default()),
+                        "{name} {}",
+                        v.name()
+                    );
                 } else {
                     assert!(src == format!("{want}{base}"), "{name} {}", v.name());
                 }
@@ -647,10 +681,10 @@ mod tests {
             format!("(H >= 32 ? {LOGITS_ROWS_LARGE_H} : {LOGITS_ROWS})"),
         );
         pinned(LOGITS_MMA, mma, "LG_THREADS", "(LG_ROWS * 32)");
-        let wgr = "mqa_logits_wgr.cu";
-        pinned(LOGITS_WGR, wgr, "WGR_KEYS", LOGITS_KEYS);
-        pinned(LOGITS_WGR, wgr, "WGR_ROWS", LOGITS_WGR_ROWS);
-        pinned(LOGITS_WGR, wgr, "WGR_THREADS", LOGITS_WG_THREADS);
+        let wgr = "logits_wgr.cuh";
+        pinned(LOGITS_WGR_TILE, wgr, "WGR_KEYS", LOGITS_KEYS);
+        pinned(LOGITS_WGR_TILE, wgr, "WGR_ROWS", LOGITS_WGR_ROWS);
+        pinned(LOGITS_WGR_TILE, wgr, "WGR_THREADS", LOGITS_WG_THREADS);
         let h64 = "logits_e4m3_h64.cuh";
         pinned(LOGITS_E4M3_H64, h64, "H64_KEYS", LOGITS_KEYS);
         pinned(LOGITS_E4M3_H64, h64, "H64_ROWS", LOGITS_W16_ROWS);
@@ -664,6 +698,10 @@ mod tests {
             (
                 LOGITS_WGR,
                 "__launch_bounds__(WGR_THREADS, WGR_MIN_BLOCKS) mqa_logits_wgr(",
+            ),
+            (
+                LOGITS_WGI8,
+                "__launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(",
             ),
             (
                 LOGITS_W16,
@@ -685,6 +723,7 @@ mod tests {
         let all = [
             "mqa_logits",
             "mqa_logits_wgr",
+            "mqa_logits_wgi8",
             "mqa_logits_w16",
             "mqa_logits_w8",
         ];

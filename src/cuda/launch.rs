@@ -488,6 +488,34 @@ mod tests {
                 "{}",
                 v.name()
             );
+            // The int8 hook runs the exact class's wgmma shapes on mqa_logits_wgi8 (same
+            // rows and threads) and changes nothing else.
+            let int8 = Hooks {
+                int8_exact: true,
+                ..Hooks::default()
+            };
+            let (name8, rows8, threads8) = kernels::logits_kernel(v, int8);
+            if wg {
+                assert_eq!(
+                    (name8, rows8, threads8),
+                    ("mqa_logits_wgi8", rows, threads),
+                    "{}",
+                    v.name()
+                );
+                assert!(
+                    v.source(int8).contains(") mqa_logits_wgi8(\n"),
+                    "{}",
+                    v.name()
+                );
+            } else {
+                assert_eq!(
+                    (name8, rows8, threads8),
+                    (name, rows, threads),
+                    "{}",
+                    v.name()
+                );
+                assert!(v.source(int8) == v.source(production), "{}", v.name());
+            }
             // The mma.sync hook runs every variant on mqa_logits.
             let (name, rows, threads) = kernels::logits_kernel(v, mma_sync);
             assert_eq!(name, "mqa_logits", "{}", v.name());

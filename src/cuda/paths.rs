@@ -1,6 +1,7 @@
 //! The path counters a run reads back from the device: which top-k path each row
 //! selection took ([`TopkPaths`]) and on which side of the scale-folding edges the
-//! exact-class logits kernels fell ([`FoldCounts`]). Both are named `u64` counts of the
+//! exact-class logits kernels fell, and on which side of the int8 guard
+//! `mqa_logits_wgi8`'s tiles ([`FoldCounts`]). Both are named `u64` counts of the
 //! kernels' `u32` counters, in the kernels' order, and share one implementation.
 
 /// A path-counter struct: named `u64` counts, in the order of the kernels' counters.
@@ -76,6 +77,12 @@ path_counters! {
         pub threads_one_multiply: u64,
         /// Threads of which some key tile ran the reference's two multiplies.
         pub threads_two_multiplies: u64,
+        /// `mqa_logits_wgi8` ([`super::Hooks::int8_exact`]): key tiles (per block) that
+        /// passed the int8 guard and ran one `s8` chain and one multiply per head score.
+        pub tiles_int8: u64,
+        /// `mqa_logits_wgi8`: key tiles (per block) the guard sent to `mqa_logits_wgr`'s
+        /// tile.
+        pub tiles_int8_fallback: u64,
     }
 }
 
@@ -89,7 +96,7 @@ mod tests {
     fn one_field_per_kernel_counter() {
         assert_eq!(TopkPaths::LEN, kernels::TOPK_PATHS.len());
         assert_eq!(FoldCounts::LEN, kernels::LOGITS_PATHS.len());
-        let c = [1u32, 2, 3, 4, 5, 6, 7, 8, 9];
+        let c = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11];
         assert_eq!(
             TopkPaths::from_device(&c),
             TopkPaths {
@@ -107,6 +114,8 @@ mod tests {
                 query_blocks_plain: 7,
                 threads_one_multiply: 8,
                 threads_two_multiplies: 9,
+                tiles_int8: 10,
+                tiles_int8_fallback: 11,
             }
         );
     }
