@@ -621,3 +621,85 @@ impl Break {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::case::seeds;
+
+    /// Every meaning-keeping mutation, alone, on every seed layer: the file reads back
+    /// as the dump it should hold; and every accepted dtype and the I32 words' padding
+    /// are really written by some seed (so `dump_struct` exercises each).
+    #[test]
+    fn each_kept_mutation_reads_back_as_the_same_dump() {
+        let mut keeps: Vec<Keep> = vec![
+            Keep::Permute(3),
+            Keep::Permute(u64::MAX),
+            Keep::Pad(7),
+            Keep::ExtraMeta(1, "x".into()),
+            Keep::Cls("exact".into()),
+            Keep::Description("a \"quoted\" description\n".into()),
+        ];
+        keeps.extend((0..4).flat_map(|k| (0..4).map(move |s| Keep::Spelling(k, s))));
+        keeps.extend((0..16).flat_map(|t| (0..6).map(move |v| Keep::Dtype(t, v))));
+        keeps.extend((0..4).map(|d| Keep::ExtraTensor(d, 5)));
+        keeps.extend((0..6).map(Keep::DropExpected));
+        let mut dtypes = std::collections::BTreeSet::new();
+        let mut layers = 0;
+        for (name, spec) in seeds() {
+            if spec.defect().is_some() {
+                continue;
+            }
+            let Some((dump, _)) = dump_of(&spec) else {
+                continue;
+            };
+            layers += 1;
+            let bytes = dump.to_bytes().unwrap();
+            let base = File::parse(&bytes);
+            let again = Dump::from_bytes(&base.to_bytes()).unwrap();
+            assert!(again == dump, "{name}: the parts write the same dump");
+            for k in &keeps {
+                let (mut f, mut want) = (base.clone(), dump.clone());
+                k.apply(&mut f, &mut want);
+                dtypes.extend(f.entries.iter().map(|e| e.dtype.clone()));
+                let got = Dump::from_bytes(&f.to_bytes())
+                    .unwrap_or_else(|e| panic!("{name}: {k:?} rejected: {e}"));
+                assert!(got == want, "{name}: {k:?} reads as another dump");
+            }
+        }
+        assert!(layers > 20, "{layers} seed layers");
+        let want: Vec<&str> = vec!["BF16", "F32", "F4", "F8_E4M3", "F8_E8M0", "I32", "I8", "U8"];
+        assert_eq!(dtypes.iter().map(|s| s.as_str()).collect::<Vec<_>>(), want);
+    }
+
+    /// A mutation that breaks the file is an error naming the tensor it broke.
+    #[test]
+    fn a_broken_tensor_is_named() {
+        let (_, spec) = seeds()
+            .into_iter()
+            .find(|(_, s)| s.defect().is_none())
+            .unwrap();
+        let (dump, _) = dump_of(&spec).unwrap();
+        let base = File::parse(&dump.to_bytes().unwrap());
+        let i = base
+            .entries
+            .iter()
+            .position(|e| e.name == "weights")
+            .unwrap() as u8;
+        for (b, want) in [
+            (Break::SetDtype(i, 0), "weights"),
+            (Break::Resize(i, -4), "weights"),
+            (Break::PopDim(i), "weights"),
+            (Break::Drop(i), "weights"),
+            (Break::RemoveMeta(0), "__metadata__"),
+            (Break::HeaderLen(1), "header"),
+        ] {
+            let mut f = base.clone();
+            b.apply(&mut f);
+            match Dump::from_bytes(&f.to_bytes()) {
+                Err(dsa_indexer::Error::Dump { tensor, .. }) => assert_eq!(tensor, want, "{b:?}"),
+                other => panic!("{b:?}: {other:?}"),
+            }
+        }
+    }
+}
