@@ -16,8 +16,8 @@ proptest! {
     #[test]
     fn chunked_equals_untiled_reference(s in shape(), budget_pick in 0usize..4, budget_raw in 1usize..4000, consumer in any::<bool>()) {
         let d = build(&s);
-        let batch = d.batch().unwrap();
-        let p = d.problem(&batch, None).unwrap();
+        let (batch, published) = common::strategies::batch_and_candidates(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
         let want = reference::run(&p);
         // Budgets from one row per tile (1 byte) up to unbounded.
         let budget = [1usize, budget_raw, budget_raw * 16, usize::MAX][budget_pick];
@@ -49,8 +49,8 @@ proptest! {
     #[test]
     fn chunked_thread_count_invariance(s in shape(), threads in 2usize..5, budget in 1usize..2000) {
         let d = build(&s);
-        let batch = d.batch().unwrap();
-        let p = d.problem(&batch, None).unwrap();
+        let (batch, published) = common::strategies::batch_and_candidates(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         let many = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         let a = one.install(|| run_cpu(&p, budget).unwrap().0);
@@ -79,8 +79,8 @@ fn wide(max_seq: usize, cases: u32) {
     runner
         .run(&strat, |s| {
             let d = build(&s);
-            let batch = d.batch().unwrap();
-            let p = d.problem(&batch, None).unwrap();
+            let (batch, published) = common::strategies::batch_and_candidates(&d);
+            let p = d.problem(&batch, published.as_ref()).unwrap();
             let want = reference::run(&p);
             for budget in [1usize, 777, 4096, 1 << 16, usize::MAX] {
                 prop_assert_eq!(&run_cpu(&p, budget).unwrap().0, &want, "budget {}", budget);

@@ -423,8 +423,8 @@ proptest! {
     fn exact_class_random_batches_are_bitwise(s in exact_shape()) {
         let Some(mut b) = gpu() else { return Ok(()) };
         let d = build(&s);
-        let (batch, _) = dump_problem(&d);
-        let p = d.problem(&batch, None).unwrap();
+        let (batch, published) = dump_problem(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
         check_exact(&mut b, &format!("{s:?}"), &p);
         // A consumer of this source's blocks (all rows published when there is no tail).
         if s.role == RoleKind::Source && s.tail.is_none() {
@@ -439,8 +439,8 @@ proptest! {
     fn tolerance_class_random_batches_meet_the_bound(s in shape_with(100, vec![8, 16, 32, 64])) {
         let Some(mut b) = gpu() else { return Ok(()) };
         let d = build(&s);
-        let (batch, _) = dump_problem(&d);
-        let p = d.problem(&batch, None).unwrap();
+        let (batch, published) = dump_problem(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
         if p.class() == Class::Exact {
             check_exact(&mut b, &format!("{s:?}"), &p);
         } else {
@@ -1726,6 +1726,7 @@ fn e4m3_h64_wgmma_tile_edges_meet_the_bound() {
                 seq_lens: vec![1, 63, 64, 65, 130, 200],
                 query_starts: vec![0, 0, 30, 0, 127, 0],
                 explicit,
+                repeats: false,
                 ratio,
                 heads: 64,
                 dim,

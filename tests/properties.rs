@@ -50,19 +50,26 @@ fn consumer_batch(d: &Dump, batch: &Batch) -> Batch {
 proptest! {
     #![proptest_config(common::config(128))]
 
-    /// Top-k equals a naive full sort under the ranking key; rows are sorted, -1
-    /// padded; page follows k_slots and is -1 past K.
+    /// Top-k equals a naive full sort under the ranking key (a consumer's: of the keys
+    /// in its candidate blocks); rows are sorted, -1 padded; page follows k_slots and is -1 past K.
     #[test]
     fn topk_is_a_full_sort_and_page_follows_slots(d in case()) {
-        let batch = d.batch().unwrap();
-        let p = d.problem(&batch, None).unwrap();
+        let (batch, published) = common::strategies::batch_and_candidates(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
         let scores = logits_by_row(&p);
         let out = reference::run(&p);
         for (i, row) in batch.rows().iter().enumerate() {
-            let all: Vec<usize> = (0..row.n).collect();
+            // A consumer row ranks only the keys of its candidate blocks.
+            let all: Vec<usize> = match &published {
+                Some(pb) => {
+                    let blocks = pb.blocks.row(i).to_vec();
+                    candidates::consumer_candidates(&blocks, row.n, p.block_size).collect()
+                }
+                None => (0..row.n).collect(),
+            };
             let want = topk::select_by_sort(&scores[i], &all, p.topk);
             let raw = out.raw.row(i).to_vec();
-            check_sorted_padded(&raw, row.n)?;
+            check_sorted_padded(&raw, all.len())?;
             prop_assert_eq!(&raw[..want.len()], &want[..], "row {}", i);
             let page = out.page.row(i).to_vec();
             prop_assert_eq!(page.len(), p.page_cols);
@@ -77,8 +84,8 @@ proptest! {
     /// The reference is bitwise the same for any thread count.
     #[test]
     fn thread_count_invariance(d in case(), threads in 2usize..5) {
-        let batch = d.batch().unwrap();
-        let p = d.problem(&batch, None).unwrap();
+        let (batch, published) = common::strategies::batch_and_candidates(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         let many = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         let (l1, o1) = one.install(|| (reference::logits(&p), reference::run(&p)));
@@ -286,4 +293,39 @@ fn model_topk_values_with_ties_and_wide_pages() {
             "K={k} chunked"
         );
     }
+}
+
+/// The shared strategy really yields what the property tests above rely on: explicit
+/// rows with duplicates and with gaps (positions of a request that no row takes between
+/// positions that rows do take), and consumer layers whose candidates are given.
+#[test]
+fn the_strategy_yields_duplicate_and_gapped_rows_and_consumers() {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let (mut duplicates, mut gaps, mut consumers) = (0, 0, 0);
+    for _ in 0..400 {
+        let s = shape().new_tree(&mut runner).unwrap().current();
+        let d = build(&s);
+        let batch = d.batch().unwrap();
+        if s.role == RoleKind::Consumer {
+            let c = d
+                .candidates
+                .as_ref()
+                .expect("a consumer carries candidates");
+            assert_eq!(c.nrows(), batch.num_rows(), "one candidate row per row");
+            consumers += 1;
+        }
+        let mut per_request = vec![Vec::new(); s.seq_lens.len()];
+        for r in batch.rows() {
+            per_request[r.request].push(r.position);
+        }
+        for mut pos in per_request {
+            pos.sort_unstable();
+            duplicates += pos.windows(2).any(|w| w[0] == w[1]) as usize;
+            gaps += pos.windows(2).any(|w| w[1] > w[0] + 1) as usize;
+        }
+    }
+    assert!(duplicates > 10, "{duplicates} requests with duplicate rows");
+    assert!(gaps > 10, "{gaps} requests with gaps between rows");
+    assert!(consumers > 50, "{consumers} consumer layers");
 }

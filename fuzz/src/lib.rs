@@ -3,6 +3,7 @@
 //! of `chunked_vs_reference` and `cuda_vs_reference`.
 
 pub mod case;
+pub mod dump_file;
 #[cfg(test)]
 mod seeds;
 

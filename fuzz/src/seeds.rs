@@ -113,7 +113,7 @@ fn batch_seeds() -> Vec<(String, Vec<u8>)> {
 
 /// `WRITE_SEEDS=1 cargo test --manifest-path fuzz/Cargo.toml` rewrites the committed
 /// seeds (`corpus/<target>/seed_*`) of every target but `dump_parse`, whose seeds
-/// are the golden files.
+/// are the golden files (`dump_struct`'s are the layers of `chunked_vs_reference`'s).
 #[test]
 fn write_seeds() {
     if std::env::var_os("WRITE_SEEDS").is_none() {
@@ -124,7 +124,11 @@ fn write_seeds() {
         .into_iter()
         .map(|(n, s)| (n, s.to_bytes()))
         .collect();
+    // dump_struct: the same layers, unmutated (the bytes after a spec read as zeros:
+    // no breaking mutation, no kept one).
+    let dump_struct = spec.clone();
     for (target, files) in [
+        ("dump_struct", dump_struct),
         ("chunked_vs_reference", spec.clone()),
         ("cuda_vs_reference", spec),
         ("topk", topk_seeds()),

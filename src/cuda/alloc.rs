@@ -1,12 +1,27 @@
 //! Every device allocation of the backend goes through one function,
-//! [`Device::allocate`], which counts its bytes ([`Device::allocated_bytes`]). A unit test
-//! checks the sources of `src/cuda/` for allocations anywhere else.
+//! [`Device::allocate`], which counts its bytes ([`Device::allocated_bytes`], and per
+//! thread [`allocated_on_this_thread`], from which a run's counted transient figure is
+//! taken). A unit test checks the sources of `src/cuda/` for allocations anywhere else.
+//! [`Device::driver_used_bytes`] reads the driver's own figure (`cuMemGetInfo`).
 
+use std::cell::Cell;
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::{CudaSlice, DeviceRepr, DriverError, ValidAsZeroBits};
 
 use super::device::Device;
+
+thread_local! {
+    /// Bytes [`Device::allocate`] has allocated on this thread, on any device.
+    static THREAD_BYTES: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Device bytes [`Device::allocate`] has allocated from this thread so far (never
+/// decreasing): the difference across a stretch of code is what that code allocated,
+/// whatever other threads allocate on the same device meanwhile.
+pub(super) fn allocated_on_this_thread() -> u64 {
+    THREAD_BYTES.with(|c| c.get())
+}
 
 /// What a new device buffer holds.
 #[derive(Debug, Clone, Copy)]
@@ -40,6 +55,7 @@ impl Device {
         };
         let bytes = len.saturating_mul(std::mem::size_of::<T>()) as u64;
         self.allocated.fetch_add(bytes, Ordering::Relaxed);
+        THREAD_BYTES.with(|c| c.set(c.get().saturating_add(bytes)));
         Ok(buf)
     }
 
@@ -48,6 +64,14 @@ impl Device {
     /// the validation word, the codec test's tables). Buffers freed are not subtracted.
     pub fn allocated_bytes(&self) -> u64 {
         self.allocated.load(Ordering::Relaxed)
+    }
+
+    /// Device memory in use as the driver reports it (`cuMemGetInfo`: total minus free),
+    /// by every process and context on the GPU: the driver-level figure beside the
+    /// counted one.
+    pub fn driver_used_bytes(&self) -> Result<usize, DriverError> {
+        let (free, total) = self.ctx.mem_get_info()?;
+        Ok(total.saturating_sub(free))
     }
 }
 

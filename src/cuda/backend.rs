@@ -65,8 +65,9 @@ impl CudaBackend {
         &self.dev
     }
 
-    /// Transient device bytes of the last run (logits tile, block keys, metadata, split
-    /// top-k scratch).
+    /// Transient device bytes of the last run (metadata, logits tile, block keys, split
+    /// top-k scratch, path counters), counted by `Device::allocate` as it allocated
+    /// them.
     pub fn measured_peak(&self) -> usize {
         self.peak
     }

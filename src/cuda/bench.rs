@@ -6,6 +6,11 @@
 //! index assembly) is timed between two events, after a warm-up, as the median of
 //! `reps` runs. The logits and the selection halves are timed
 //! separately too (each tile's kernels between their own events, summed over tiles).
+//!
+//! Device memory, two ways: the counted transient bytes (every buffer of the run as
+//! `Device::allocate` allocated it), asserted at most the plan's peak, and the driver's
+//! own figure (`cuMemGetInfo`, total minus free) read before the run, after `begin`,
+//! after each tile of the warm-up run (the stream synchronised first) and after `end`.
 
 use super::{drv, CudaBackend, FoldCounts, TopkPaths};
 use crate::batch::Batch;
@@ -190,10 +195,12 @@ pub struct BenchResult {
     pub topk_gbs: f64,
     /// Rows per second end to end.
     pub rows_per_s: f64,
-    /// Measured transient device bytes.
-    pub measured_peak: usize,
+    /// Transient device bytes counted as `Device::allocate` allocated them.
+    pub counted_peak: usize,
     /// Planned peak transient bytes.
     pub planned_peak: usize,
+    /// Device memory in use as the driver reports it, around and during the run.
+    pub driver: DriverMemory,
     /// Runs timed.
     pub reps: usize,
     /// Row selections per run by top-k path: the counters of all runs over the number of
@@ -212,7 +219,12 @@ impl BenchResult {
             "median_ms": self.median_ms, "min_ms": self.min_ms, "logits_ms": self.logits_ms,
             "select_ms": self.select_ms, "tflops": self.tflops, "logits_tflops": self.logits_tflops,
             "topk_gbs": self.topk_gbs, "rows_per_s": self.rows_per_s,
-            "measured_peak": self.measured_peak, "planned_peak": self.planned_peak, "reps": self.reps,
+            "counted_peak": self.counted_peak, "planned_peak": self.planned_peak, "reps": self.reps,
+            "driver_memory": {
+                "used_before": self.driver.before, "used_high": self.driver.high,
+                "used_after": self.driver.after, "peak": self.driver.peak(),
+                "samples": self.driver.samples,
+            },
             "topk_paths": {
                 "all": self.topk_paths.all, "short": self.topk_paths.short,
                 "sampled": self.topk_paths.sampled, "two_pass": self.topk_paths.two_pass,
@@ -228,6 +240,35 @@ impl BenchResult {
             },
         })
         .to_string()
+    }
+}
+
+/// Device memory in use (`cuMemGetInfo`: total minus free, every process and context on
+/// the GPU), in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DriverMemory {
+    /// Before the run's `begin`.
+    pub before: usize,
+    /// The high-water mark of the readings after `begin`, after each tile of the
+    /// warm-up run and before `end`.
+    pub high: usize,
+    /// After `end` (the stream's memory pool may keep freed memory reserved).
+    pub after: usize,
+    /// Readings taken for `high`.
+    pub samples: usize,
+}
+
+impl DriverMemory {
+    /// The high-water mark above the reading before the run: the run's device memory
+    /// (transient buffers, uploaded inputs and outputs) as the driver saw it.
+    pub fn peak(&self) -> usize {
+        self.high.saturating_sub(self.before)
+    }
+
+    /// Add a reading to the high-water mark.
+    pub fn sample(&mut self, used: usize) {
+        self.high = self.high.max(used);
+        self.samples += 1;
     }
 }
 
@@ -275,7 +316,17 @@ pub fn run_workload(
     let batch = p.batch;
     let (t, h, d) = (batch.num_rows(), p.heads, p.dim);
     let plan = crate::indexer::plan_for(b, p, w.budget)?;
+    let dev = b.dev.clone();
+    let used = |what: &str| -> Result<usize> {
+        dev.stream.synchronize().map_err(drv("synchronize"))?;
+        dev.driver_used_bytes().map_err(drv(what))
+    };
+    let mut driver = DriverMemory {
+        before: used("cuMemGetInfo before the run")?,
+        ..DriverMemory::default()
+    };
     b.begin(p, &plan)?;
+    driver.sample(used("cuMemGetInfo after begin")?);
     let stream = b.dev.stream.clone();
     let ctx = b.dev.ctx.clone();
     let ev = || {
@@ -292,6 +343,10 @@ pub fn run_workload(
         e0.record(&stream).map_err(drv("record"))?;
         for ti in 0..plan.tiles.len() {
             run.tile(&b.dev, ti)?;
+            if rep == 0 {
+                // The warm-up run (not timed): the driver's reading after each tile.
+                driver.sample(used("cuMemGetInfo after a tile")?);
+            }
         }
         e1.record(&stream).map_err(drv("record"))?;
         e1.synchronize().map_err(drv("synchronize"))?;
@@ -316,9 +371,18 @@ pub fn run_workload(
             select.push(sm);
         }
     }
-    let measured_peak = b.peak;
+    driver.sample(used("cuMemGetInfo before end")?);
+    let counted_peak = b.peak;
     let mut out = crate::reference::Output::alloc(p);
     b.end(p, &mut out)?;
+    driver.after = used("cuMemGetInfo after end")?;
+    if counted_peak > plan.peak.total() {
+        return Err(super::backend_err(format!(
+            "{}: counted device transient {counted_peak} B over the planned peak {} B",
+            w.name,
+            plan.peak.total()
+        )));
+    }
     // Each rep (and the warm-up) selects every tile twice: end to end, then halves.
     let runs = 2 * (reps as u64 + 1);
     let topk_paths = b.topk_paths().per_run(runs);
@@ -342,8 +406,9 @@ pub fn run_workload(
         logits_tflops: flops / (lmed * 1e-3) / 1e12,
         topk_gbs: 4.0 * pairs / (smed * 1e-3) / 1e9,
         rows_per_s: t as f64 / (med * 1e-3),
-        measured_peak,
+        counted_peak,
         planned_peak: plan.peak.total(),
+        driver,
         reps,
         topk_paths,
         fold_counts,
@@ -385,7 +450,7 @@ mod tests {
     }
 
     /// The JSON line `dsa-indexer bench --device cuda --json` prints names every path
-    /// counter, per run.
+    /// counter, per run, and both device-memory figures.
     #[test]
     fn json_has_the_path_counters_per_run() {
         let runs = 12;
@@ -404,8 +469,14 @@ mod tests {
             logits_tflops: 1.0,
             topk_gbs: 1.0,
             rows_per_s: 1.0,
-            measured_peak: 1,
+            counted_peak: 1,
             planned_peak: 1,
+            driver: DriverMemory {
+                before: 100,
+                high: 350,
+                after: 120,
+                samples: 7,
+            },
             reps: 5,
             topk_paths: TopkPaths {
                 all: 12,
@@ -440,5 +511,10 @@ mod tests {
         ]
         .map(|k| f[k].as_u64());
         assert_eq!(got, [10, 0, 100, 1, 2, 3].map(Some));
+        let m = &v["driver_memory"];
+        let got =
+            ["used_before", "used_high", "used_after", "peak", "samples"].map(|k| m[k].as_u64());
+        assert_eq!(got, [100, 350, 120, 250, 7].map(Some));
+        assert_eq!(v["counted_peak"].as_u64(), Some(1));
     }
 }

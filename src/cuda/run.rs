@@ -5,7 +5,7 @@
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use super::alloc::Fill;
+use super::alloc::{allocated_on_this_thread, Fill};
 use super::device::{drv, ptr, Device};
 use super::geometry::{footprint, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES};
 use super::kernels::{self, Variant};
@@ -54,6 +54,7 @@ pub(super) struct Run {
     pub(super) paths: CudaSlice<u32>,
     // Host-input uploads kept alive for the run (not transient).
     _owned: Vec<OwnedBuf>,
+    /// Device bytes of the transient buffers, as `Device::allocate` counted them.
     pub(super) transient: usize,
     bitmap_words: u32,
 }
@@ -158,16 +159,9 @@ struct TransientBufs {
 
 impl TransientBufs {
     /// Allocate the plan's logits tile and block keys and the scratch of the tile of
-    /// `geom` that splits the most ids, adding their bytes to `transient`.
-    fn alloc(
-        dev: &Device,
-        plan: &Plan,
-        geom: &[TileGeom],
-        topk: usize,
-        transient: &mut usize,
-    ) -> Result<TransientBufs> {
+    /// `geom` that splits the most ids.
+    fn alloc(dev: &Device, plan: &Plan, geom: &[TileGeom], topk: usize) -> Result<TransientBufs> {
         let logits = if plan.peak.logits_tile > 0 {
-            *transient += plan.peak.logits_tile;
             Some(
                 dev.allocate::<f32>(Fill::Zeros(plan.peak.logits_tile / 4))
                     .map_err(drv("alloc logits tile"))?,
@@ -176,7 +170,6 @@ impl TransientBufs {
             None
         };
         let bkeys = if plan.peak.block_scores > 0 {
-            *transient += plan.peak.block_scores;
             Some(
                 dev.allocate::<u32>(Fill::Zeros(plan.peak.block_scores / 4))
                     .map_err(drv("alloc block keys"))?,
@@ -196,7 +189,6 @@ impl TransientBufs {
             .max()
             .unwrap_or(0);
         let split = if split_ids > 0 {
-            *transient += split_ids * 4;
             Some(
                 dev.allocate::<i32>(Fill::Zeros(split_ids))
                     .map_err(drv("alloc split top-k scratch"))?,
@@ -212,17 +204,16 @@ impl TransientBufs {
     }
 }
 
-/// A run's outputs on the device, and its path counters.
+/// A run's outputs on the device.
 struct OutputBufs {
     raw: CudaSlice<i32>,
     page: CudaSlice<i32>,
     published: Option<CudaSlice<i32>>,
-    paths: CudaSlice<u32>,
 }
 
 impl OutputBufs {
     /// Allocate `raw [t, K]`, `page [t, page_cols]`, for a source layer the `npub`
-    /// published rows (at least one), and the path counters, all zero.
+    /// published rows (at least one), all zero.
     fn alloc(dev: &Device, t: usize, shape: &Shape, npub: i32) -> Result<OutputBufs> {
         let raw = dev
             .allocate::<i32>(Fill::Zeros(t * shape.topk))
@@ -238,14 +229,10 @@ impl OutputBufs {
         } else {
             None
         };
-        let paths = dev
-            .allocate::<u32>(Fill::Zeros(PATHS_BYTES / 4))
-            .map_err(drv("alloc path counters"))?;
         Ok(OutputBufs {
             raw,
             page,
             published,
-            paths,
         })
     }
 }
@@ -275,12 +262,17 @@ impl Run {
             dev.sm_count(),
             dev.hooks(),
         );
-        let mut transient = 0usize;
+        // The transient buffers (metadata, logits tile, block keys, split scratch, path
+        // counters), counted as Device::allocate allocates them on this thread.
+        let before = allocated_on_this_thread();
         let md = MetaBufs::upload(dev, &meta)?;
-        transient += t * (4 + 4 + 8 + 4 + 8) + meta.groups.len() * 4;
-        let tr = TransientBufs::alloc(dev, plan, &meta.geom, shape.topk, &mut transient)?;
+        let tr = TransientBufs::alloc(dev, plan, &meta.geom, shape.topk)?;
+        let paths = dev
+            .allocate::<u32>(Fill::Zeros(PATHS_BYTES / 4))
+            .map_err(drv("alloc path counters"))?;
+        let transient = usize::try_from(allocated_on_this_thread() - before)
+            .map_err(|_| super::backend_err("transient bytes past usize"))?;
         let out = OutputBufs::alloc(dev, t, &shape, meta.npub)?;
-        transient += PATHS_BYTES;
         Ok(Run {
             shape,
             ptrs,
@@ -297,7 +289,7 @@ impl Run {
             raw: out.raw,
             page: out.page,
             published: out.published,
-            paths: out.paths,
+            paths,
             _owned: owned,
             transient,
             bitmap_words: meta.bitmap_words,

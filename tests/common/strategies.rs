@@ -1,9 +1,13 @@
 //! proptest strategies: random ragged batches (prefix hits, replayed rows, empty
-//! requests, explicit rows), all format pairs, and the layer parameters.
+//! requests, explicit rows: interleaved, or drawn with duplicates and gaps), all format
+//! pairs, the three roles (a consumer takes what a source over its batch publishes), and
+//! the layer parameters.
 //! A case is an owned [`Dump`], so that failing cases can be written out and replayed.
 
+use dsa_indexer::batch::Batch;
 use dsa_indexer::dump::{Dump, Expected, KData, Layout, Meta, QData, RoleKind};
-use dsa_indexer::problem::Format;
+use dsa_indexer::problem::{Format, Published};
+use dsa_indexer::reference;
 use ndarray::{Array1, Array2, Array3};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -15,6 +19,9 @@ pub struct Shape {
     pub seq_lens: Vec<usize>,
     pub query_starts: Vec<usize>,
     pub explicit: bool,
+    /// Explicit rows drawn at any position of their request, with repeats: duplicate
+    /// rows, and positions left out between them (else each row of `q0..S` once).
+    pub repeats: bool,
     pub ratio: usize,
     pub heads: usize,
     pub dim: usize,
@@ -65,6 +72,7 @@ pub fn shape_with(max_seq: usize, heads: Vec<usize>) -> impl Strategy<Value = Sh
             prop::option::of(1usize..6),
             any::<bool>(),
             any::<u64>(),
+            any::<bool>(),
         ),
     )
         .prop_map(
@@ -79,11 +87,12 @@ pub fn shape_with(max_seq: usize, heads: Vec<usize>) -> impl Strategy<Value = Sh
                 topk,
                 b,
                 nb,
-                (role, tail, narrow, seed),
+                (role, tail, narrow, seed, repeats),
             )| Shape {
                 seq_lens: reqs.iter().map(|r| r.0).collect(),
                 query_starts: reqs.iter().map(|r| r.1).collect(),
                 explicit,
+                repeats,
                 ratio,
                 heads,
                 dim,
@@ -92,7 +101,7 @@ pub fn shape_with(max_seq: usize, heads: Vec<usize>) -> impl Strategy<Value = Sh
                 topk,
                 block_size: b,
                 num_blocks: nb,
-                role: [RoleKind::Plain, RoleKind::Source, RoleKind::Plain][role],
+                role: [RoleKind::Plain, RoleKind::Source, RoleKind::Consumer][role],
                 tail,
                 narrow,
                 seed,
@@ -141,12 +150,27 @@ pub fn build(s: &Shape) -> Dump {
     let mut rng = ChaCha8Rng::seed_from_u64(s.seed);
     let (h, d) = (s.heads, s.dim);
     let g = d / 32;
+    let rows: Vec<(usize, usize)> = if s.explicit && s.repeats {
+        // As many rows as the contiguous layout has, each at a random position of its
+        // request: duplicates, and gaps between the positions drawn.
+        let mut rows = Vec::new();
+        for (b, (&sl, &q0)) in s.seq_lens.iter().zip(&s.query_starts).enumerate() {
+            if sl > 0 {
+                rows.extend((q0..sl).map(|_| (b, rng.gen_range(0..sl))));
+            }
+        }
+        rows
+    } else {
+        s.seq_lens
+            .iter()
+            .zip(&s.query_starts)
+            .enumerate()
+            .flat_map(|(b, (&sl, &q0))| (q0..sl).map(move |p| (b, p)))
+            .collect()
+    };
     let layout = if s.explicit {
         // Interleave the rows of all requests, like a context-parallel rank.
-        let mut rows: Vec<(usize, usize)> = Vec::new();
-        for (b, (&sl, &q0)) in s.seq_lens.iter().zip(&s.query_starts).enumerate() {
-            rows.extend((q0..sl).map(|p| (b, p)));
-        }
+        let mut rows = rows.clone();
         for i in (1..rows.len()).rev() {
             let j = rng.gen_range(0..=i);
             rows.swap(i, j);
@@ -158,12 +182,7 @@ pub fn build(s: &Shape) -> Dump {
     } else {
         Layout::Contiguous(s.query_starts.clone())
     };
-    let t: usize = s
-        .seq_lens
-        .iter()
-        .zip(&s.query_starts)
-        .map(|(a, b)| a - b)
-        .sum();
+    let t = rows.len();
     let l: usize = s.seq_lens.iter().map(|&x| x / s.ratio).sum();
     let q = match s.q_format {
         Format::E4m3 => QData::E4m3(Array3::from_shape_fn((t, h, d), |_| {
@@ -201,7 +220,7 @@ pub fn build(s: &Shape) -> Dump {
     let k_slots = rng
         .gen_bool(0.5)
         .then(|| Array1::from_shape_fn(l, |_| rng.gen_range(0..1_000_000)));
-    Dump {
+    let mut dump = Dump {
         meta: Meta {
             heads: h,
             dim: d,
@@ -229,7 +248,26 @@ pub fn build(s: &Shape) -> Dump {
         candidates: None,
         engine_logits: None,
         expected: Expected::default(),
+    };
+    if s.role == RoleKind::Consumer {
+        // The candidates a source over the same batch publishes, row for row.
+        let mut src = dump.clone();
+        src.meta.role = RoleKind::Source;
+        let batch = src.batch().expect("a strategy's batch is valid");
+        let p = src
+            .problem(&batch, None)
+            .expect("a strategy's source is valid");
+        let published = reference::run(&p).published.expect("a source publishes");
+        dump.candidates = Some(published.blocks);
     }
+    dump
+}
+
+/// The batch of `d` and a consumer's candidates for it (`None` for the other roles).
+pub fn batch_and_candidates(d: &Dump) -> (Batch, Option<Published>) {
+    let batch = d.batch().expect("a strategy's batch is valid");
+    let published = d.published_input(&batch);
+    (batch, published)
 }
 
 pub fn case() -> impl Strategy<Value = Dump> {
@@ -261,6 +299,7 @@ impl Shape {
             seq_lens,
             query_starts,
             explicit: false,
+            repeats: false,
             ratio: 1,
             heads: 8,
             dim: 32,

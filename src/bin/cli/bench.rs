@@ -236,7 +236,7 @@ mod gpu {
 
     /// The named workloads (`all`: every one) on GPU 0, one after the other, each timed
     /// by the CUDA backend itself (CUDA events around all tiles; logits and selection
-    /// split; measured device peak). A workload that fails prints its error and the
+    /// split; counted and driver-level device memory). A workload that fails prints its error and the
     /// others still run; the exit code is the worst failure's.
     pub fn bench_workloads(names: &[String], reps: usize, json: bool) -> Result<i32> {
         let mut ws = Vec::new();
@@ -269,9 +269,20 @@ mod gpu {
         );
         println!(
             "  median {:.3} ms over {} runs (min {:.3} ms): {:.1} effective TFLOP/s; logits {:.3} ms ({:.1} TFLOP/s), \
-             selection {:.3} ms ({:.0} GB/s of logits); device peak {} B (planned {} B)",
+             selection {:.3} ms ({:.0} GB/s of logits)",
             r.median_ms, r.reps, r.min_ms, r.tflops, r.logits_ms, r.logits_tflops, r.select_ms, r.topk_gbs,
-            r.measured_peak, r.planned_peak
+        );
+        let m = &r.driver;
+        println!(
+            "  device memory: counted transient {} B (planned peak {} B); driver (cuMemGetInfo) \
+             {} B in use before, high-water {} B over {} readings (+{} B), {} B after",
+            r.counted_peak,
+            r.planned_peak,
+            m.before,
+            m.high,
+            m.samples,
+            m.peak(),
+            m.after
         );
         let (p, f) = (&r.topk_paths, &r.fold_counts);
         println!(
