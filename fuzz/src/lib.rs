@@ -3,6 +3,7 @@
 //! of `chunked_vs_reference` and `cuda_vs_reference`.
 
 pub mod case;
+pub mod verdict_case;
 #[cfg(test)]
 mod seeds;
 
