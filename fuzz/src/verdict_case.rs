@@ -13,7 +13,7 @@
 //!   no tolerance;
 //! - `raw`: against a full sort of the reference's scores, with the row tolerance
 //!   `2 max_j |x_j - ref_j|` (engine logits, `auto`), `2^x M_i` (given, or the
-//!   tolerance class's default `2^-14`), or 0 (exact ties: `0`, the exact class's
+//!   tolerance class's default `2^-13`), or 0 (exact ties: `0`, the exact class's
 //!   default); `M_i = max_j M_j` over the row's visible keys.
 //!
 //! A row bitwise the rule's output is identical; the same ids otherwise placed, or a
@@ -259,7 +259,7 @@ fn mutate(
             let y = unsel[c as usize % unsel.len()];
             new.iter_mut().filter(|v| **v == x).for_each(|v| *v = y);
         }
-        1 if !unsel.is_empty() => {
+        1 if !sel.is_empty() && !unsel.is_empty() => {
             let s: Vec<f32> = logits.row(i).iter().take(n).copied().collect();
             let o = ranked(&s);
             let k = sel.len();
@@ -427,7 +427,7 @@ pub fn check(b: &Built) -> Verdict {
             (Tolerance::Pow2(x), _) => x.exp2() * m_row,
             (Tolerance::Auto, Some(_)) => 2.0 * measured,
             (Tolerance::Auto, None) if exact => 0.0,
-            (Tolerance::Auto, None) => (-14f64).exp2() * m_row,
+            (Tolerance::Auto, None) => (-13f64).exp2() * m_row,
         };
         raw_rows.push((model_row(&exp, out.raw.row(i).as_slice().unwrap(), &r, k, tau), m_row));
     }

@@ -267,7 +267,7 @@ struct ReplayArgs {
     #[arg(long)]
     verbose: bool,
     /// Tolerance of the selections: `auto` (twice each row's measured logit error with
-    /// engine_logits; else exact ties for the exact class, 2^-14 M for the tolerance
+    /// engine_logits; else exact ties for the exact class, 2^-13 M for the tolerance
     /// class), `0` (exact ties only) or `2^X` (X <= 0), in units of the row's M.
     #[arg(long, default_value = "auto", value_parser = parse_tolerance)]
     tolerance: Tolerance,
@@ -276,7 +276,7 @@ struct ReplayArgs {
     json: bool,
 }
 
-/// `auto`, `0`, `2^-14`.
+/// `auto`, `0`, `2^-13`.
 fn parse_tolerance(s: &str) -> std::result::Result<Tolerance, String> {
     s.parse::<Tolerance>().map_err(|e| e.to_string())
 }

@@ -313,7 +313,7 @@ impl fmt::Display for RowReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "{}: ks {}, ke {}, {} candidates, M {:.3e} (2^-14 M = {:.3e})",
+            "{}: ks {}, ke {}, {} candidates, M {:.3e} (2^-13 M = {:.3e})",
             self.label,
             self.ks,
             self.ke,

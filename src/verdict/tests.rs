@@ -1,5 +1,5 @@
-//! The judge on a small exact-class problem: identical, tolerant, different, errors,
-//! and the text and JSON of one report.
+//! The judge on a small exact-class problem: identical, up to ties, different, errors,
+//! the tolerance's parsing, and the text and JSON of one report.
 
 use super::*;
 use crate::batch::Batch;
@@ -132,9 +132,9 @@ fn a_moved_key_is_different_and_reordered_ids_are_equal_up_to_order() {
         a.row_mut(i).assign(&ndarray::Array1::from(r));
     }
     let v = judge(&p, &out, &e, None, &Options::default()).unwrap();
-    assert_eq!(v.status, Status::Tolerant);
+    assert_eq!(v.status, Status::Ties);
     assert!(v.tensor("raw").unwrap().notes[0].contains("the same ids"));
-    assert_eq!(v.tensor("page").unwrap().rows_tolerant, 1);
+    assert_eq!(v.tensor("page").unwrap().rows_ties, 1);
 }
 
 #[test]

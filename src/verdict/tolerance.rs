@@ -17,16 +17,16 @@ use crate::error::{Error, Result};
 use crate::problem::Class;
 
 /// The default tolerance of the tolerance class's engine dumps without engine logits,
-/// `2^-14 * M_i`: four times the largest per-score error measured on an fp8 engine
-/// (`docs/numerics.md`, section 6).
-pub const DEFAULT_TOLERANCE_LOG2: f64 = -14.0;
+/// `2^-13 * M_i`: four times the largest per-score error measured on DeepGEMM's fp8
+/// logits, twice that of the two scores a swap moves (`docs/numerics.md`, section 6).
+pub const DEFAULT_TOLERANCE_LOG2: f64 = -13.0;
 
 /// The tolerance a judge applies to selections.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum Tolerance {
     /// Twice each row's measured logit error when the dump carries `engine_logits`;
     /// otherwise the class's default (exact class: exact ties only; tolerance class:
-    /// `2^-14 * M_i`).
+    /// [`DEFAULT_TOLERANCE_LOG2`], `2^-13 * M_i`).
     #[default]
     Auto,
     /// Exact ties only.
@@ -50,7 +50,7 @@ fn bad_tolerance(v: &str) -> Error {
     Error::OutOfRange {
         field: "tolerance".into(),
         value: v.into(),
-        expected: "`auto`, `0` (exact ties only) or `2^X` with X <= 0 (e.g. `2^-14`)",
+        expected: "`auto`, `0` (exact ties only) or `2^X` with X <= 0 (e.g. `2^-13`)",
     }
 }
 
@@ -83,7 +83,7 @@ impl fmt::Display for Tolerance {
     }
 }
 
-/// `2^-14`, `2^-8.3`: a power of two to one decimal of its exponent.
+/// `2^-13`, `2^-8.3`: a power of two to one decimal of its exponent.
 pub fn pow2(x: f64) -> String {
     if x == x.round() {
         format!("2^{x:.0}")
@@ -97,7 +97,7 @@ pub fn pow2(x: f64) -> String {
 pub struct Applied {
     /// `measured` (from `engine_logits`), `default` (the class's) or `given`.
     pub source: &'static str,
-    /// The rule: `2^-14 M`, `exact ties only`, `2 x max |x - ref| over the row's keys`.
+    /// The rule: `2^-13 M`, `exact ties only`, `2 x max |x - ref| over the row's keys`.
     pub rule: String,
     /// `log2` of the factor of `M_i` (measured: the largest over the rows); `None`
     /// for exact ties only.
@@ -224,7 +224,7 @@ impl RowMargin {
         }
     }
 
-    /// `, needs 2^-8.3 M (tolerance 2^-14 M)`, or what stands for it.
+    /// `, needs 2^-8.3 M (tolerance 2^-13 M)`, or what stands for it.
     pub fn describe(&self) -> String {
         let tol = match self.tolerance_log2 {
             Some(t) => format!("tolerance {} M", pow2(t)),
