@@ -147,7 +147,9 @@ impl fmt::Display for ReplayReport {
             write!(f, "{t}")?;
         }
         let v = &self.verdict;
-        writeln!(f, "  tolerance      {}", v.tolerance)?;
+        if v.tensors.iter().any(|t| t.tolerance.is_some()) {
+            writeln!(f, "  tolerance      {}", v.tolerance)?;
+        }
         if v.status == Status::Tolerant {
             // Name what the tolerance was: the selections', or only SPEC 4's bound.
             let selections = v
