@@ -262,7 +262,8 @@ fn mutate(
         1 if !sel.is_empty() && !unsel.is_empty() => {
             let s: Vec<f32> = logits.row(i).iter().take(n).copied().collect();
             let o = ranked(&s);
-            let k = sel.len();
+            // Earlier mutations may have left ids past `n`, or fewer ids.
+            let k = sel.len().clamp(1, n);
             let (x, y) = (o[k - 1] as i32, o[(k + c as usize % 4).min(n - 1)] as i32);
             new.iter_mut().filter(|v| **v == x).for_each(|v| *v = y);
         }
