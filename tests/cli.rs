@@ -197,7 +197,8 @@ fn tolerance_option_and_margins_in_the_json() {
     std::fs::write(&moved, d.to_bytes().unwrap()).unwrap();
     let m = moved.to_str().unwrap();
     let (code, so, se) = run(&["replay", m, "--json"]);
-    let v: serde_json::Value = serde_json::from_str(&so).unwrap_or_else(|e| panic!("{e}: {so}{se}"));
+    let v: serde_json::Value =
+        serde_json::from_str(&so).unwrap_or_else(|e| panic!("{e}: {so}{se}"));
     assert_eq!(v["tolerance"]["source"], "default", "{v}");
     assert_eq!(v["tolerance"]["log2"], -13.0, "{v}");
     let raw = &v["tensors"]["raw"];
@@ -206,7 +207,11 @@ fn tolerance_option_and_margins_in_the_json() {
     assert_eq!(raw["margin_summary"]["worst_row"], i, "{v}");
     let beyond = needs > -13.0;
     assert_eq!(code, i32::from(beyond), "{so}");
-    assert_eq!(raw["margin_summary"]["beyond_default"], u64::from(beyond), "{v}");
+    assert_eq!(
+        raw["margin_summary"]["beyond_default"],
+        u64::from(beyond),
+        "{v}"
+    );
     // Just above its margin the row passes; just below it does not.
     if needs < -0.2 {
         let (code, so, _) = run(&["replay", m, "--tolerance", &format!("2^{}", needs + 0.1)]);
@@ -585,7 +590,10 @@ fn engine_logits_case(gen_args: &[&str], exact: bool) {
     let (code, so, _) = replay(&write("near.safetensors", &d));
     if exact {
         assert_eq!(code, 1, "{so}");
-        assert!(so.contains("bound bitwise (exact class)) beyond the bound"), "{so}");
+        assert!(
+            so.contains("bound bitwise (exact class)) beyond the bound"),
+            "{so}"
+        );
     } else {
         assert_eq!(code, 0, "{so}");
         assert!(

@@ -19,14 +19,20 @@ use dsa_indexer::verdict::{
 fn fixture() -> &'static Dump {
     static D: OnceLock<Dump> = OnceLock::new();
     D.get_or_init(|| {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/deepgemm_v32.safetensors");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/deepgemm_v32.safetensors"
+        );
         Dump::from_bytes(&std::fs::read(path).expect("the fixture")).expect("a valid dump")
     })
 }
 
 /// The fixture's figures as the script printed them.
 fn figures() -> serde_json::Value {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/deepgemm_v32.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/deepgemm_v32.json"
+    );
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
@@ -66,7 +72,11 @@ fn replace(d: &mut Dump, i: usize, x: usize, y: usize) {
     let raw = d.expected.raw.as_mut().unwrap();
     let page = d.expected.page.as_mut().unwrap();
     for a in [raw, page] {
-        let c = a.row(i).iter().position(|&v| v == x as i32).expect("x is selected");
+        let c = a
+            .row(i)
+            .iter()
+            .position(|&v| v == x as i32)
+            .expect("x is selected");
         a[[i, c]] = y as i32;
     }
 }
@@ -87,12 +97,18 @@ fn the_unmodified_dump_is_equal_within_tolerance_in_both_modes() {
     // The worst |x - ref| / M per (row, key), as the script measured it in float64.
     let want = figures()["max_err_over_M_log2"].as_f64().unwrap();
     let got = el.worst_error_log2.unwrap();
-    assert!((got - want).abs() < 0.01, "worst error 2^{got} M, script 2^{want} M");
+    assert!(
+        (got - want).abs() < 0.01,
+        "worst error 2^{got} M, script 2^{want} M"
+    );
     let raw = v.tensor("raw").unwrap();
     let differ = figures()["rows_whose_selection_differs_from_the_f64_reference"]
         .as_u64()
         .unwrap() as usize;
-    assert_eq!((raw.rows_tolerant, raw.rows_ties, raw.rows_different), (differ, 0, 0));
+    assert_eq!(
+        (raw.rows_tolerant, raw.rows_ties, raw.rows_different),
+        (differ, 0, 0)
+    );
     assert_eq!(raw.margins.len(), differ);
 
     // Without engine_logits: the default tolerance, and the same rows within it.
@@ -106,7 +122,10 @@ fn the_unmodified_dump_is_equal_within_tolerance_in_both_modes() {
     assert_eq!((raw.rows_tolerant, raw.rows_different), (differ, 0));
     let m = raw.margin_summary.unwrap();
     assert_eq!(m.beyond_default, 0, "{m:?}");
-    assert!(m.worst_log2.unwrap() < DEFAULT_TOLERANCE_LOG2 - 2.0, "{m:?}");
+    assert!(
+        m.worst_log2.unwrap() < DEFAULT_TOLERANCE_LOG2 - 2.0,
+        "{m:?}"
+    );
 }
 
 #[test]
@@ -136,8 +155,15 @@ fn a_key_ranked_100_below_the_kth_is_different_in_both_modes_with_its_margin() {
     assert_eq!(raw.first_different_row, Some(0));
     let margin = raw.margins.iter().find(|r| r.row == 0).unwrap();
     let needs = margin.needs_log2.unwrap();
-    assert!((needs - gap_log2).abs() < 1e-9, "needs 2^{needs} M, gap 2^{gap_log2} M");
-    assert!(raw.notes[0].contains(&format!("needs 2^{needs:.1} M")), "{:?}", raw.notes);
+    assert!(
+        (needs - gap_log2).abs() < 1e-9,
+        "needs 2^{needs} M, gap 2^{gap_log2} M"
+    );
+    assert!(
+        raw.notes[0].contains(&format!("needs 2^{needs:.1} M")),
+        "{:?}",
+        raw.notes
+    );
 
     // Without them: the default tolerance catches it.
     d.engine_logits = None;
@@ -214,7 +240,10 @@ fn deepgemm_row_errors_leave_the_default_its_margin() {
     eprintln!("DeepGEMM: max_i max_j |x - ref| / M_i = 2^{worst:.2}");
     // Two scores move: an honest swap needs at most twice that. The default leaves a
     // factor of 2 (to one decimal of the exponent) over it, 4 over one score's error.
-    assert!(DEFAULT_TOLERANCE_LOG2 - (worst + 1.0) >= 0.95, "2^{worst} M");
+    assert!(
+        DEFAULT_TOLERANCE_LOG2 - (worst + 1.0) >= 0.95,
+        "2^{worst} M"
+    );
     // And below the gap of a key ranked 100 below the K-th.
     let fig = &figures()["gap_rank100_over_rowmaxM_log2 [min, median, max over 32 rows]"];
     assert!(DEFAULT_TOLERANCE_LOG2 < fig[0].as_f64().unwrap() - 1.0);

@@ -3,9 +3,9 @@
 //! of `chunked_vs_reference` and `cuda_vs_reference`.
 
 pub mod case;
-pub mod verdict_case;
 #[cfg(test)]
 mod seeds;
+pub mod verdict_case;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

@@ -128,9 +128,18 @@ fn verdict_seeds() -> Vec<(String, Vec<u8>)> {
                     b.push([0, 2, 3, 4, 8][rng.below(5)]);
                     b.extend((0..8).map(|_| rng.next() as u8));
                     b.extend(rng.next().to_le_bytes());
-                    b.extend([engine, [0, 8, 10, 12, 14][rng.below(5)], tol, rng.next() as u8]);
+                    b.extend([
+                        engine,
+                        [0, 8, 10, 12, 14][rng.below(5)],
+                        tol,
+                        rng.next() as u8,
+                    ]);
                     for _ in 0..1 + rng.below(3) {
-                        let k = if rng.below(10) < 7 { kind } else { rng.below(6) as u8 };
+                        let k = if rng.below(10) < 7 {
+                            kind
+                        } else {
+                            rng.below(6) as u8
+                        };
                         b.extend([rng.next() as u8, k, rng.next() as u8, rng.next() as u8]);
                     }
                     out.push((format!("f{fmt}_e{engine}_t{tol}_k{kind}"), b));

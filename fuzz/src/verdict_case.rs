@@ -168,10 +168,12 @@ impl VerdictCase {
         let k = Array2::from_shape_simple_fn((s, if k_fp4 { d / 2 } else { d }), || {
             code(&mut rng, k_fp4)
         });
-        let q_scale = q_fp4.then(|| Array3::from_shape_simple_fn((e, h, 1), || 125 + rng.below(5) as u8));
-        let k_scale = k_fp4.then(|| Array2::from_shape_simple_fn((s, 1), || 125 + rng.below(5) as u8));
-        let kscale = (!k_fp4)
-            .then(|| Array1::from_shape_simple_fn(s, || (1 + rng.below(4)) as f32 * 0.5));
+        let q_scale =
+            q_fp4.then(|| Array3::from_shape_simple_fn((e, h, 1), || 125 + rng.below(5) as u8));
+        let k_scale =
+            k_fp4.then(|| Array2::from_shape_simple_fn((s, 1), || 125 + rng.below(5) as u8));
+        let kscale =
+            (!k_fp4).then(|| Array1::from_shape_simple_fn(s, || (1 + rng.below(4)) as f32 * 0.5));
         let w = Array2::from_shape_simple_fn((e, h), || (rng.below(17) as f32 - 8.0) * 0.25);
         let mut b = Built {
             batch,
@@ -224,7 +226,17 @@ impl VerdictCase {
         for &(r, kind, a, c) in self.mutations.iter().take(4) {
             let i = r as usize % e;
             let n = b.batch.rows()[i].n;
-            mutate(&mut raw, &mut logits, i, n, kind, a, c, &mut rng, &b.problem());
+            mutate(
+                &mut raw,
+                &mut logits,
+                i,
+                n,
+                kind,
+                a,
+                c,
+                &mut rng,
+                &b.problem(),
+            );
         }
         b.raw = raw;
         b.engine_logits = (self.engine % 3 != 0).then_some(logits);
@@ -330,13 +342,21 @@ fn model_row(exp: &[i32], own: &[i32], s: &[f32], k: usize, tau: f64) -> ModelRo
     if exp.iter().any(|&x| x < -1) {
         return r(Status::Different, None);
     }
-    let mut ids: Vec<usize> = exp.iter().filter(|&&x| x >= 0).map(|&x| x as usize).collect();
+    let mut ids: Vec<usize> = exp
+        .iter()
+        .filter(|&&x| x >= 0)
+        .map(|&x| x as usize)
+        .collect();
     ids.sort_unstable();
     if ids.windows(2).any(|w| w[0] == w[1]) {
         return r(Status::Different, None);
     }
     let n = s.len();
-    let mut o: Vec<usize> = own.iter().filter(|&&x| x >= 0).map(|&x| x as usize).collect();
+    let mut o: Vec<usize> = own
+        .iter()
+        .filter(|&&x| x >= 0)
+        .map(|&x| x as usize)
+        .collect();
     o.sort_unstable();
     if ids == o {
         return r(Status::Ties, Some(0.0));
@@ -349,7 +369,11 @@ fn model_row(exp: &[i32], own: &[i32], s: &[f32], k: usize, tau: f64) -> ModelRo
     let mut need = 0f64;
     for j in 0..n {
         let v = key(s[j]);
-        let gap = if ids.binary_search(&j).is_ok() { kth - v } else { v - kth };
+        let gap = if ids.binary_search(&j).is_ok() {
+            kth - v
+        } else {
+            v - kth
+        };
         if gap > 0.0 {
             need = need.max(gap);
         }
@@ -395,7 +419,9 @@ pub fn check(b: &Built) -> Verdict {
         let mut measured = 0f64;
         if let Some(el) = &b.engine_logits {
             let x: Vec<f32> = el.row(i).iter().take(n).copied().collect();
-            let sum_w: f64 = (0..p.heads).map(|hh| (p.inputs.weights[[i, hh]] as f64).abs()).sum();
+            let sum_w: f64 = (0..p.heads)
+                .map(|hh| (p.inputs.weights[[i, hh]] as f64).abs())
+                .sum();
             let mut row_status = Status::Identical;
             for j in 0..n {
                 let e = err(x[j], r[j]);
@@ -412,7 +438,11 @@ pub fn check(b: &Built) -> Verdict {
                 } else {
                     (-8f64).exp2() * m[j] + (-149f64).exp2() * (kscale * (g * sum_w + h) + 2.0)
                 };
-                let s = if e <= bound { Status::Tolerant } else { Status::Different };
+                let s = if e <= bound {
+                    Status::Tolerant
+                } else {
+                    Status::Different
+                };
                 if (e - bound).abs() > 1e-9 * bound || exact {
                     row_status = row_status.max(s);
                 } else {
@@ -430,16 +460,29 @@ pub fn check(b: &Built) -> Verdict {
             (Tolerance::Auto, None) if exact => 0.0,
             (Tolerance::Auto, None) => (-13f64).exp2() * m_row,
         };
-        raw_rows.push((model_row(&exp, out.raw.row(i).as_slice().unwrap(), &r, k, tau), m_row));
+        raw_rows.push((
+            model_row(&exp, out.raw.row(i).as_slice().unwrap(), &r, k, tau),
+            m_row,
+        ));
     }
     let raw = v.tensor("raw").expect("a raw part");
     worst = worst.max(compare_part(raw, &raw_rows, "raw"));
     if b.engine_logits.is_some() {
         let el = v.tensor("engine_logits").expect("an engine_logits part");
-        let s = logit_rows.iter().copied().max().unwrap_or(Status::Identical);
+        let s = logit_rows
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(Status::Identical);
         let lib_bad = el.rows_different;
-        let model_bad = logit_rows.iter().filter(|&&s| s == Status::Different).count();
-        assert_eq!(lib_bad, model_bad, "engine_logits: different rows ({logit_rows:?}) {el:?}");
+        let model_bad = logit_rows
+            .iter()
+            .filter(|&&s| s == Status::Different)
+            .count();
+        assert_eq!(
+            lib_bad, model_bad,
+            "engine_logits: different rows ({logit_rows:?}) {el:?}"
+        );
         assert_eq!(el.status, s, "engine_logits status: {el:?}");
         worst = worst.max(s);
         let tk = v.tensor("engine_topk").expect("an engine_topk part");
@@ -462,21 +505,20 @@ fn q_and_k_fp4(p: &Problem) -> bool {
 }
 
 /// One selection part against the model's rows (with each row's `M`); the part's status.
-fn compare_part(
-    t: &verdict::TensorVerdict,
-    rows: &[(ModelRow, f64)],
-    name: &str,
-) -> Status {
+fn compare_part(t: &verdict::TensorVerdict, rows: &[(ModelRow, f64)], name: &str) -> Status {
     let mut status = Status::Identical;
     let (mut ties, mut tol, mut bad) = (0, 0, 0);
     let mut boundary = 0;
     for (i, (r, m)) in rows.iter().enumerate() {
-        let near = r.need.is_some_and(|n| n > 0.0 && (n - r.tau).abs() <= 1e-9 * r.tau);
+        let near = r
+            .need
+            .is_some_and(|n| n > 0.0 && (n - r.tau).abs() <= 1e-9 * r.tau);
         let lib = t.margins.iter().find(|x| x.row == i);
         match r.status {
             Status::Identical => assert!(lib.is_none(), "{name} row {i}: identical, {lib:?}"),
             s => {
-                let lib = lib.unwrap_or_else(|| panic!("{name} row {i}: {r:?} has no margin: {t:?}"));
+                let lib =
+                    lib.unwrap_or_else(|| panic!("{name} row {i}: {r:?} has no margin: {t:?}"));
                 if near {
                     boundary += 1;
                     assert!(
@@ -495,7 +537,10 @@ fn compare_part(
                         );
                     }
                     (Some(n), None) if n > 0.0 => {
-                        assert!(!(n / m).log2().is_finite(), "{name} row {i}: no margin for {r:?}")
+                        assert!(
+                            !(n / m).log2().is_finite(),
+                            "{name} row {i}: no margin for {r:?}"
+                        )
                     }
                     (None, Some(x)) => panic!("{name} row {i}: margin 2^{x} for an unfixable row"),
                     _ => {}

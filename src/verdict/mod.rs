@@ -261,14 +261,15 @@ pub fn judge(
         tensors.push(d.finish_with("raw", &ctx, &applied));
     }
     if let Some(pg) = &e.page {
-        let d = match (&raw_ids, &page_ids) {
+        let d = match &raw_ids {
             // The page of a valid selection is its slots: compare it with the slots of
             // the expected raw row; the selection itself was judged on `raw`.
-            (Some(ids), _) => page::page_vs_raw(&ctx, ids, pg).finish("page"),
-            (None, Some(ids)) => ctx
-                .selections(&replayed.raw, ids, &same_rows(pg, &replayed.page), against)
-                .finish_with("page", &ctx, &applied),
-            (None, None) => unreachable!("page ids exist without raw"),
+            Some(ids) => page::page_vs_raw(&ctx, ids, pg).finish("page"),
+            None => {
+                let ids = page_ids.as_deref().unwrap_or_default();
+                ctx.selections(&replayed.raw, ids, &same_rows(pg, &replayed.page), against)
+                    .finish_with("page", &ctx, &applied)
+            }
         };
         tensors.push(d);
     }

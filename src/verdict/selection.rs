@@ -164,7 +164,8 @@ pub fn check_selection(
             out.offenders.push((j, gap, selected));
         }
     }
-    out.offenders.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    out.offenders
+        .sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     out.need = out.offenders.first().map_or(0.0, |o| o.1);
     out
 }
@@ -259,7 +260,10 @@ impl Rows<'_, '_> {
             Err(why) => (
                 Status::Different,
                 None,
-                format!("{}: different\n      malformed expected row: {why}", self.label(i)),
+                format!(
+                    "{}: different\n      malformed expected row: {why}",
+                    self.label(i)
+                ),
             ),
             Ok(e) if *e == o => (
                 Status::Ties,
@@ -305,7 +309,13 @@ impl Rows<'_, '_> {
         tau: f64,
         ours_label: &str,
     ) -> String {
-        let margin = RowMargin::new(self.orig[i], status, j.structural.is_empty().then_some(j.need), tau, m);
+        let margin = RowMargin::new(
+            self.orig[i],
+            status,
+            j.structural.is_empty().then_some(j.need),
+            tau,
+            m,
+        );
         let mut s = format!(
             "{}: {status}{}\n      expected: {}\n      {ours_label}: {}",
             self.label(i),
@@ -315,7 +325,10 @@ impl Rows<'_, '_> {
         );
         let kth = kth_score(scores, &self.cands(i), self.p.topk);
         let only_ours = format!("only {ours_label}");
-        for (label, set) in [("only expected", minus(e, o)), (only_ours.as_str(), minus(o, e))] {
+        for (label, set) in [
+            ("only expected", minus(e, o)),
+            (only_ours.as_str(), minus(o, e)),
+        ] {
             for &k in set.iter().take(8) {
                 let sc = scores.get(k).copied().unwrap_or(f32::NAN);
                 s += &format!(

@@ -146,7 +146,10 @@ pub(crate) fn resolve(
     };
     match (t, measured) {
         (Tolerance::Ties, _) => (RowTol::Ties, given("exact ties only".into(), None)),
-        (Tolerance::Pow2(x), _) => (RowTol::Relative(x), given(format!("{} M", pow2(x)), Some(x))),
+        (Tolerance::Pow2(x), _) => (
+            RowTol::Relative(x),
+            given(format!("{} M", pow2(x)), Some(x)),
+        ),
         (Tolerance::Auto, Some(err)) => {
             let log2 = err
                 .iter()
@@ -302,7 +305,12 @@ impl fmt::Display for MarginSummary {
         };
         write!(f, "margins of {} differing rows:", self.rows)?;
         if let (Some(w), Some(r), Some(m)) = (self.worst_log2, self.worst_row, self.median_log2) {
-            write!(f, " worst needs {} M (row {r}), median {} M,", pow2(w), pow2(m))?;
+            write!(
+                f,
+                " worst needs {} M (row {r}), median {} M,",
+                pow2(w),
+                pow2(m)
+            )?;
         }
         if self.ties > 0 {
             write!(f, " {} up to ties,", self.ties)?;
