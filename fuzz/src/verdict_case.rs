@@ -239,7 +239,7 @@ impl VerdictCase {
             );
         }
         b.raw = raw;
-        b.engine_logits = (self.engine % 3 != 0).then_some(logits);
+        b.engine_logits = (!self.engine.is_multiple_of(3)).then_some(logits);
         b
     }
 }
@@ -367,8 +367,8 @@ fn model_row(exp: &[i32], own: &[i32], s: &[f32], k: usize, tau: f64) -> ModelRo
     let order = ranked(s);
     let kth = key(s[order[k - 1]]);
     let mut need = 0f64;
-    for j in 0..n {
-        let v = key(s[j]);
+    for (j, &sj) in s.iter().enumerate() {
+        let v = key(sj);
         let gap = if ids.binary_search(&j).is_ok() {
             kth - v
         } else {
