@@ -176,6 +176,59 @@ fn moved_index_case(gen_args: &[&str]) {
     );
 }
 
+/// `--tolerance` and the JSON's applied tolerance and margins, on the moved key of a
+/// tolerance-class dump.
+#[test]
+fn tolerance_option_and_margins_in_the_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = gen(
+        dir.path(),
+        "small.safetensors",
+        &["--preset", "small", "--q-format", "e4m3"],
+    );
+    let mut d = Dump::from_bytes(&std::fs::read(&f).unwrap()).unwrap();
+    let i = 20;
+    let (_, order, _) = row_facts(&d, i);
+    let k = d.meta.topk;
+    let mut ids: Vec<i32> = order[..k].iter().map(|&j| j as i32).collect();
+    ids[k - 1] = order[k + 2] as i32;
+    set_row(&mut d, i, ids);
+    let moved = dir.path().join("moved.safetensors");
+    std::fs::write(&moved, d.to_bytes().unwrap()).unwrap();
+    let m = moved.to_str().unwrap();
+    let (code, so, se) = run(&["replay", m, "--json"]);
+    let v: serde_json::Value =
+        serde_json::from_str(&so).unwrap_or_else(|e| panic!("{e}: {so}{se}"));
+    assert_eq!(v["tolerance"]["source"], "default", "{v}");
+    assert_eq!(v["tolerance"]["log2"], -13.0, "{v}");
+    let raw = &v["tensors"]["raw"];
+    assert_eq!(raw["margins"][0]["row"], i, "{v}");
+    let needs = raw["margins"][0]["needs_log2"].as_f64().unwrap();
+    assert_eq!(raw["margin_summary"]["worst_row"], i, "{v}");
+    let beyond = needs > -13.0;
+    assert_eq!(code, i32::from(beyond), "{so}");
+    assert_eq!(
+        raw["margin_summary"]["beyond_default"],
+        u64::from(beyond),
+        "{v}"
+    );
+    // Just above its margin the row passes; just below it does not.
+    if needs < -0.2 {
+        let (code, so, _) = run(&["replay", m, "--tolerance", &format!("2^{}", needs + 0.1)]);
+        assert_eq!(code, 0, "{so}");
+        assert!(so.contains("verdict: equal within tolerance (2^"), "{so}");
+        assert!(so.contains("given"), "{so}");
+        let (code, so, _) = run(&["replay", m, "--tolerance", &format!("2^{}", needs - 0.1)]);
+        assert_eq!(code, 1, "{so}");
+        assert!(so.contains(&format!("needs 2^{needs:.1} M")), "{so}");
+    }
+    for bad in ["2^1", "1e-3", "2^x"] {
+        let (code, _, se) = run(&["replay", m, "--tolerance", bad]);
+        assert_eq!(code, 2, "{bad}: {se}");
+        assert!(se.contains("tolerance"), "{se}");
+    }
+}
+
 #[test]
 fn swap_between_exactly_tied_keys_is_equal_up_to_ties() {
     let dir = tempfile::tempdir().unwrap();
@@ -227,10 +280,7 @@ fn swap_between_exactly_tied_keys_is_equal_up_to_ties() {
     std::fs::write(&swapped, d.to_bytes().unwrap()).unwrap();
     let (code, so, se) = replay(&swapped);
     assert_eq!(code, 0, "{so}{se}");
-    assert!(
-        so.contains("verdict: equal up to ties and tolerance"),
-        "{so}"
-    );
+    assert!(so.contains("verdict: equal up to ties\n"), "{so}");
     assert!(
         so.contains(&format!("row {i} (request 0, position 25")),
         "{so}"
@@ -449,10 +499,7 @@ fn unordered_engine_rows_are_equal_up_to_order() {
     std::fs::write(&p, d.to_bytes().unwrap()).unwrap();
     let (code, so, se) = replay(&p);
     assert_eq!(code, 0, "{so}{se}");
-    assert!(
-        so.contains("verdict: equal up to ties and tolerance"),
-        "{so}"
-    );
+    assert!(so.contains("verdict: equal up to ties\n"), "{so}");
     assert!(so.contains("the same ids"), "{so}");
 }
 
@@ -497,8 +544,15 @@ fn named_gpu_workloads_need_the_gpu() {
 
 #[test]
 fn engine_logits_are_compared_inside_ks_ke_only() {
+    // The exact class holds engine logits bitwise; the tolerance class within SPEC 4's
+    // bound.
+    engine_logits_case(&["--preset", "small"], true);
+    engine_logits_case(&["--preset", "small", "--q-format", "e4m3"], false);
+}
+
+fn engine_logits_case(gen_args: &[&str], exact: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let f = gen(dir.path(), "small.safetensors", &["--preset", "small"]);
+    let f = gen(dir.path(), "small.safetensors", gen_args);
     let mut d = Dump::from_bytes(&std::fs::read(&f).unwrap()).unwrap();
     let batch = d.batch().unwrap();
     let logits = d.expected.logits.clone().unwrap();
@@ -525,7 +579,8 @@ fn engine_logits_are_compared_inside_ks_ke_only() {
     assert_eq!(code, 0, "{so}{se}");
     assert!(so.contains("verdict: identical"), "{so}");
 
-    // One ulp off inside the range: within SPEC 4's bound.
+    // One ulp off inside the range: different in the exact class, within SPEC 4's
+    // bound in the tolerance class.
     let (i, j) = (30, 3);
     let ks = batch.rows()[i].ks;
     let v = m[[i, ks + j]];
@@ -533,11 +588,20 @@ fn engine_logits_are_compared_inside_ks_ke_only() {
     near[[i, ks + j]] = f32::from_bits(v.to_bits() + 1);
     d.engine_logits = Some(near);
     let (code, so, _) = replay(&write("near.safetensors", &d));
-    assert_eq!(code, 0, "{so}");
-    assert!(
-        so.contains("verdict: equal up to ties and tolerance"),
-        "{so}"
-    );
+    if exact {
+        assert_eq!(code, 1, "{so}");
+        assert!(
+            so.contains("bound bitwise (exact class)) beyond the bound"),
+            "{so}"
+        );
+    } else {
+        assert_eq!(code, 0, "{so}");
+        assert!(
+            so.contains("verdict: equal within tolerance (SPEC 4's bound on logits)"),
+            "{so}"
+        );
+        assert!(so.contains("worst |x - ref| / M: 2^-"), "{so}");
+    }
 
     // Far off: different, naming the row.
     let mut far = m;

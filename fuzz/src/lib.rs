@@ -6,6 +6,7 @@ pub mod case;
 pub mod dump_file;
 #[cfg(test)]
 mod seeds;
+pub mod verdict_case;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

@@ -1,5 +1,5 @@
 //! The committed seeds of the targets that do not decode a [`crate::case::Spec`]
-//! (`topk`, `codecs`, `batch_layout`), and the test that writes every target's seeds.
+//! (`topk`, `codecs`, `batch_layout`, `verdict`), and the test that writes every target's seeds.
 
 /// `topk`: `n` around `K` and `B * NB`, every score mode, ties, the special values.
 fn topk_seeds() -> Vec<(String, Vec<u8>)> {
@@ -111,6 +111,45 @@ fn batch_seeds() -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// `verdict`: every format pair, with and without engine logits, every tolerance, and
+/// one to three mutations of each kind, on random shapes and palettes.
+fn verdict_seeds() -> Vec<(String, Vec<u8>)> {
+    let mut rng = crate::Rng(17);
+    let mut out = Vec::new();
+    for fmt in 0u8..4 {
+        for engine in 0u8..3 {
+            for tol in 0u8..4 {
+                for kind in 0u8..6 {
+                    if rng.below(3) != 0 {
+                        continue;
+                    }
+                    let mut b = vec![fmt, rng.below(2) as u8];
+                    b.extend((0..3).map(|_| rng.next() as u8));
+                    b.push([0, 2, 3, 4, 8][rng.below(5)]);
+                    b.extend((0..8).map(|_| rng.next() as u8));
+                    b.extend(rng.next().to_le_bytes());
+                    b.extend([
+                        engine,
+                        [0, 8, 10, 12, 14][rng.below(5)],
+                        tol,
+                        rng.next() as u8,
+                    ]);
+                    for _ in 0..1 + rng.below(3) {
+                        let k = if rng.below(10) < 7 {
+                            kind
+                        } else {
+                            rng.below(6) as u8
+                        };
+                        b.extend([rng.next() as u8, k, rng.next() as u8, rng.next() as u8]);
+                    }
+                    out.push((format!("f{fmt}_e{engine}_t{tol}_k{kind}"), b));
+                }
+            }
+        }
+    }
+    out
+}
+
 /// `WRITE_SEEDS=1 cargo test --manifest-path fuzz/Cargo.toml` rewrites the committed
 /// seeds (`corpus/<target>/seed_*`) of every target but `dump_parse`, whose seeds
 /// are the golden files (`dump_struct`'s are the layers of `chunked_vs_reference`'s).
@@ -134,6 +173,7 @@ fn write_seeds() {
         ("topk", topk_seeds()),
         ("codecs", codecs_seeds()),
         ("batch_layout", batch_seeds()),
+        ("verdict", verdict_seeds()),
     ] {
         let dir = root.join(target);
         std::fs::create_dir_all(&dir).unwrap();

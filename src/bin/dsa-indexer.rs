@@ -3,8 +3,8 @@
 //!
 //! The bare command prints help; `dsa-indexer run` runs the default workload.
 //!
-//! Exit codes (`docs/cli.md`): 0 success (for `replay`: identical or equal up to ties
-//! and tolerance), 1 `replay` found a difference, 2 bad input (malformed dump, bad
+//! Exit codes (`docs/cli.md`): 0 success (for `replay`: identical, equal up to ties or
+//! equal within tolerance), 1 `replay` found a difference, 2 bad input (malformed dump, bad
 //! option value), 3 the environment (no GPU or no `cuda` feature, a CUDA or NVRTC
 //! failure, an I/O error).
 
@@ -30,7 +30,7 @@ use dsa_indexer::dump::RoleKind;
 use dsa_indexer::indexer::Backend;
 use dsa_indexer::problem::Format;
 use dsa_indexer::reference::Output;
-use dsa_indexer::verdict::class_name;
+use dsa_indexer::verdict::{class_name, Tolerance};
 use serde_json::json;
 
 use errors::Result;
@@ -61,8 +61,8 @@ enum Cmd {
     /// reference's outputs as the expected tensors.
     Gen(gen::GenArgs),
     /// Replay a dump on the reference through the chunked driver and diff its expected
-    /// outputs (exit 0 identical or equal up to ties/tolerance, 1 different, 2 bad dump, 3 no file
-    /// or device).
+    /// outputs (exit 0 identical, equal up to ties or within tolerance, 1 different, 2 bad
+    /// dump, 3 no file or device).
     Replay(ReplayArgs),
     /// Plan a layer under a byte budget: the seed engine's unbounded transient next to
     /// the planned peak, term by term.
@@ -266,9 +266,19 @@ struct ReplayArgs {
     /// Print index sets in full.
     #[arg(long)]
     verbose: bool,
+    /// Tolerance of the selections: `auto` (twice each row's measured logit error with
+    /// engine_logits; else exact ties for the exact class, 2^-13 M for the tolerance
+    /// class), `0` (exact ties only) or `2^X` (X <= 0), in units of the row's M.
+    #[arg(long, default_value = "auto", value_parser = parse_tolerance)]
+    tolerance: Tolerance,
     /// Print JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// `auto`, `0`, `2^-13`.
+fn parse_tolerance(s: &str) -> std::result::Result<Tolerance, String> {
+    s.parse::<Tolerance>().map_err(|e| e.to_string())
 }
 
 /// `2GiB`, `512MiB`, `64KiB`, `1.5G`, or a plain byte count.
@@ -442,6 +452,7 @@ fn main() {
             json: a.json,
             max_show: a.show,
             verbose: a.verbose,
+            tolerance: a.tolerance,
         }),
         Cmd::Plan(a) => plan::cmd_plan(a),
         Cmd::Bench(a) => bench::cmd_bench(a),

@@ -94,3 +94,9 @@ pub fn bounds(p: &Problem, i: usize) -> Vec<f64> {
 pub fn row_bound(p: &Problem, i: usize) -> f64 {
     bounds(p, i).into_iter().fold(0.0, f64::max)
 }
+
+/// Row `i`'s `M`: the largest [`magnitudes`] over its visible keys (0 without keys).
+/// SPEC 9's tolerances of a row's selection are multiples of it.
+pub fn row_magnitude(p: &Problem, i: usize) -> f64 {
+    magnitudes(p, i).into_iter().fold(0.0, f64::max)
+}

@@ -6,12 +6,12 @@ use std::collections::HashMap;
 use ndarray::Array2;
 
 use super::selection::Ids;
-use super::{Rows, Tally};
+use super::{Rows, Status, Tally};
 use crate::problem::Problem;
 
 /// `page` against the slots of the expected `raw` ids (the selection itself is judged
-/// on `raw`): identical when it is SPEC 5's form of those slots, equal up to order when
-/// it holds the same slots otherwise placed, else different.
+/// on `raw`): identical when it is SPEC 5's form of those slots, equal up to ties when
+/// it holds the same slots otherwise placed (an order), else different.
 pub(crate) fn page_vs_raw(ctx: &Rows, ids: &[Ids], page: &Array2<i32>) -> Tally {
     let p = ctx.p;
     let mut d = Tally {
@@ -35,7 +35,14 @@ pub(crate) fn page_vs_raw(ctx: &Rows, ids: &[Ids], page: &Array2<i32>) -> Tally 
         have.sort_unstable();
         want.sort_unstable();
         let same_set = have == want;
-        d.count(!same_set, ctx.orig[i]);
+        d.count(
+            if same_set {
+                Status::Ties
+            } else {
+                Status::Different
+            },
+            ctx.orig[i],
+        );
         if d.notes.len() < ctx.max_show {
             d.notes.push(if same_set {
                 format!(

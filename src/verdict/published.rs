@@ -1,13 +1,14 @@
-//! Published candidate blocks (SPEC 6) against the reference, up to ties and the bound.
+//! Published candidate blocks (SPEC 6) against the reference, up to ties and the
+//! selections' tolerance (a key score's error moves its block's score by no more).
 
 use ndarray::Array2;
 
-use super::bound::{row_bound, row_scores};
+use super::bound::row_scores;
 use super::selection::{abbrev, check_selection, parse_row};
-use super::{Rows, Tally};
+use super::{RowMargin, Rows, Status, Tally};
 use crate::reference::{rank_key, Output};
 
-/// Compare published candidate blocks row by row (SPEC 6 up to ties and the bound).
+/// Compare published candidate blocks row by row (SPEC 6 up to ties and the tolerance).
 /// `exp` is the dump's `[P, NB]`, `exp_rows` the rows that published them.
 pub(crate) fn compare_published(
     ctx: &Rows,
@@ -49,23 +50,20 @@ pub(crate) fn compare_published(
             continue;
         }
         let ours_set = parse_row(a.as_slice().unwrap_or(&[])).unwrap_or_default();
-        let res = judge_blocks(ctx, i, &ours_set, b.as_slice().unwrap_or(&[]));
-        let bad = res.is_err();
-        d.count(bad, ctx.orig[i]);
+        let m = ctx.row_m(i);
+        let tau = ctx.tau(i, m);
+        let (status, need, why) = judge_blocks(ctx, i, &ours_set, b.as_slice().unwrap_or(&[]), tau);
+        d.count(status, ctx.orig[i]);
+        let margin = RowMargin::new(ctx.orig[i], status, need, tau, m);
+        d.margins.push(margin);
         if d.notes.len() < ctx.max_show {
             let mut s = format!(
-                "{}: published blocks {}",
+                "{}: published blocks {status}{}",
                 ctx.label(i),
-                if bad {
-                    "different"
-                } else {
-                    "equal up to ties and tolerance"
-                }
+                margin.describe()
             );
-            if let Err(why) = res {
-                for w in why.iter().take(4) {
-                    s += &format!("\n      {w}");
-                }
+            for w in why.iter().take(4) {
+                s += &format!("\n      {w}");
             }
             d.notes.push(s);
         }
@@ -75,24 +73,30 @@ pub(crate) fn compare_published(
 
 /// Row `i`'s expected blocks `exp` against the replayed set `ours`: the row's last
 /// block pinned, the others a valid selection of block scores (each block's best
-/// visible key) up to ties and the row's bound.
+/// visible key) up to ties and the row's tolerance `tau`. Returns the status, the
+/// tightest tolerance it needs (`None`: none passes) and the reasons of a difference.
 fn judge_blocks(
     ctx: &Rows,
     i: usize,
     ours: &[usize],
     exp: &[i32],
-) -> std::result::Result<(), Vec<String>> {
+    tau: f64,
+) -> (Status, Option<f64>, Vec<String>) {
     let p = ctx.p;
     let n = p.batch.rows()[i].n;
     let bs = p.block_size;
     let e = match parse_row(exp) {
-        Err(e) => return Err(vec![e]),
-        Ok(e) if e == ours => return Ok(()),
+        Err(e) => return (Status::Different, None, vec![e]),
+        Ok(e) if e == ours => return (Status::Ties, Some(0.0), Vec::new()),
         Ok(e) if n == 0 => {
-            return Err(vec![format!(
-                "row has no visible keys, expected publishes {}",
-                abbrev(&e, false)
-            )])
+            return (
+                Status::Different,
+                None,
+                vec![format!(
+                    "row has no visible keys, expected publishes {}",
+                    abbrev(&e, false)
+                )],
+            )
         }
         Ok(e) => e,
     };
@@ -110,10 +114,21 @@ fn judge_blocks(
         .collect();
     let pinned = (n - 1) / bs;
     if e.binary_search(&pinned).is_err() {
-        return Err(vec![format!("pinned block {pinned} not kept")]);
+        return (
+            Status::Different,
+            None,
+            vec![format!("pinned block {pinned} not kept")],
+        );
     }
     let others: Vec<usize> = (0..nb).filter(|&c| c != pinned).collect();
     let exp_others: Vec<usize> = e.iter().copied().filter(|&c| c != pinned).collect();
     let keep = p.num_blocks.min(nb) - 1;
-    check_selection(&block, &others, keep, &exp_others, row_bound(p, i), "block")
+    let j = check_selection(&block, &others, keep, &exp_others, "block");
+    let status = j.status(tau);
+    let why = if status == Status::Different {
+        j.reasons(&block, tau, "block")
+    } else {
+        Vec::new()
+    };
+    (status, j.structural.is_empty().then_some(j.need), why)
 }

@@ -6,9 +6,10 @@ use std::fmt;
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 
-use super::bound::{row_bound, row_scores};
+use super::bound::{row_magnitude, row_scores};
 use super::selection::{abbrev, kth_score, parse_row};
-use super::{row_candidates, row_label, TensorVerdict, Verdict};
+use super::tolerance::pow2;
+use super::{row_candidates, row_label, Status, TensorVerdict, Verdict};
 use crate::dump::Expected;
 use crate::error::{Error, Result};
 use crate::problem::{Class, Problem};
@@ -106,8 +107,8 @@ pub struct ReplayReport {
 }
 
 impl ReplayReport {
-    /// The replay's exit code: 0 identical or equal up to ties and tolerance (or
-    /// nothing to compare), 1 different.
+    /// The replay's exit code: 0 identical, equal up to ties or equal within tolerance
+    /// (or nothing to compare), 1 different.
     pub fn exit_code(&self) -> i32 {
         self.verdict.status.exit_code()
     }
@@ -145,7 +146,25 @@ impl fmt::Display for ReplayReport {
         for t in &self.verdict.tensors {
             write!(f, "{t}")?;
         }
-        writeln!(f, "verdict: {}", self.verdict.status)
+        let v = &self.verdict;
+        if v.tensors.iter().any(|t| t.tolerance.is_some()) {
+            writeln!(f, "  tolerance      {}", v.tolerance)?;
+        }
+        if v.status == Status::Tolerant {
+            // Name what the tolerance was: the selections', or only SPEC 4's bound.
+            let selections = v
+                .tensors
+                .iter()
+                .any(|t| t.status == Status::Tolerant && t.tolerance.is_some());
+            let named = if selections {
+                v.tolerance.rule.clone()
+            } else {
+                "SPEC 4's bound on logits".into()
+            };
+            writeln!(f, "verdict: {} ({named})", v.status)
+        } else {
+            writeln!(f, "verdict: {}", v.status)
+        }
     }
 }
 
@@ -158,15 +177,35 @@ impl fmt::Display for TensorVerdict {
         } else {
             "rows differ"
         };
-        let differing = self.rows_different + self.rows_tolerant;
+        let differing = self.rows_different + self.rows_tolerant + self.rows_ties;
         if differing == 0 {
             writeln!(f, "  {n:<14} identical ({} rows)", self.compared_rows)?;
         } else {
             writeln!(
                 f,
-                "  {n:<14} {}: {differing} of {} {what} ({} only within ties/tolerance, {} beyond)",
-                self.status, self.compared_rows, self.rows_tolerant, self.rows_different
+                "  {n:<14} {}: {differing} of {} {what} ({} up to ties, {} within tolerance, {} beyond)",
+                self.status,
+                self.compared_rows,
+                self.rows_ties,
+                self.rows_tolerant,
+                self.rows_different
             )?;
+        }
+        if let Some(w) = self.worst_error_log2 {
+            let rows: Vec<String> = self
+                .worst_rows
+                .iter()
+                .map(|r| format!("row {} key {}: {}", r.row, r.key, pow2(r.error_log2)))
+                .collect();
+            writeln!(
+                f,
+                "    worst |x - ref| / M: {} (worst rows: {})",
+                pow2(w),
+                rows.join(", ")
+            )?;
+        }
+        if let Some(m) = &self.margin_summary {
+            writeln!(f, "    {m}")?;
         }
         for note in &self.notes {
             writeln!(f, "    {note}")?;
@@ -215,8 +254,8 @@ pub struct RowReport {
     pub ke: usize,
     /// Candidate keys.
     pub candidates: usize,
-    /// The row's bound `2^-8 * max_j M_j`.
-    pub bound: f64,
+    /// The row's `M`, `max_j M_j` over its visible keys (SPEC 9's unit of tolerance).
+    pub m: f64,
     /// The K-th score among the candidates (`None` without candidates).
     pub kth: Option<f32>,
     /// The 32 best candidates by score: (key, score).
@@ -261,7 +300,7 @@ impl RowReport {
             ks: r.ks,
             ke: r.ke(),
             candidates: cands.len(),
-            bound: row_bound(p, i),
+            m: row_magnitude(p, i),
             kth: (!cands.is_empty()).then(|| kth_score(&scores, &cands, p.topk)),
             best: ranked.iter().take(32).map(|&j| (j, scores[j])).collect(),
             replayed_raw: parse_row(out.raw.row(i).as_slice().unwrap_or(&[])).unwrap_or_default(),
@@ -276,8 +315,13 @@ impl fmt::Display for RowReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "{}: ks {}, ke {}, {} candidates, bound {:.3e}",
-            self.label, self.ks, self.ke, self.candidates, self.bound
+            "{}: ks {}, ke {}, {} candidates, M {:.3e} (2^-13 M = {:.3e})",
+            self.label,
+            self.ks,
+            self.ke,
+            self.candidates,
+            self.m,
+            self.m * super::DEFAULT_TOLERANCE_LOG2.exp2()
         )?;
         if let Some(k) = self.kth {
             writeln!(f, "  K-th score: {k:e}")?;

@@ -1,11 +1,12 @@
-//! SPEC 5's selection rule applied to an expected selection: valid up to ties and the
-//! tolerance bound, judged on the reference's scores.
+//! SPEC 5's selection rule applied to an expected selection, judged on given scores
+//! (the reference's, or an engine's own): how far it is from valid, as the smallest
+//! tolerance on the gap to the `K`-th score under which it would be.
 
 use ndarray::Array2;
 use rayon::prelude::*;
 
-use super::bound::{row_bound, row_scores};
-use super::{Rows, Tally};
+use super::bound::row_scores;
+use super::{RowMargin, Rows, Status, Tally};
 use crate::reference::rank_key;
 
 /// A row's ids as a sorted set, or why the row is malformed.
@@ -17,6 +18,17 @@ fn val(x: f32) -> f64 {
         f64::NEG_INFINITY
     } else {
         x as f64
+    }
+}
+
+/// How far `x` lies above `y` under the ranking key, 0 when it does not (equal
+/// infinities are equal, so never `inf - inf`).
+fn above(x: f32, y: f32) -> f64 {
+    let (a, b) = (val(x), val(y));
+    if a > b {
+        a - b
+    } else {
+        0.0
     }
 }
 
@@ -52,64 +64,110 @@ pub fn parse_row(row: &[i32]) -> Ids {
     Ok(ids)
 }
 
-/// SPEC 5's rule applied to an expected selection `exp` of `k` from `cands` under the
-/// reference `scores`: `Ok` if it is a valid selection up to ties and `bound`,
-/// otherwise the reasons. `what` names an item (`key`, `block`).
+/// An expected selection under SPEC 5's rule on some scores.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Judged {
+    /// Why no tolerance makes it valid: a wrong count, or items that are not candidates.
+    pub structural: Vec<String>,
+    /// The tightest tolerance under which it is valid: the most a selected item's score
+    /// lies below the `K`-th score, or a left-out candidate's above it. 0: valid up to
+    /// exact ties (or every candidate selected).
+    pub need: f64,
+    /// The `K`-th score, when there are more candidates than `K`.
+    pub kth: Option<f32>,
+    /// Items on the wrong side of the `K`-th score: (item, gap, whether it is selected),
+    /// largest gap first.
+    pub offenders: Vec<(usize, f64, bool)>,
+}
+
+impl Judged {
+    /// Whether it is valid under tolerance `tau` on the gap to the `K`-th score.
+    pub fn passes(&self, tau: f64) -> bool {
+        self.structural.is_empty() && self.need <= tau
+    }
+
+    /// Equal up to ties, within `tau`, or different.
+    pub fn status(&self, tau: f64) -> Status {
+        if !self.structural.is_empty() {
+            Status::Different
+        } else if self.need == 0.0 {
+            Status::Ties
+        } else if self.need <= tau {
+            Status::Tolerant
+        } else {
+            Status::Different
+        }
+    }
+
+    /// The reasons it fails under `tau` (`what` names an item: `key`, `block`).
+    pub fn reasons(&self, scores: &[f32], tau: f64, what: &str) -> Vec<String> {
+        let mut why = self.structural.clone();
+        let Some(kth) = self.kth else { return why };
+        for &(j, gap, selected) in self.offenders.iter().filter(|o| o.1 > tau) {
+            why.push(if selected {
+                format!(
+                    "expected selects {what} {j}: score {:e} lies {gap:.4e} below the K-th score {kth:e} (tolerance {tau:.3e})",
+                    scores[j]
+                )
+            } else {
+                format!(
+                    "expected leaves out {what} {j}: score {:e} lies {gap:.4e} above the K-th score {kth:e} (tolerance {tau:.3e})",
+                    scores[j]
+                )
+            });
+        }
+        why
+    }
+}
+
+/// SPEC 5's rule applied to an expected selection `exp` (a sorted set) of `k` from
+/// `cands` (ascending) under `scores`. `what` names an item (`key`, `block`).
 pub fn check_selection(
     scores: &[f32],
     cands: &[usize],
     k: usize,
     exp: &[usize],
-    bound: f64,
     what: &str,
-) -> std::result::Result<(), Vec<String>> {
-    let mut why = Vec::new();
+) -> Judged {
+    let mut structural = Vec::new();
     let want = cands.len().min(k);
     if exp.len() != want {
-        why.push(format!(
-            "expected selects {} {what}s, the reference {want}",
+        structural.push(format!(
+            "expected selects {} {what}s, the rule {want}",
             exp.len()
         ));
     }
-    let is_cand = |j: usize| cands.binary_search(&j).is_ok();
     for &j in exp {
-        if !is_cand(j) {
-            why.push(format!("expected {what} {j} is not a candidate"));
+        if cands.binary_search(&j).is_err() {
+            structural.push(format!("expected {what} {j} is not a candidate"));
         }
     }
-    if !why.is_empty() || cands.len() <= k {
-        return if why.is_empty() { Ok(()) } else { Err(why) };
+    let mut out = Judged {
+        structural,
+        need: 0.0,
+        kth: None,
+        offenders: Vec::new(),
+    };
+    if !out.structural.is_empty() || cands.len() <= k {
+        return out;
     }
     let kth = kth_score(scores, cands, k);
-    let (lo, hi) = (val(kth) - bound, val(kth) + bound);
-    for &j in exp {
-        if val(scores[j]) < lo {
-            why.push(format!(
-                "expected selects {what} {j}: score {:e} < K-th score {:e} - bound {bound:.3e}",
-                scores[j], kth
-            ));
-        }
-    }
-    let mut e = exp.iter().peekable();
+    out.kth = Some(kth);
     for &j in cands {
-        while e.peek().is_some_and(|&&x| x < j) {
-            e.next();
-        }
-        if e.peek() == Some(&&j) {
-            continue;
-        }
-        if val(scores[j]) > hi {
-            why.push(format!(
-                "expected leaves out {what} {j}: score {:e} > K-th score {:e} + bound {bound:.3e}",
-                scores[j], kth
-            ));
+        let selected = exp.binary_search(&j).is_ok();
+        let gap = if selected {
+            above(kth, scores[j])
+        } else {
+            above(scores[j], kth)
+        };
+        if gap > 0.0 {
+            out.offenders.push((j, gap, selected));
         }
     }
-    if why.is_empty() {
-        Ok(())
-    } else {
-        Err(why)
-    }
+    out.offenders
+        .sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    out.need = out.offenders.first().map_or(0.0, |o| o.1);
+    out
 }
 
 /// `a` abbreviated to its first and last few entries, unless `full`.
@@ -130,98 +188,157 @@ fn minus(a: &[usize], b: &[usize]) -> Vec<usize> {
         .collect()
 }
 
+/// One judged row of a selection tensor.
+pub(crate) struct RowResult {
+    pub i: usize,
+    pub status: Status,
+    pub margin: RowMargin,
+    pub note: String,
+}
+
+/// Where a selection is judged: on the reference's scores with the row's tolerance,
+/// or on the engine's own logits exactly.
+#[derive(Clone, Copy)]
+pub(crate) enum Against<'a> {
+    /// The reference's scores; tolerance from the context.
+    Reference,
+    /// The engine's logits `[T, L]`, exact ties only.
+    Engine(&'a Array2<f32>),
+}
+
 impl Rows<'_, '_> {
-    /// Compare selections row by row. `ours` holds the replayed request-local id rows,
-    /// `exp_ids` the expected ones as sets; `same[i]`: the expected row is bitwise the
-    /// replayed one.
-    pub(crate) fn selections(&self, ours: &Array2<i32>, exp_ids: &[Ids], same: &[bool]) -> Tally {
+    /// Compare selections row by row. `ours` holds the request-local id rows the
+    /// selection should be (the replayed ones, or SPEC 5's selection of the engine's
+    /// logits), `exp_ids` the expected ones as sets; `same[i]`: the expected row is
+    /// bitwise `ours`.
+    pub(crate) fn selections(
+        &self,
+        ours: &Array2<i32>,
+        exp_ids: &[Ids],
+        same: &[bool],
+        against: Against,
+    ) -> Tally {
         let mut d = Tally {
             compared: exp_ids.len(),
             ..Default::default()
         };
         let differing: Vec<usize> = (0..exp_ids.len()).filter(|&i| !same[i]).collect();
-        let results: Vec<(usize, std::result::Result<(), Vec<String>>)> = differing
+        let results: Vec<RowResult> = differing
             .par_iter()
-            .map(|&i| (i, self.judge_row(ours, &exp_ids[i], i)))
+            .map(|&i| self.judge_row(ours, &exp_ids[i], i, against))
             .collect();
-        for (i, r) in results {
-            d.count(r.is_err(), self.orig[i]);
+        for r in results {
+            d.count(r.status, self.orig[r.i]);
+            d.margins.push(r.margin);
             if d.notes.len() < self.max_show {
-                d.notes.push(self.selection_note(ours, &exp_ids[i], i, &r));
+                d.notes.push(r.note);
             }
         }
         d
     }
 
-    /// Row `i`'s expected selection `exp` under SPEC 5's rule.
-    fn judge_row(
-        &self,
-        ours: &Array2<i32>,
-        exp: &Ids,
-        i: usize,
-    ) -> std::result::Result<(), Vec<String>> {
-        let exp = match exp {
-            Ok(e) => e,
-            Err(why) => return Err(vec![format!("malformed expected row: {why}")]),
-        };
-        let o = parse_row(ours.row(i).as_slice().unwrap_or(&[])).unwrap_or_default();
-        if *exp == o {
-            // The same ids, in another order or padding: no selection differs.
-            return Ok(());
+    /// The scores a selection of row `i` is judged on.
+    fn scores(&self, i: usize, against: Against) -> Vec<f32> {
+        match against {
+            Against::Reference => row_scores(self.p, i),
+            Against::Engine(m) => {
+                let r = self.p.batch.rows()[i];
+                m.row(i).iter().skip(r.ks).take(r.n).copied().collect()
+            }
         }
-        let scores = row_scores(self.p, i);
-        let bound = row_bound(self.p, i);
-        check_selection(&scores, &self.cands(i), self.p.topk, exp, bound, "key")
     }
 
-    /// The note on differing row `i`: both sets, the keys only one side selects against
-    /// the K-th score, and the reasons of a different row.
+    /// Row `i`'s expected selection `exp` under SPEC 5's rule, with its margin and note.
+    fn judge_row(&self, ours: &Array2<i32>, exp: &Ids, i: usize, against: Against) -> RowResult {
+        let o = parse_row(ours.row(i).as_slice().unwrap_or(&[])).unwrap_or_default();
+        let m = self.row_m(i);
+        let tau = match against {
+            Against::Reference => self.tau(i, m),
+            Against::Engine(_) => 0.0,
+        };
+        let (status, need, note) = match exp {
+            Err(why) => (
+                Status::Different,
+                None,
+                format!(
+                    "{}: different\n      malformed expected row: {why}",
+                    self.label(i)
+                ),
+            ),
+            Ok(e) if *e == o => (
+                Status::Ties,
+                Some(0.0),
+                format!(
+                    "{}: the same ids, not in SPEC 5's sorted, -1-padded form",
+                    self.label(i)
+                ),
+            ),
+            Ok(e) => {
+                let scores = self.scores(i, against);
+                let j = check_selection(&scores, &self.cands(i), self.p.topk, e, "key");
+                let status = j.status(tau);
+                let need = j.structural.is_empty().then_some(j.need);
+                let ours_label = match against {
+                    Against::Reference => "replayed",
+                    Against::Engine(_) => "top-k of engine_logits",
+                };
+                let note = self.selection_note(&o, e, i, &scores, &j, status, m, tau, ours_label);
+                (status, need, note)
+            }
+        };
+        RowResult {
+            i,
+            status,
+            margin: RowMargin::new(self.orig[i], status, need, tau, m),
+            note,
+        }
+    }
+
+    /// The note on differing row `i`: its status and margin, both sets, the keys only
+    /// one side selects against the K-th score, and the reasons of a different row.
+    #[allow(clippy::too_many_arguments)]
     fn selection_note(
         &self,
-        ours: &Array2<i32>,
-        exp: &Ids,
+        o: &[usize],
+        e: &[usize],
         i: usize,
-        r: &std::result::Result<(), Vec<String>>,
+        scores: &[f32],
+        j: &Judged,
+        status: Status,
+        m: f64,
+        tau: f64,
+        ours_label: &str,
     ) -> String {
-        let p = self.p;
-        let bad = r.is_err();
-        let o = parse_row(ours.row(i).as_slice().unwrap_or(&[])).unwrap_or_default();
-        let e = exp.clone().unwrap_or_default();
-        if e == o && !bad {
-            return format!(
-                "{}: the same ids, not in SPEC 5's sorted, -1-padded form",
-                self.label(i)
-            );
-        }
-        let mut s = format!(
-            "{}: {}\n      expected: {}\n      replayed: {}",
-            self.label(i),
-            if bad {
-                "different"
-            } else {
-                "equal up to ties and tolerance"
-            },
-            abbrev(&e, self.verbose),
-            abbrev(&o, self.verbose),
+        let margin = RowMargin::new(
+            self.orig[i],
+            status,
+            j.structural.is_empty().then_some(j.need),
+            tau,
+            m,
         );
-        let scores = row_scores(p, i);
-        let cands = self.cands(i);
-        let kth = kth_score(&scores, &cands, p.topk);
-        let bound = row_bound(p, i);
+        let mut s = format!(
+            "{}: {status}{}\n      expected: {}\n      {ours_label}: {}",
+            self.label(i),
+            margin.describe(),
+            abbrev(e, self.verbose),
+            abbrev(o, self.verbose),
+        );
+        let kth = kth_score(scores, &self.cands(i), self.p.topk);
+        let only_ours = format!("only {ours_label}");
         for (label, set) in [
-            ("only expected", minus(&e, &o)),
-            ("only replayed", minus(&o, &e)),
+            ("only expected", minus(e, o)),
+            (only_ours.as_str(), minus(o, e)),
         ] {
-            for &j in set.iter().take(8) {
-                let sc = scores.get(j).copied().unwrap_or(f32::NAN);
+            for &k in set.iter().take(8) {
+                let sc = scores.get(k).copied().unwrap_or(f32::NAN);
                 s += &format!(
-                    "\n      {label}: key {j} reference score {sc:e} vs K-th score {kth:e} (diff {:.4e}, bound {bound:.3e})",
+                    "\n      {label}: key {k} score {sc:e} vs K-th score {kth:e} (diff {:.4e}, tolerance {tau:.3e})",
                     sc as f64 - kth as f64
                 );
             }
         }
-        if let Err(why) = r {
-            for w in why.iter().take(4) {
+        if status == Status::Different {
+            for w in j.reasons(scores, tau, "key").iter().take(4) {
                 s += &format!("\n      {w}");
             }
         }

@@ -1,5 +1,5 @@
-//! The judge on a small exact-class problem: identical, tolerant, different, errors,
-//! and the text and JSON of one report.
+//! The judge on a small exact-class problem: identical, up to ties, different, errors,
+//! the tolerance's parsing, and the text and JSON of one report.
 
 use super::*;
 use crate::batch::Batch;
@@ -132,9 +132,9 @@ fn a_moved_key_is_different_and_reordered_ids_are_equal_up_to_order() {
         a.row_mut(i).assign(&ndarray::Array1::from(r));
     }
     let v = judge(&p, &out, &e, None, &Options::default()).unwrap();
-    assert_eq!(v.status, Status::Tolerant);
+    assert_eq!(v.status, Status::Ties);
     assert!(v.tensor("raw").unwrap().notes[0].contains("the same ids"));
-    assert_eq!(v.tensor("page").unwrap().rows_tolerant, 1);
+    assert_eq!(v.tensor("page").unwrap().rows_ties, 1);
 }
 
 #[test]
@@ -214,4 +214,65 @@ fn the_text_and_the_json_say_the_same() {
         assert!(json.get(k).is_some(), "{k}: {json}");
     }
     assert_eq!(r.exit_code(), 1);
+}
+
+#[test]
+fn tolerances_parse_and_bad_ones_are_errors_naming_the_field() {
+    assert_eq!("auto".parse::<Tolerance>().unwrap(), Tolerance::Auto);
+    assert_eq!("0".parse::<Tolerance>().unwrap(), Tolerance::Ties);
+    assert_eq!(
+        "2^-13".parse::<Tolerance>().unwrap(),
+        Tolerance::Pow2(-13.0)
+    );
+    assert_eq!(
+        "2^-8.5".parse::<Tolerance>().unwrap(),
+        Tolerance::Pow2(-8.5)
+    );
+    assert_eq!(Tolerance::Pow2(-13.0).to_string(), "2^-13");
+    for bad in ["2^1", "2^inf", "2^NaN", "1e-4", "", "2^"] {
+        let e = bad.parse::<Tolerance>().unwrap_err();
+        assert!(
+            matches!(&e, Error::OutOfRange { field, .. } if field == "tolerance"),
+            "{bad}: {e}"
+        );
+    }
+}
+
+#[test]
+fn an_exact_class_swap_is_different_by_default_and_its_margin_is_reported() {
+    let c = case();
+    let p = problem(&c);
+    let out = reference::run(&p);
+    let i = 5;
+    let scores = bound::row_scores(&p, i);
+    let n = p.batch.rows()[i].n;
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&j| (std::cmp::Reverse(reference::rank_key(scores[j])), j));
+    let k = p.topk;
+    let (x, y) = (order[k - 1], order[k]);
+    assert!(scores[x] > scores[y], "a strict gap at the K-th key");
+    let mut e = Expected {
+        raw: Some(out.raw.clone()),
+        ..Default::default()
+    };
+    let raw = e.raw.as_mut().unwrap();
+    let col = raw.row(i).iter().position(|&v| v == x as i32).unwrap();
+    raw[[i, col]] = y as i32;
+    let v = judge(&p, &out, &e, None, &Options::default()).unwrap();
+    assert_eq!(v.status, Status::Different);
+    assert_eq!(v.tolerance.rule, "exact ties only");
+    let t = v.tensor("raw").unwrap();
+    let m = bound::row_magnitude(&p, i);
+    let want = ((scores[x] as f64 - scores[y] as f64) / m).log2();
+    assert_eq!(t.margins.len(), 1);
+    assert!((t.margins[0].needs_log2.unwrap() - want).abs() < 1e-12);
+    assert_eq!(t.margin_summary.unwrap().beyond_default, 1);
+    // Under a tolerance at least its margin, the same row passes.
+    let opts = Options {
+        tolerance: Tolerance::pow2(want.ceil().min(0.0)).unwrap(),
+        ..Options::default()
+    };
+    let v = judge(&p, &out, &e, None, &opts).unwrap();
+    assert_eq!(v.status, Status::Tolerant);
+    assert_eq!(v.tolerance.source, "given");
 }

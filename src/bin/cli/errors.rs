@@ -2,7 +2,7 @@
 //!
 //! | code | meaning |
 //! |---|---|
-//! | 0 | success (`replay`: identical, or equal up to ties and tolerance) |
+//! | 0 | success (`replay`: identical, equal up to ties, or equal within tolerance) |
 //! | 1 | `replay` found a difference |
 //! | 2 | bad input: a malformed dump, an option out of range, a usage error |
 //! | 3 | the environment: no GPU or no `cuda` feature, a CUDA or NVRTC failure, an I/O error |

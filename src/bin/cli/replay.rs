@@ -25,6 +25,7 @@ pub struct Opts {
     pub json: bool,
     pub max_show: usize,
     pub verbose: bool,
+    pub tolerance: verdict::Tolerance,
 }
 
 /// Rows of a dump kept by `--rows` / `--request`, in original numbering.
@@ -60,7 +61,7 @@ fn default_budget(batch: &Batch) -> usize {
     (logits / 32).clamp(16 << 20, 256 << 20)
 }
 
-/// `replay FILE`. Returns the exit code: 0 identical or equal up to ties and
+/// `replay FILE`. Returns the exit code: 0 identical, equal up to ties or equal within
 /// tolerance, 1 different.
 pub fn replay(o: &Opts) -> Result<i32> {
     let t0 = Instant::now();
@@ -98,6 +99,7 @@ pub fn replay(o: &Opts) -> Result<i32> {
         row_numbers: Some(&sel),
         max_notes: o.max_show,
         full_ids: o.verbose,
+        tolerance: o.tolerance,
     };
     let v = verdict::judge(&p, &out, e, dump.engine_logits.as_ref(), &opts).map_err(with_name)?;
     let report = ReplayReport {
