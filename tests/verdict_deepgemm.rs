@@ -220,7 +220,7 @@ fn a_swap_of_exactly_tied_keys_is_equal_up_to_ties() {
     }
 }
 
-/// The measured figures behind the default tolerance (`docs/numerics.md`, section 6):
+/// The measured figures behind the default tolerance (`docs/numerics.md`, section 7):
 /// each row's largest `|x - ref|` over its visible keys, over the row's `M`.
 #[test]
 fn deepgemm_row_errors_leave_the_default_its_margin() {

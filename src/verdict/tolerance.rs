@@ -18,7 +18,7 @@ use crate::problem::Class;
 
 /// The default tolerance of the tolerance class's engine dumps without engine logits,
 /// `2^-13 * M_i`: four times the largest per-score error measured on DeepGEMM's fp8
-/// logits, twice that of the two scores a swap moves (`docs/numerics.md`, section 6).
+/// logits, twice that of the two scores a swap moves (`docs/numerics.md`, section 7).
 pub const DEFAULT_TOLERANCE_LOG2: f64 = -13.0;
 
 /// The tolerance a judge applies to selections.
