@@ -5,8 +5,8 @@
 #
 #   ../shared/gpu/stage --features tuning                                   # here
 #   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu] [ncutk] [sanitize] [old]
-#        [replay] [peers]
-#        # there, carry .gpu
+#        [replay] [peers] [pyengine]
+#        # there, carry .gpu (and .whl for bench, peers, pyengine)
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
 # arguments go to every cargo call, which already passes --features cuda) for the
@@ -17,6 +17,12 @@
 # top-k, torch.topk; peers.jsonl) and prints one table per workload with the ratios
 # (benches/table.py; table.md). It needs .whl/ (the DeepGEMM and tvm-ffi wheels, and
 # flashinfer_topk/libdsa_fi_topk.so) carried beside .gpu/.
+#
+# `pyengine` installs the Python package's wheel (.whl/dsa_indexer-*.whl, built by
+# python/build_wheel.sh) with the DeepGEMM wheels, runs python/examples/deepgemm_check.py
+# (one V3.2 layer through DeepGEMM and torch.topk, judged by dsa_indexer.check;
+# deepgemm_check.txt, its JSON line in deepgemm_check.jsonl) and pytest python/tests
+# (pytest.txt) against this machine's torch.
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
@@ -99,12 +105,15 @@ PW="v32-16k v41-chunk v41-chunk-wide v32-64k v41-1m"
 # DeepGEMM's logits, FlashInfer's top-k (through .whl/flashinfer_topk/, built by
 # benches/flashinfer_topk/build.sh) and torch.topk on the same shapes, with --check; the
 # wheels travel in .whl/ (benches/peers.py says how). Its JSON lines go to peers.jsonl.
-peers_run() {
-  log "peers"
+install_wheels() {
   if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
+}
+peers_run() {
+  log "peers"
+  install_wheels
   PYTHONUNBUFFERED=1 timeout 360 python3 benches/peers.py --check $PW > "$OUT/peers.txt" 2>&1
   echo "peers rc=$?" | tee -a "$OUT/summary.txt"
   grep '^{' "$OUT/peers.txt" > "$OUT/peers.jsonl"
@@ -237,6 +246,22 @@ if has peers && ! has bench; then
   # The peers alone (bench runs them too).
   peers_run
   tail -40 "$OUT/peers.txt" >> "$OUT/summary.txt"
+fi
+
+if has pyengine; then
+  # A real engine's layer through the Python package, then the package's tests.
+  log "pyengine: deepgemm_check.py"
+  install_wheels
+  PYTHONUNBUFFERED=1 timeout 300 python3 python/examples/deepgemm_check.py ${PYENGINE_ARGS:-} \
+    > "$OUT/deepgemm_check.txt" 2>&1
+  echo "deepgemm_check rc=$?" | tee -a "$OUT/summary.txt"
+  grep '^{' "$OUT/deepgemm_check.txt" > "$OUT/deepgemm_check.jsonl"
+  grep -vE '^\{' "$OUT/deepgemm_check.txt" | head -20 | tee -a "$OUT/summary.txt"
+  log "pyengine: pytest python/tests"
+  [ -x $B/dsa-indexer ] && export DSA_INDEXER_BIN="$PWD/$B/dsa-indexer"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider python/tests > "$OUT/pytest.txt" 2>&1
+  echo "pytest rc=$?" | tee -a "$OUT/summary.txt"
+  tail -3 "$OUT/pytest.txt" | tee -a "$OUT/summary.txt"
 fi
 
 log "done"
