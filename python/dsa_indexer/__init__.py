@@ -296,17 +296,25 @@ def _input_pointers(**inputs) -> dict:
 class Report:
     """SPEC 9's verdict on an engine's outputs, as ``dsa-indexer replay`` reports it.
 
-    ``verdict``: ``"identical"``, ``"equal up to ties and tolerance"``, ``"different"``
-    or ``"no expected outputs"``. ``tensors``: each judged tensor (``ks``, ``ke``,
-    ``raw``, ``page``, ``published``, ``logits``, ``engine_logits``) by name, a dict of
-    ``status``, ``compared_rows``, ``rows_tolerant``, ``rows_different``,
-    ``first_different_row`` and ``notes`` (the first differing rows, with the reference
-    scores against the row's K-th score and bound). ``exit_code``: the CLI's, 1 when
-    different. ``str(report)`` is the CLI's text, :meth:`json` its ``--json``.
+    ``verdict``: ``"identical"``, ``"equal up to ties"``, ``"equal within tolerance"``,
+    ``"different"`` or ``"no expected outputs"`` (the worst part's). ``tensors``: each
+    judged part (``ks``, ``ke``, ``raw``, ``page``, ``published``, ``logits``,
+    ``engine_logits``, ``engine_topk``) by name, as ``--json`` writes it: a dict of
+    ``status``, ``compared_rows``, ``rows_ties``, ``rows_tolerant``, ``rows_different``,
+    ``first_different_row`` and ``notes`` (the first differing rows), and where the part
+    has them ``tolerance``, ``margins`` (each differing row's ``row``, ``status``,
+    ``needs_log2``, ``tolerance_log2``), ``margin_summary`` (``worst_log2``,
+    ``worst_row``, ``median_log2``, ``beyond_default``, ...), ``worst_error_log2`` and
+    ``worst_rows`` (logit parts: ``log2`` of the worst ``|x - ref| / M``).
+    ``tolerance``: the tolerance the selections were judged with, a dict of ``source``
+    (``"measured"``, ``"default"``, ``"given"``), ``rule``, ``log2`` (``None``: exact
+    ties only) and ``why``. ``exit_code``: the CLI's, 1 when different. ``str(report)``
+    is the CLI's text, :meth:`json` its ``--json``.
     """
 
     verdict: str
     tensors: dict
+    tolerance: dict
     exit_code: int
     text: str
     _json: str = dataclasses.field(repr=False)
@@ -318,12 +326,30 @@ class Report:
         """The report as ``dsa-indexer replay --json`` prints it."""
         return self._json
 
+    def margins(self, part="raw") -> list:
+        """The differing rows' margins of a selection part (``raw``, ``page``,
+        ``published``, ``engine_topk``): ``[]`` when it has none or is not judged."""
+        return self.tensors.get(part, {}).get("margins", [])
+
+    def margin_summary(self, part="raw") -> Optional[dict]:
+        """The distribution of a part's margins: ``worst_log2`` (its ``worst_row``),
+        ``median_log2``, ``beyond_default`` (rows the class's default would not pass),
+        ``rows``, ``ties``, ``unfixable``, ``default_log2``; ``None`` without margins."""
+        return self.tensors.get(part, {}).get("margin_summary")
+
+    @property
+    def engine_logits_error_log2(self) -> Optional[float]:
+        """``log2`` of the engine logits' worst ``|x - ref| / M``; ``None`` when the
+        outputs carry no engine logits or they are bitwise the reference's."""
+        return self.tensors.get("engine_logits", {}).get("worst_error_log2")
+
 
 def _report(native) -> Report:
     """The one wrapper of the crate's judge's report (for :func:`replay` and :func:`check`)."""
     return Report(
         verdict=native.verdict,
         tensors=dict(native.tensors()),
+        tolerance=native.tolerance(),
         exit_code=native.exit_code,
         text=native.text(),
         _json=native.json(),
@@ -342,6 +368,7 @@ def check(
     budget=DEFAULT_BUDGET,
     max_notes=5,
     full_ids=False,
+    tolerance=None,
     **inputs,
 ) -> Report:
     """Judge an engine's outputs of one layer against the reference, without a file.
@@ -355,10 +382,17 @@ def check(
     ``inputs``: the layer, as the keyword arguments of :func:`reference` (``q=``,
     ``q_scale=``, ``k=``, ``k_scale=``, ``weights=``, ``seq_lens=``, ``topk=``, ...).
 
-    A row that is not bitwise the reference's is *equal up to ties and tolerance* when
-    every key it selects scores at least the row's K-th reference score minus the row's
-    SPEC 4 bound and every key it leaves out at most that score plus the bound;
-    otherwise it is *different*. The verdict is the worst tensor's.
+    A row of the same ids as the reference's in another order, or swapping keys of
+    exactly the K-th score, is *equal up to ties*. Otherwise it is *equal within
+    tolerance* when every key it selects scores at least the row's K-th reference score
+    minus the row's tolerance and every key it leaves out at most that score plus it,
+    and *different* if not. The verdict is the worst part's.
+
+    ``tolerance`` (SPEC 9, the CLI's ``--tolerance``): ``None`` or ``"auto"`` twice each
+    row's measured logit error when ``engine_logits`` is given, else the class's
+    default (``2^-13 M`` for fp8 operands, exact ties for fp4 x fp4); ``0`` exact ties
+    only; ``2**-13`` or ``"2^-13"`` that factor of the row's largest SPEC 4 magnitude
+    ``M``. Anything else raises ``ValueError`` naming ``tolerance``.
     """
     engine = {
         "raw": _tensor(engine_raw),
@@ -369,7 +403,9 @@ def check(
         "ke": _tensor(engine_ke),
         "engine_logits": _tensor(engine_logits),
     }
-    return _report(_native.check(_inputs(inputs), engine, budget, max_notes, full_ids))
+    return _report(
+        _native.check(_inputs(inputs), engine, budget, max_notes, full_ids, tolerance)
+    )
 
 
 # ==== dumps ====
@@ -485,11 +521,15 @@ def replay(
     budget=None,
     max_notes=5,
     full_ids=False,
+    tolerance=None,
 ) -> Report:
     """Replay a dump (a path or a :class:`Dump`) on ``device`` (``"cpu"``, or ``"cuda"``
     in a build with the CUDA backend) and judge the outputs it carries, as
     ``dsa-indexer replay`` does. ``rows=(a, b)`` and ``request=r`` replay part of it
-    (the CLI's ``--rows a..b``, ``--request r``); ``budget`` defaults to the CLI's."""
+    (the CLI's ``--rows a..b``, ``--request r``); ``budget`` defaults to the CLI's;
+    ``tolerance`` is :func:`check`'s (the CLI's ``--tolerance``)."""
     src = path_or_dump._native if isinstance(path_or_dump, Dump) else os.fspath(path_or_dump)
     rows = None if rows is None else (int(rows[0]), int(rows[1]))
-    return _report(_native.replay(src, device, rows, request, budget, max_notes, full_ids))
+    return _report(
+        _native.replay(src, device, rows, request, budget, max_notes, full_ids, tolerance)
+    )

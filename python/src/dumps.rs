@@ -226,7 +226,7 @@ fn default_budget(batch: &Batch) -> usize {
 /// Replay a dump (a path, or a [`DumpFile`]) on `device` and judge the outputs it
 /// carries: what `dsa-indexer replay` reports.
 #[pyfunction]
-#[pyo3(signature = (source, device, rows, request, budget, max_notes, full_ids))]
+#[pyo3(signature = (source, device, rows, request, budget, max_notes, full_ids, tolerance=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn replay(
     py: Python<'_>,
@@ -237,9 +237,11 @@ pub(crate) fn replay(
     budget: Option<i64>,
     max_notes: usize,
     full_ids: bool,
+    tolerance: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Report> {
     guard(|| {
         let t0 = Instant::now();
+        let tolerance = judge::tolerance_arg(tolerance).map_err(to_py)?;
         let device = Device::parse(device)?;
         let loaded;
         let df: &DumpFile = match source.cast::<DumpFile>() {
@@ -289,6 +291,7 @@ pub(crate) fn replay(
             partial,
             max_notes,
             full_ids,
+            tolerance,
             device: (device.name(), device.describe()),
             budget,
             parse,

@@ -8,10 +8,12 @@ use std::time::Instant;
 use dsa_indexer::dump::Expected;
 use dsa_indexer::problem::Problem;
 use dsa_indexer::reference::Output;
+use dsa_indexer::verdict::Tolerance;
 use dsa_indexer::verdict::{self, Layer, ReplayReport, Seconds};
 use ndarray::Array2;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::IntoPyObjectExt;
 
 /// What a judgement is asked for besides the tensors.
 pub struct JudgeOpts<'a> {
@@ -25,6 +27,8 @@ pub struct JudgeOpts<'a> {
     pub max_notes: usize,
     /// Index sets in full.
     pub full_ids: bool,
+    /// The tolerance of the selections (SPEC 9).
+    pub tolerance: Tolerance,
     /// Where the replay ran (`cpu`, `cuda`) and in words.
     pub device: (&'static str, String),
     /// The run's logits budget, bytes.
@@ -49,6 +53,7 @@ pub fn judge(
         row_numbers: o.row_numbers,
         max_notes: o.max_notes,
         full_ids: o.full_ids,
+        tolerance: o.tolerance,
     };
     let v = verdict::judge(p, replayed, expected, engine_logits, &opts)?;
     Ok(ReplayReport {
@@ -67,6 +72,70 @@ pub fn judge(
     })
 }
 
+/// `tolerance=` as a [`Tolerance`]: `None` (auto), `0` (exact ties only), a positive
+/// number `<= 1` (`2**-13`: its `log2`), or the CLI's words (`"auto"`, `"0"`, `"2^-13"`).
+/// Anything else is the library's error naming `tolerance`.
+pub fn tolerance_arg(t: Option<&Bound<'_, PyAny>>) -> dsa_indexer::Result<Tolerance> {
+    let Some(t) = t else {
+        return Ok(Tolerance::Auto);
+    };
+    if let Ok(s) = t.cast::<PyString>() {
+        return s.to_string().parse();
+    }
+    // A bool is an int to Python, and means nothing here.
+    let number = if t.is_instance_of::<pyo3::types::PyBool>() {
+        None
+    } else {
+        t.extract::<f64>().ok()
+    };
+    match number {
+        Some(0.0) => Ok(Tolerance::Ties),
+        Some(x) if x > 0.0 && x <= 1.0 => Tolerance::pow2(x.log2()),
+        Some(x) => format!("{x}").parse(),
+        None => {
+            let shown = t.repr().map(|r| r.to_string()).unwrap_or_default();
+            // Not a word the parser knows: its error names `tolerance` and the value.
+            format!("<{shown}>").parse()
+        }
+    }
+}
+
+/// A JSON value as plain Python values (dicts, lists, str, int, float, bool, None).
+fn to_python<'py>(py: Python<'py>, v: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
+    use serde_json::Value;
+    Ok(match v {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => b.into_bound_py_any(py)?,
+        Value::Number(n) => match (n.as_i64(), n.as_u64()) {
+            (Some(i), _) => i.into_bound_py_any(py)?,
+            (None, Some(u)) => u.into_bound_py_any(py)?,
+            _ => n.as_f64().unwrap_or(f64::NAN).into_bound_py_any(py)?,
+        },
+        Value::String(s) => s.into_bound_py_any(py)?,
+        Value::Array(a) => {
+            let l = PyList::empty(py);
+            for x in a {
+                l.append(to_python(py, x)?)?;
+            }
+            l.into_any()
+        }
+        Value::Object(o) => {
+            let d = PyDict::new(py);
+            for (k, x) in o {
+                d.set_item(k, to_python(py, x)?)?;
+            }
+            d.into_any()
+        }
+    })
+}
+
+/// `x` through its JSON form, as the CLI's `--json` writes it.
+fn serialized<'py, T: serde::Serialize>(py: Python<'py>, x: &T) -> PyResult<Bound<'py, PyAny>> {
+    let v = serde_json::to_value(x)
+        .map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))?;
+    to_python(py, &v)
+}
+
 /// A judgement: the verdict, each tensor's status, the text and the JSON of the CLI.
 #[pyclass(module = "dsa_indexer._native", frozen)]
 pub struct Report {
@@ -82,7 +151,7 @@ impl Report {
 
 #[pymethods]
 impl Report {
-    /// The verdict's words: `identical`, `equal up to ties and tolerance`,
+    /// The verdict's words: `identical`, `equal up to ties`, `equal within tolerance`,
     /// `different`, or `no expected outputs`.
     #[getter]
     fn verdict(&self) -> &'static str {
@@ -95,25 +164,23 @@ impl Report {
         self.r.exit_code()
     }
 
-    /// Each judged tensor by name, in the judge's order: a dict of its status, rows
-    /// compared, rows within ties and tolerance, rows different, the first different
-    /// row and the notes.
-    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Vec<(&'static str, Bound<'py, PyDict>)>> {
+    /// Each judged part by name, in the judge's order, as `--json` writes it: a dict
+    /// of `status`, `compared_rows`, `rows_ties`, `rows_tolerant`, `rows_different`,
+    /// `first_different_row`, `notes`, and where the part has them `tolerance`,
+    /// `margins`, `margin_summary`, `worst_error_log2`, `worst_rows`.
+    fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Vec<(&'static str, Bound<'py, PyAny>)>> {
         self.r
             .verdict
             .tensors
             .iter()
-            .map(|t| {
-                let d = PyDict::new(py);
-                d.set_item("status", t.status.as_str())?;
-                d.set_item("compared_rows", t.compared_rows)?;
-                d.set_item("rows_tolerant", t.rows_tolerant)?;
-                d.set_item("rows_different", t.rows_different)?;
-                d.set_item("first_different_row", t.first_different_row)?;
-                d.set_item("notes", t.notes.clone())?;
-                Ok((t.name, d))
-            })
+            .map(|t| Ok((t.name, serialized(py, t)?)))
             .collect()
+    }
+
+    /// The tolerance the selections were judged with: a dict of `source` (`measured`,
+    /// `default`, `given`), `rule`, `log2` (`None`: exact ties only) and `why`.
+    fn tolerance<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        serialized(py, &self.r.verdict.tolerance)
     }
 
     /// The report as `dsa-indexer replay --json` prints it.

@@ -246,7 +246,7 @@ fn plan<'py>(
 /// Judge an engine's `engine` outputs of the layer `args` against the reference's,
 /// computed on the CPU under `budget`.
 #[pyfunction]
-#[pyo3(signature = (args, engine, budget, max_notes, full_ids))]
+#[pyo3(signature = (args, engine, budget, max_notes, full_ids, tolerance=None))]
 fn check(
     py: Python<'_>,
     args: &Bound<'_, PyDict>,
@@ -254,9 +254,11 @@ fn check(
     budget: i64,
     max_notes: usize,
     full_ids: bool,
+    tolerance: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Report> {
     guard(|| {
         let t0 = Instant::now();
+        let tolerance = judge::tolerance_arg(tolerance).map_err(to_py)?;
         let layer = Layer::from_dict(args)?;
         let (expected, engine_logits) = outputs(engine, &ENGINE_NAMES)?;
         let budget = bytes_arg("budget", budget)?;
@@ -273,6 +275,7 @@ fn check(
             partial: false,
             max_notes,
             full_ids,
+            tolerance,
             device: ("cpu", Device::Cpu.describe()),
             budget,
             parse,

@@ -66,10 +66,13 @@ def test_a_tied_swap_is_equal_up_to_ties():
             swapped.append(i)
     assert swapped, "the file has rows with ties at the K-th score"
     r = di.check(raw, **args)
-    assert r.verdict == "equal up to ties and tolerance", str(r)
+    assert r.verdict == "equal up to ties", str(r)
     t = r.tensors["raw"]
-    assert (t["rows_tolerant"], t["rows_different"]) == (len(swapped), 0)
+    assert (t["rows_ties"], t["rows_tolerant"], t["rows_different"]) == (len(swapped), 0, 0)
     assert r.exit_code == 0
+    # fp4 x fp4 is the exact class: without engine logits, exact ties only.
+    assert r.tolerance["source"] == "default" and r.tolerance["log2"] is None, r.tolerance
+    assert r.tolerance["rule"] == "exact ties only"
 
 
 def test_unordered_and_differently_padded_rows_are_not_different():
@@ -78,7 +81,7 @@ def test_unordered_and_differently_padded_rows_are_not_different():
     raw = out.raw[:, ::-1].copy()  # ids descending, the -1 padding first
     r = di.check(raw, **args)
     assert r.tensors["raw"]["rows_different"] == 0, str(r)
-    assert r.verdict in ("identical", "equal up to ties and tolerance")
+    assert r.verdict in ("identical", "equal up to ties")
 
 
 def test_engine_logits_are_read_only_inside_each_row_s_range():
@@ -135,3 +138,85 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.startswith("different\nreplay check: 55 rows"), out
     assert di.replay(tmp_path / "layer.safetensors").verdict == "different"
+
+
+def near_tie_swap(name):
+    """The layer of `name` and its reference selections with, in the row where the
+    K-th selected score and the best unselected one are closest (and not tied), the
+    one swapped for the other: (args, raw, row)."""
+    _, _, args = golden(name)
+    out = di.reference(**args, logits=True)
+    k = args["topk"]
+    best = None
+    for i, s in rows_of(out):
+        sel = out.raw[i][out.raw[i] >= 0]
+        if len(sel) < k or len(s) <= k:
+            continue
+        rest = np.setdiff1d(np.arange(len(s)), sel)
+        a, b = int(sel[np.argmin(s[sel])]), int(rest[np.argmax(s[rest])])
+        gap = float(s[a]) - float(s[b])
+        if gap > 0 and (best is None or gap < best[0]):
+            best = (gap, i, a, b)
+    assert best is not None, "the file has a row with more visible keys than K"
+    _, i, a, b = best
+    raw = out.raw.copy()
+    raw[i][raw[i] == a] = b
+    return args, raw, i
+
+
+def test_tolerance_decides_a_near_tie():
+    # fp8 keys are the tolerance class: without engine logits the default is 2^-13 M.
+    args, raw, row = near_tie_swap("v32_plain.safetensors")
+    auto = di.check(raw, **args)
+    assert auto.tolerance["source"] == "default", auto.tolerance
+    assert (auto.tolerance["rule"], auto.tolerance["log2"]) == ("2^-13 M", -13), auto.tolerance
+    [m] = auto.margins()
+    need = m["needs_log2"]
+    assert m["row"] == row and need is not None and need <= -13, (m, str(auto))
+    assert auto.verdict == "equal within tolerance", str(auto)
+    summary = auto.margin_summary()
+    assert (summary["worst_row"], summary["beyond_default"]) == (row, 0), summary
+    assert summary["worst_log2"] == summary["median_log2"] == need
+    assert f"needs 2^{need:.1f} M" in str(auto) or f"needs 2^{need:.0f} M" in str(auto)
+    for exact in (0, "0", "ties", 0.0):
+        r = di.check(raw, tolerance=exact, **args)
+        assert r.verdict == "different", (exact, str(r))
+        assert r.tolerance["source"] == "given" and r.tolerance["log2"] is None, r.tolerance
+        assert r.exit_code == 1
+    # Just above what the row needs passes it, just below does not: as a number, as text.
+    above = di.check(raw, tolerance=2.0 ** (need + 0.25), **args)
+    assert above.verdict == "equal within tolerance", str(above)
+    assert above.tolerance["source"] == "given"
+    assert abs(above.tolerance["log2"] - (need + 0.25)) < 1e-9, above.tolerance
+    below = di.check(raw, tolerance=f"2^{need - 0.25}", **args)
+    assert below.verdict == "different", str(below)
+    assert below.margins()[0]["needs_log2"] == need
+
+
+@pytest.mark.parametrize(
+    "bad", [1.5, -2.0**-13, float("nan"), float("inf"), "2^3", "2^-x", "loose", True, [0]]
+)
+def test_a_bad_tolerance_is_a_value_error_naming_it(bad):
+    _, _, args = golden("v32_plain.safetensors")
+    out = di.reference(**args)
+    with pytest.raises(ValueError, match="tolerance"):
+        di.check(out.raw, tolerance=bad, **args)
+
+
+def test_engine_logits_measure_the_tolerance_and_their_error():
+    _, _, args = golden("v32_plain.safetensors")
+    out = di.reference(**args, logits=True)
+    t, l = out.raw.shape[0], args["k"].shape[0]
+    engine = np.zeros((t, l), np.float32)
+    for i, s in rows_of(out):
+        engine[i, out.ks[i] : out.ke[i]] = s
+    exact = di.check(out.raw, engine_logits=engine, **args)
+    assert exact.engine_logits_error_log2 is None, str(exact)
+    assert exact.tolerance["source"] == "measured", exact.tolerance
+    assert exact.tensors["engine_topk"]["status"] == "identical", str(exact)
+    engine[5, out.ks[5]] = np.nextafter(engine[5, out.ks[5]], np.float32(np.inf))
+    off = di.check(out.raw, engine_logits=engine, **args)
+    e = off.engine_logits_error_log2
+    assert e is not None and -40 < e < -13, (e, str(off))
+    assert off.tensors["engine_logits"]["worst_rows"][0]["row"] == 5
+    assert off.tolerance["source"] == "measured"

@@ -118,3 +118,24 @@ def test_a_gen_dump_of_the_cli_loads_and_replays(tmp_path, cli):
     assert_bitwise(out.raw, d.tensors["expected_raw"], "gen: raw")
     assert_bitwise(out.published, d.tensors["expected_published"], "gen: published")
     assert di.replay(d).verdict == "identical"
+
+
+def test_replay_tolerance_is_the_cli_s(tmp_path, cli):
+    from test_check import near_tie_swap
+
+    args, raw, row = near_tie_swap("v32_plain.safetensors")
+    f = tmp_path / "near_tie.safetensors"
+    di.save_dump(f, expected_raw=raw, **args)
+    assert di.replay(f).verdict == "equal within tolerance"
+    for given in ("0", "2^-10"):
+        py = di.replay(f, tolerance=given)
+        r = subprocess.run(cli + ["replay", "--tolerance", given, str(f)], capture_output=True, text=True)
+        assert without_times(str(py)) == without_times(r.stdout), (r.stdout, r.stderr)
+        j = subprocess.run(
+            cli + ["replay", "--json", "--tolerance", given, str(f)], capture_output=True, text=True
+        )
+        same_json(py.json(), j.stdout)
+        assert py.tolerance["source"] == "given"
+    assert di.replay(f, tolerance=0).verdict == "different"
+    with pytest.raises(ValueError, match="tolerance"):
+        di.replay(f, tolerance="2^1")
