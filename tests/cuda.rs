@@ -838,6 +838,9 @@ fn exact_class_scale_folding_edges_are_bitwise() {
             // Without scale folding every block's queries and every tile are plain.
             let no_fold = b.device().hooks().no_scale_fold;
             let (want_plain, want_two) = match side {
+                // Without folding, mqa_logits_wgi8's int8 tiles still take one multiply;
+                // only its fallback tiles take two.
+                _ if no_fold && kernel == "mqa_logits_wgi8" => (true, f.tiles_int8_fallback > 0),
                 _ if no_fold => (true, true),
                 Side::Folded => (false, false),
                 Side::QueriesPlain => (true, true),
