@@ -201,7 +201,7 @@ fn wgr_fma_is_the_rounded_sum_where_the_product_is_exact() {
 fn restated_formulas_are_the_kernels_text() {
     const COMMON: &str = include_str!("../kernels/common.cuh");
     const TOPK: &str = include_str!("../kernels/topk.cu");
-    const WGR: &str = include_str!("../kernels/mqa_logits_wgr.cu");
+    const WGR: &str = include_str!("../kernels/logits_wgr.cuh");
     let pinned: [(&str, &str, &str); 8] = [
         ("common.cuh", COMMON, "const float y = __fadd_rn(x, 0.0f);"),
         (
@@ -230,12 +230,12 @@ fn restated_formulas_are_the_kernels_text() {
             "atomicAdd(&sm.hist[min((k.x - prefix) >> shift, (u32)TK_BINS)], 1u);",
         ),
         (
-            "mqa_logits_wgr.cu",
+            "logits_wgr.cuh",
             WGR,
             "cf[kk][g] >= __uint_as_float(0x00000200u) &&  // 2^-140 (subnormal)",
         ),
         (
-            "mqa_logits_wgr.cu",
+            "logits_wgr.cuh",
             WGR,
             "cf[kk][g] <= __uint_as_float(0x76000000u);           // 2^109",
         ),
