@@ -3,7 +3,7 @@
 //! tile, block keys, split top-k scratch) allocated once and reused by every tile, and
 //! the outputs, which stay on the device.
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 use super::alloc::{allocated_on_this_thread, Fill};
 use super::device::{drv, ptr, Device};
@@ -119,34 +119,25 @@ struct MetaBufs {
 impl MetaBufs {
     /// Upload `meta`'s per-row arrays and row groups.
     fn upload(dev: &Device, meta: &RowMeta) -> Result<MetaBufs> {
-        let up = |what: &str, e| drv(what)(e);
-        let row_n = dev
-            .allocate(Fill::Host(&meta.row_n))
-            .map_err(|e| up("upload row_n", e))?;
-        let row_ks = dev
-            .allocate(Fill::Host(&meta.row_ks))
-            .map_err(|e| up("upload row_ks", e))?;
-        let row_off = dev
-            .allocate(Fill::Host(&meta.row_off))
-            .map_err(|e| up("upload row_off", e))?;
-        let row_pub = dev
-            .allocate(Fill::Host(&meta.row_pub))
-            .map_err(|e| up("upload row_pub", e))?;
-        let row_boff = dev
-            .allocate(Fill::Host(&meta.row_boff))
-            .map_err(|e| up("upload row_boff", e))?;
-        let groups = dev
-            .allocate(Fill::Host(&meta.groups))
-            .map_err(|e| up("upload groups", e))?;
         Ok(MetaBufs {
-            row_n,
-            row_ks,
-            row_off,
-            row_pub,
-            row_boff,
-            groups,
+            row_n: upload(dev, "row_n", &meta.row_n)?,
+            row_ks: upload(dev, "row_ks", &meta.row_ks)?,
+            row_off: upload(dev, "row_off", &meta.row_off)?,
+            row_pub: upload(dev, "row_pub", &meta.row_pub)?,
+            row_boff: upload(dev, "row_boff", &meta.row_boff)?,
+            groups: upload(dev, "groups", &meta.groups)?,
         })
     }
+}
+
+/// One host array on the device, an upload error naming it (`upload row_n`).
+fn upload<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &Device,
+    what: &str,
+    host: &[T],
+) -> Result<CudaSlice<T>> {
+    dev.allocate(Fill::Host(host))
+        .map_err(|e| drv(&format!("upload {what}"))(e))
 }
 
 /// A run's transient buffers, reused by every tile: the logits tile, the block keys
