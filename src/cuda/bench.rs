@@ -60,91 +60,66 @@ pub enum Fp4Draw {
 
 const GIB: usize = 1 << 30;
 
-/// The workload table.
+/// The V3.2 shape: E4M3 x E4M3, H = 64, K = 2048, 16K tokens, every row a query.
+const V32: Workload = Workload {
+    name: "v32-16k",
+    fp4: false,
+    heads: 64,
+    dim: 128,
+    topk: 2048,
+    seq_len: 16384,
+    rows: 16384,
+    budget: 2 * GIB,
+    source_tail: None,
+    fp4_draw: Fp4Draw::Quantized,
+};
+
+/// The V4.1 shape: E2M1 x E2M1, H = 32, K = 512, the last 4096 rows of 256K tokens.
+const V41: Workload = Workload {
+    name: "v41-chunk",
+    fp4: true,
+    heads: 32,
+    dim: 128,
+    topk: 512,
+    seq_len: 262144,
+    rows: 4096,
+    budget: 2 * GIB,
+    source_tail: None,
+    fp4_draw: Fp4Draw::Quantized,
+};
+
+/// The workload table: the two shapes and their variants.
 pub const WORKLOADS: &[Workload] = &[
-    Workload {
-        name: "v32-16k",
-        fp4: false,
-        heads: 64,
-        dim: 128,
-        topk: 2048,
-        seq_len: 16384,
-        rows: 16384,
-        budget: 2 * GIB,
-        source_tail: None,
-        fp4_draw: Fp4Draw::Quantized,
-    },
+    V32,
     Workload {
         name: "v32-64k",
-        fp4: false,
-        heads: 64,
-        dim: 128,
-        topk: 2048,
         seq_len: 65536,
         rows: 65536,
-        budget: 2 * GIB,
-        source_tail: None,
-        fp4_draw: Fp4Draw::Quantized,
+        ..V32
     },
-    Workload {
-        name: "v41-chunk",
-        fp4: true,
-        heads: 32,
-        dim: 128,
-        topk: 512,
-        seq_len: 262144,
-        rows: 4096,
-        budget: 2 * GIB,
-        source_tail: None,
-        fp4_draw: Fp4Draw::Quantized,
-    },
+    V41,
     Workload {
         name: "v41-chunk-source",
-        fp4: true,
-        heads: 32,
-        dim: 128,
-        topk: 512,
-        seq_len: 262144,
-        rows: 4096,
-        budget: 2 * GIB,
         source_tail: Some(128),
-        fp4_draw: Fp4Draw::Quantized,
+        ..V41
     },
     Workload {
         name: "v41-chunk-wide",
-        fp4: true,
-        heads: 32,
-        dim: 128,
-        topk: 512,
-        seq_len: 262144,
-        rows: 4096,
-        budget: 2 * GIB,
-        source_tail: None,
         fp4_draw: Fp4Draw::UniformScales,
+        ..V41
     },
     Workload {
         name: "v41-1m",
-        fp4: true,
-        heads: 32,
-        dim: 128,
-        topk: 512,
         seq_len: 1 << 20,
         rows: 16384,
-        budget: 2 * GIB,
-        source_tail: None,
-        fp4_draw: Fp4Draw::Quantized,
+        ..V41
     },
     Workload {
         name: "v41-1m-256m",
-        fp4: true,
-        heads: 32,
-        dim: 128,
-        topk: 512,
         seq_len: 1 << 20,
         rows: 16384,
         budget: 256 << 20,
-        source_tail: None,
-        fp4_draw: Fp4Draw::Quantized,
+        ..V41
     },
 ];
 
