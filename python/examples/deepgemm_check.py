@@ -66,20 +66,16 @@ H, D, K = 64, 128, 2048
 SPEC_BOUND_LOG2 = -8
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+# The input draw and the emulated engine are benches/peers.py's.
+sys.path.insert(0, os.path.join(HERE, "..", "..", "benches"))
+from peers import rand_e4m3  # noqa: E402
+
 
 def emulated_deep_gemm():
     """benches/peers.py's `EmulatedDeepGemm` (the torch stand-in; not a peer)."""
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "benches"))
     from peers import EmulatedDeepGemm
 
     return EmulatedDeepGemm()
-
-
-def rand_e4m3(shape, g, dev):
-    """Uniform E4M3 bytes away from the NaN codes (bench.rs: `b & 0xF7` for `b & 0x7F == 0x7F`)."""
-    b = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g, device=dev)
-    b = torch.where((b & 0x7F) == 0x7F, b & 0xF7, b)
-    return b.view(torch.float8_e4m3fn)
 
 
 def draw(rows, seq_len, seed, dev):
