@@ -206,21 +206,7 @@ fn select_rows(
             });
         }
     }
-    Ok((0..t)
-        .filter(|&i| rows.is_none_or(|(a, b)| (a..b).contains(&i)))
-        .filter(|&i| request.is_none_or(|r| batch.rows()[i].request == r))
-        .collect())
-}
-
-/// The CLI's default replay budget: a 32nd of the dump's logits, between 16 MiB and
-/// 256 MiB (the outputs do not depend on it).
-fn default_budget(batch: &Batch) -> usize {
-    let logits: usize = batch
-        .rows()
-        .iter()
-        .map(|r| r.n.div_ceil(4) * 16)
-        .fold(0, usize::saturating_add);
-    (logits / 32).clamp(16 << 20, 256 << 20)
+    Ok(dsa_indexer::dump::kept_rows(batch, rows, request))
 }
 
 /// Replay a dump (a path, or a [`DumpFile`]) on `device` and judge the outputs it
@@ -281,7 +267,7 @@ pub(crate) fn replay(
         let parse = t0.elapsed().as_secs_f64();
         let budget = match budget {
             Some(b) => bytes_arg("budget", b)?,
-            None => default_budget(&batch),
+            None => dsa_indexer::dump::replay_budget(&batch),
         };
         let t1 = Instant::now();
         let out = py.detach(|| device.run(&p, budget)).map_err(with_name)?;

@@ -14,6 +14,7 @@ mod rows;
 pub mod schema;
 mod write;
 
+pub use rows::{kept_rows, replay_budget};
 pub use schema::{Dump, Expected, KData, Layout, Meta, QData, RoleKind};
 
 use crate::batch::Batch;

@@ -131,6 +131,31 @@ impl Dump {
     }
 }
 
+/// The rows of `batch` that a replay of rows `a..b` and of request `r` keeps, in the
+/// dump's numbering (`replay --rows`, `--request`; `None`: no restriction). The caller
+/// has checked that `a..b` lies inside the rows and `r` is a request.
+pub fn kept_rows(
+    batch: &Batch,
+    rows: Option<(usize, usize)>,
+    request: Option<usize>,
+) -> Vec<usize> {
+    (0..batch.num_rows())
+        .filter(|&i| rows.is_none_or(|(a, b)| (a..b).contains(&i)))
+        .filter(|&i| request.is_none_or(|r| batch.rows()[i].request == r))
+        .collect()
+}
+
+/// The default logits budget of a replay: a 32nd of the dump's logits, between 16 MiB
+/// and 256 MiB, so that progress shows (the outputs do not depend on it).
+pub fn replay_budget(batch: &Batch) -> usize {
+    let logits: usize = batch
+        .rows()
+        .iter()
+        .map(|r| r.n.div_ceil(4) * 16)
+        .fold(0, usize::saturating_add);
+    (logits / 32).clamp(16 << 20, 256 << 20)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -44,21 +44,7 @@ fn select_rows(batch: &Batch, o: &Opts) -> Result<Vec<usize>> {
             );
         }
     }
-    Ok((0..t)
-        .filter(|&i| o.rows.is_none_or(|(a, b)| (a..b).contains(&i)))
-        .filter(|&i| o.request.is_none_or(|r| batch.rows()[i].request == r))
-        .collect())
-}
-
-/// The default budget of a replay: a 32nd of the dump's logits, between 16 MiB and
-/// 256 MiB, so that progress shows.
-fn default_budget(batch: &Batch) -> usize {
-    let logits: usize = batch
-        .rows()
-        .iter()
-        .map(|r| r.n.div_ceil(4) * 16)
-        .fold(0, usize::saturating_add);
-    (logits / 32).clamp(16 << 20, 256 << 20)
+    Ok(dsa_indexer::dump::kept_rows(batch, o.rows, o.request))
 }
 
 /// `replay FILE`. Returns the exit code: 0 identical, equal up to ties or equal within
@@ -90,7 +76,9 @@ pub fn replay(o: &Opts) -> Result<i32> {
     let t_parse = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
-    let budget = o.budget.unwrap_or_else(|| default_budget(&batch));
+    let budget = o
+        .budget
+        .unwrap_or_else(|| dsa_indexer::dump::replay_budget(&batch));
     let out = run_driver(&p, o.device, budget, true)?;
     let t_run = t1.elapsed().as_secs_f64();
 
