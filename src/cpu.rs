@@ -20,8 +20,9 @@
 //! products of E4M3/E2M1 values is exact in f64, so any order gives `s_g`), then the
 //! f64 pairwise sum over groups, rounded once to f32, as the reference does.
 
+use crate::batch::Row;
 use crate::formats::{e2m1, e4m3, ue8m0};
-use crate::problem::{Class, Keys, Problem, Queries};
+use crate::problem::{Class, Format, KeyRef, Problem, Queries};
 
 /// Rows scored together against each decoded key block.
 pub const ROW_GROUP: usize = 8;
@@ -243,42 +244,41 @@ impl Engine {
         }
     }
 
-    /// Transpose keys `x0 .. x0 + count` (`count <= LANES`) into the block buffers;
-    /// lanes past `count` hold zero keys with unit scales.
-    fn load_key_block(&mut self, p: &Problem, x0: usize, count: usize) {
+    /// Transpose keys `j0 .. j0 + count` of `row`'s request (`count <= LANES`; flat or
+    /// paged, read in place) into the block buffers; lanes past `count` hold zero keys
+    /// with unit scales.
+    fn load_key_block(&mut self, p: &Problem, row: &Row, j0: usize, count: usize) {
         if self.class == Class::Exact {
-            self.load_key_block_exact(p, x0, count);
+            self.load_key_block_exact(p, row, j0, count);
             return;
         }
         let (d, g) = (self.dim, self.dim / 32);
         for lane in 0..LANES {
-            let x = x0 + lane;
-            match p.inputs.k {
-                Keys::E4m3 { codes, scale } => {
-                    for e in 0..d {
-                        self.k_block_f64[e * LANES + lane] = if lane < count {
-                            e4m3::decode(codes[[x, e]]) as f64
-                        } else {
-                            0.0
-                        };
-                    }
-                    self.k_block_kscale[lane] = if lane < count { scale[x] } else { 1.0 };
+            if lane >= count {
+                for e in 0..d {
+                    self.k_block_f64[e * LANES + lane] = 0.0;
                 }
-                Keys::E2m1 { packed, scale } => {
+                self.k_block_kscale[lane] = 1.0;
+                for gg in 0..g {
+                    self.k_block_scale[gg * LANES + lane] = 1.0;
+                }
+                continue;
+            }
+            match p.key(row, j0 + lane) {
+                KeyRef::E4m3 { codes, scale } => {
+                    for (e, &c) in codes.iter().enumerate() {
+                        self.k_block_f64[e * LANES + lane] = e4m3::decode(c) as f64;
+                    }
+                    self.k_block_kscale[lane] = scale;
+                }
+                KeyRef::E2m1 { packed, scale } => {
                     for e in 0..d {
-                        self.k_block_f64[e * LANES + lane] = if lane < count {
-                            let b = packed[[x, e / 2]];
-                            e2m1::decode(if e % 2 == 0 { b & 0xF } else { b >> 4 }) as f64
-                        } else {
-                            0.0
-                        };
+                        let b = packed[e / 2];
+                        self.k_block_f64[e * LANES + lane] =
+                            e2m1::decode(if e % 2 == 0 { b & 0xF } else { b >> 4 }) as f64;
                     }
                     for gg in 0..g {
-                        self.k_block_scale[gg * LANES + lane] = if lane < count {
-                            ue8m0::decode(scale[[x, gg]])
-                        } else {
-                            1.0
-                        };
+                        self.k_block_scale[gg * LANES + lane] = ue8m0::decode(scale[gg]);
                     }
                 }
             }
@@ -286,31 +286,25 @@ impl Engine {
     }
 
     /// Exact class: the quad words and group scales of a key block.
-    fn load_key_block_exact(&mut self, p: &Problem, x0: usize, count: usize) {
+    fn load_key_block_exact(&mut self, p: &Problem, row: &Row, j0: usize, count: usize) {
         let (d4, g) = (self.dim / 4, self.dim / 32);
-        if let Keys::E2m1 { packed, scale } = p.inputs.k {
-            for lane in 0..LANES {
-                if lane < count {
-                    let row = packed.row(x0 + lane);
-                    let row = row.as_slice();
+        for lane in 0..LANES {
+            if lane < count {
+                if let KeyRef::E2m1 { packed, scale } = p.key(row, j0 + lane) {
                     for w in 0..d4 {
-                        let (b0, b1) = match row {
-                            Some(r) => (r[2 * w], r[2 * w + 1]),
-                            None => (packed[[x0 + lane, 2 * w]], packed[[x0 + lane, 2 * w + 1]]),
-                        };
-                        self.k_quads[w * LANES + lane] = quad(&K_BYTES, b0, b1);
+                        self.k_quads[w * LANES + lane] =
+                            quad(&K_BYTES, packed[2 * w], packed[2 * w + 1]);
                     }
                     for gg in 0..g {
-                        self.k_block_scale[gg * LANES + lane] =
-                            ue8m0::decode(scale[[x0 + lane, gg]]);
+                        self.k_block_scale[gg * LANES + lane] = ue8m0::decode(scale[gg]);
                     }
-                } else {
-                    for w in 0..d4 {
-                        self.k_quads[w * LANES + lane] = 0;
-                    }
-                    for gg in 0..g {
-                        self.k_block_scale[gg * LANES + lane] = 1.0;
-                    }
+                }
+            } else {
+                for w in 0..d4 {
+                    self.k_quads[w * LANES + lane] = 0;
+                }
+                for gg in 0..g {
+                    self.k_block_scale[gg * LANES + lane] = 1.0;
                 }
             }
         }
@@ -375,27 +369,27 @@ impl Engine {
         let q_fp4 = matches!(p.inputs.q, Queries::E2m1 { .. });
         let ns: [usize; ROW_GROUP] =
             std::array::from_fn(|r| rows.get(r).map_or(0, |&i| p.batch.rows()[i].n));
-        let ks: [usize; ROW_GROUP] =
-            std::array::from_fn(|r| rows.get(r).map_or(0, |&i| p.batch.rows()[i].ks));
-        // Rows of one group may belong to different requests: walk each distinct key range.
+        let req: [usize; ROW_GROUP] =
+            std::array::from_fn(|r| rows.get(r).map_or(0, |&i| p.batch.rows()[i].request));
+        // Rows of one group may belong to different requests: walk each request's keys.
         let mut done = [false; ROW_GROUP];
         for r0 in 0..rows.len() {
             if done[r0] {
                 continue;
             }
             let same: [bool; ROW_GROUP] =
-                std::array::from_fn(|r| r < rows.len() && !done[r] && ks[r] == ks[r0]);
+                std::array::from_fn(|r| r < rows.len() && !done[r] && req[r] == req[r0]);
             let nmax = (0..ROW_GROUP)
                 .filter(|&r| same[r])
                 .map(|r| ns[r])
                 .max()
                 .unwrap_or(0);
-            let k_fp4 = matches!(p.inputs.k, Keys::E2m1 { .. });
+            let k_fp4 = p.k_format() == Format::E2m1;
             let mut lanes = [0f32; LANES];
             let mut j0 = 0;
             while j0 < nmax {
                 let count = (nmax - j0).min(LANES);
-                self.load_key_block(p, ks[r0] + j0, count);
+                self.load_key_block(p, &p.batch.rows()[rows[r0]], j0, count);
                 for r in 0..rows.len() {
                     if same[r] && j0 < ns[r] {
                         if self.class == Class::Exact {

@@ -53,6 +53,7 @@ pub mod dump;
 pub mod error;
 pub mod formats;
 pub mod indexer;
+pub mod paged;
 pub mod plan;
 pub mod problem;
 pub mod reference;

@@ -1,10 +1,12 @@
 //! Inputs of one layer-forward (SPEC 4), their validation, and the layer's role (SPEC 6).
 
-use ndarray::{Array2, ArrayView1, ArrayView2, ArrayView3};
+use ndarray::{Array2, ArrayView1, ArrayView2, ArrayView3, Axis};
 
 use crate::batch::Batch;
+use crate::batch::Row;
 use crate::error::{Error, Result};
 use crate::formats::e4m3;
+use crate::paged::PagedKeys;
 
 /// Query values.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +39,37 @@ pub enum Keys<'a> {
         /// One UE8M0 byte per 32 elements.
         scale: ArrayView2<'a, u8>,
     },
+    /// E4M3 or E2M1 keys in a page pool through a page table (SPEC 10).
+    Paged(PagedKeys<'a>),
+}
+
+/// One key's data, wherever it is stored.
+#[derive(Debug, Clone, Copy)]
+pub enum KeyRef<'a> {
+    /// `D` E4M3 bytes and the per-key scale.
+    E4m3 {
+        /// E4M3 bytes.
+        codes: ArrayView1<'a, u8>,
+        /// Per-key scale.
+        scale: f32,
+    },
+    /// `D/2` packed E2M1 bytes and `G` UE8M0 group scales.
+    E2m1 {
+        /// Packed codes.
+        packed: ArrayView1<'a, u8>,
+        /// Group scales.
+        scale: ArrayView1<'a, u8>,
+    },
+}
+
+impl KeyRef<'_> {
+    /// The per-key scale (E4M3 keys), or 1.
+    pub fn kscale(&self) -> f32 {
+        match self {
+            KeyRef::E4m3 { scale, .. } => *scale,
+            KeyRef::E2m1 { .. } => 1.0,
+        }
+    }
 }
 
 /// The four format pairs fall into two classes (SPEC 4).
@@ -298,6 +331,16 @@ impl<'a> Problem<'a> {
                 check_shape("k_scale", scale.shape(), &[l, g])?;
                 check_ue8m0("k_scale", scale.iter().copied())?;
             }
+            Keys::Paged(pk) => {
+                if inputs.k_slots.is_some() {
+                    return Err(Error::range(
+                        "k_slots",
+                        "given",
+                        "none with paged keys: page reports pool slots (SPEC 10)",
+                    ));
+                }
+                pk.validate(batch, dim)?;
+            }
         }
         check_shape("weights", inputs.weights.shape(), &[t, heads])?;
         for (index, &v) in inputs.weights.iter().enumerate() {
@@ -374,6 +417,85 @@ impl<'a> Problem<'a> {
         match self.inputs.k {
             Keys::E4m3 { .. } => Format::E4m3,
             Keys::E2m1 { .. } => Format::E2m1,
+            Keys::Paged(pk) => pk.format,
+        }
+    }
+
+    /// The paged keys, if the keys are paged.
+    pub fn paged(&self) -> Option<&PagedKeys<'a>> {
+        match &self.inputs.k {
+            Keys::Paged(pk) => Some(pk),
+            _ => None,
+        }
+    }
+
+    /// Request-local key `j` of `row`'s request (`j < lc_b`), flat or paged.
+    pub fn key(&self, row: &Row, j: usize) -> KeyRef<'a> {
+        match self.inputs.k {
+            Keys::E4m3 { codes, scale } => KeyRef::E4m3 {
+                codes: codes.index_axis_move(Axis(0), row.ks + j),
+                scale: scale[row.ks + j],
+            },
+            Keys::E2m1 { packed, scale } => KeyRef::E2m1 {
+                packed: packed.index_axis_move(Axis(0), row.ks + j),
+                scale: scale.index_axis_move(Axis(0), row.ks + j),
+            },
+            Keys::Paged(pk) => {
+                let s = pk.slot(row.request, j);
+                match pk.format {
+                    Format::E4m3 => KeyRef::E4m3 {
+                        codes: ArrayView1::from(pk.codes(s, self.dim)),
+                        scale: pk.e4m3_scale(s, self.dim),
+                    },
+                    Format::E2m1 => KeyRef::E2m1 {
+                        packed: ArrayView1::from(pk.codes(s, self.dim)),
+                        scale: ArrayView1::from(pk.e2m1_scales(s, self.dim)),
+                    },
+                }
+            }
+        }
+    }
+
+    /// The keys laid out flat with their pool slots (paged problems; `None` when the
+    /// keys are flat already). [`Problem::with_flat_keys`] makes the flat problem.
+    pub fn gather_keys(&self) -> Option<crate::paged::FlatKeys> {
+        self.paged().map(|pk| pk.gather(self.batch, self.dim))
+    }
+
+    /// This problem over `flat` (from [`Problem::gather_keys`]) instead of its pages:
+    /// the same outputs, `page` included (its `k_slots` are the pool slots).
+    pub fn with_flat_keys<'b>(&self, flat: &'b crate::paged::FlatKeys) -> Problem<'b>
+    where
+        'a: 'b,
+    {
+        // Problem is invariant in its lifetime (ndarray views are): reborrow each view.
+        let q = match self.inputs.q {
+            Queries::E4m3(v) => Queries::E4m3(v.reborrow()),
+            Queries::E2m1 { packed, scale } => Queries::E2m1 {
+                packed: packed.reborrow(),
+                scale: scale.reborrow(),
+            },
+        };
+        let role = match self.role {
+            Role::Plain => Role::Plain,
+            Role::Source { tail } => Role::Source { tail },
+            Role::Consumer(c) => Role::Consumer(c),
+        };
+        Problem {
+            batch: self.batch,
+            inputs: Inputs {
+                q,
+                k: flat.keys(),
+                weights: self.inputs.weights.reborrow(),
+                k_slots: Some(flat.slots.view()),
+            },
+            heads: self.heads,
+            dim: self.dim,
+            topk: self.topk,
+            page_cols: self.page_cols,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            role,
         }
     }
 
@@ -395,8 +517,13 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// Pool slot of flat key `x`.
-    pub fn slot(&self, x: usize) -> i32 {
+    /// Pool slot of request-local key `j` of `row`'s request: `k_slots[ks + j]` (the
+    /// identity by default), or the page table's slot for paged keys (SPEC 10).
+    pub fn slot(&self, row: &Row, j: usize) -> i32 {
+        if let Keys::Paged(pk) = &self.inputs.k {
+            return pk.slot(row.request, j) as i32;
+        }
+        let x = row.ks + j;
         match self.inputs.k_slots {
             Some(s) => s[x],
             None => x as i32,

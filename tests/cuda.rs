@@ -171,27 +171,24 @@ fn codecs_decode_on_the_device_as_the_host_tables() {
 /// `M` of SPEC 4 for row `i`, visible key `j` (f64).
 fn magnitude(p: &Problem, i: usize, j: usize) -> f64 {
     let row = p.batch.rows()[i];
-    let x = row.ks + j;
     let (h, g) = (p.heads, p.dim / 32);
+    let key = p.key(&row, j);
     let kval = |e: usize| -> f64 {
-        match p.inputs.k {
-            Keys::E4m3 { codes, .. } => e4m3::decode(codes[[x, e]]) as f64,
-            Keys::E2m1 { packed, .. } => {
-                let b = packed[[x, e / 2]];
+        match key {
+            KeyRef::E4m3 { codes, .. } => e4m3::decode(codes[e]) as f64,
+            KeyRef::E2m1 { packed, .. } => {
+                let b = packed[e / 2];
                 e2m1::decode(if e.is_multiple_of(2) { b & 0xF } else { b >> 4 }) as f64
             }
         }
     };
     let kc = |gg: usize| -> f64 {
-        match p.inputs.k {
-            Keys::E2m1 { scale, .. } => ue8m0::decode(scale[[x, gg]]) as f64,
+        match key {
+            KeyRef::E2m1 { scale, .. } => ue8m0::decode(scale[gg]) as f64,
             _ => 1.0,
         }
     };
-    let kscale = match p.inputs.k {
-        Keys::E4m3 { scale, .. } => scale[x] as f64,
-        _ => 1.0,
-    };
+    let kscale = key.kscale() as f64;
     let mut m = 0f64;
     for hh in 0..h {
         let mut s = 0f64;
@@ -310,7 +307,7 @@ fn check_selection_rule(tag: &str, p: &Problem, out: &Output, want_logits: &[f32
         for (c, &j) in sel.iter().enumerate() {
             assert_eq!(
                 out.page[[i, c]],
-                p.slot(row.ks + j as usize),
+                p.slot(row, j as usize),
                 "{tag}: row {i} page[{c}]"
             );
         }

@@ -74,7 +74,7 @@ proptest! {
             let page = out.page.row(i).to_vec();
             prop_assert_eq!(page.len(), p.page_cols);
             for (c, &j) in raw.iter().enumerate() {
-                let expect = if j < 0 { -1 } else { p.slot(row.ks + j as usize) };
+                let expect = if j < 0 { -1 } else { p.slot(row, j as usize) };
                 prop_assert_eq!(page[c], expect);
             }
             prop_assert!(page[p.topk..].iter().all(|&x| x == -1));

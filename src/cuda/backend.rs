@@ -152,51 +152,9 @@ impl CudaBackend {
     }
 }
 
-fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
-    dev: &Device,
-    v: ndarray::ArrayViewD<'_, T>,
-    what: &str,
-) -> Result<CudaSlice<T>> {
-    let host: Vec<T> = match v.as_slice() {
-        Some(x) => x.to_vec(),
-        None => v.iter().copied().collect(),
-    };
-    if host.is_empty() {
-        // A zero-length allocation is not allowed: one element that nothing reads.
-        return dev.allocate::<T>(Fill::OneUnread).map_err(drv(what));
-    }
-    dev.allocate(Fill::Host(&host)).map_err(drv(what))
-}
-
-fn shape_of(p: &Problem) -> Shape {
-    Shape {
-        heads: p.heads,
-        dim: p.dim,
-        q: p.q_format(),
-        k: p.k_format(),
-        topk: p.topk,
-        page_cols: p.page_cols,
-        block_size: p.block_size,
-        num_blocks: p.num_blocks,
-        tail: match p.role {
-            Role::Source { tail } => Some(tail),
-            _ => None,
-        },
-        consumer: matches!(p.role, Role::Consumer(_)),
-    }
-}
-
-impl Backend for CudaBackend {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-    fn max_topk(&self) -> usize {
-        MAX_TOPK
-    }
-    fn footprint(&self, p: &Problem) -> RowFootprint {
-        footprint(p.batch.num_rows(), p.topk, self.dev.sm_count())
-    }
-    fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
+impl CudaBackend {
+    /// [`Backend::begin`] on flat keys.
+    fn begin_flat(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
         let shape = shape_of(p);
         check_shape(&shape, p.batch)?;
         self.run = None;
@@ -248,6 +206,7 @@ impl Backend for CudaBackend {
                     &mut owned,
                 );
             }
+            Keys::Paged(_) => unreachable!("paged keys are gathered above"),
         }
         let w = upload(&self.dev, p.inputs.weights.into_dyn(), "upload weights")?;
         ptrs.w = ptr(&w, &s);
@@ -267,6 +226,60 @@ impl Backend for CudaBackend {
         self.peak = run.transient;
         self.run = Some(run);
         Ok(())
+    }
+}
+
+fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy>(
+    dev: &Device,
+    v: ndarray::ArrayViewD<'_, T>,
+    what: &str,
+) -> Result<CudaSlice<T>> {
+    let host: Vec<T> = match v.as_slice() {
+        Some(x) => x.to_vec(),
+        None => v.iter().copied().collect(),
+    };
+    if host.is_empty() {
+        // A zero-length allocation is not allowed: one element that nothing reads.
+        return dev.allocate::<T>(Fill::OneUnread).map_err(drv(what));
+    }
+    dev.allocate(Fill::Host(&host)).map_err(drv(what))
+}
+
+fn shape_of(p: &Problem) -> Shape {
+    Shape {
+        heads: p.heads,
+        dim: p.dim,
+        q: p.q_format(),
+        k: p.k_format(),
+        topk: p.topk,
+        page_cols: p.page_cols,
+        block_size: p.block_size,
+        num_blocks: p.num_blocks,
+        tail: match p.role {
+            Role::Source { tail } => Some(tail),
+            _ => None,
+        },
+        consumer: matches!(p.role, Role::Consumer(_)),
+    }
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn max_topk(&self) -> usize {
+        MAX_TOPK
+    }
+    fn footprint(&self, p: &Problem) -> RowFootprint {
+        footprint(p.batch.num_rows(), p.topk, self.dev.sm_count())
+    }
+    fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
+        // Paged keys (SPEC 10) through this entry: gathered flat on the host and uploaded
+        // with their pool slots as k_slots; the outputs are the paged problem's.
+        match p.gather_keys() {
+            Some(flat) => self.begin_flat(&p.with_flat_keys(&flat), plan),
+            None => self.begin_flat(p, plan),
+        }
     }
     fn tile(&mut self, _p: &Problem, _plan: &Plan, t: usize, _out: &mut Output) -> Result<()> {
         let run = self

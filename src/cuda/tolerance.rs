@@ -4,7 +4,7 @@
 //! ([`logit_bound`]).
 
 use super::kernels::{self, Hooks, Variant};
-use crate::problem::{Class, Keys, Problem};
+use crate::problem::{Class, Problem};
 
 /// The relative part of the tolerance class's stated bound on this backend. In full,
 /// for logit `[i, j]` ([`tolerance_bound`]):
@@ -141,10 +141,7 @@ pub fn tolerance_abs_term(kscale: f64, sum_abs_weights: f64, groups: usize, head
 /// `2^tolerance_log2(p, hooks) * M + A` ([`tolerance_log2`], [`tolerance_abs_term`]) on a
 /// device under test hooks `hooks`.
 pub fn logit_bound(p: &Problem, i: usize, j: usize, magnitude: f64, hooks: Hooks) -> f64 {
-    let kscale = match p.inputs.k {
-        Keys::E4m3 { scale, .. } => scale[p.batch.rows()[i].ks + j] as f64,
-        Keys::E2m1 { .. } => 1.0,
-    };
+    let kscale = p.key(&p.batch.rows()[i], j).kscale() as f64;
     let sum_abs_weights: f64 = p
         .inputs
         .weights

@@ -1,7 +1,8 @@
 //! SPEC 4, as the formula reads: rows x visible keys x heads x groups.
 
+use crate::batch::Row;
 use crate::formats::{e2m1, e4m3, ue8m0};
-use crate::problem::{Keys, Problem, Queries};
+use crate::problem::{KeyRef, Problem, Queries};
 
 /// Pairwise sum `P` of a power-of-two count of f32 values, each step one f32 add.
 pub fn pairwise_f32(x: &[f32]) -> f32 {
@@ -98,24 +99,20 @@ pub(crate) fn decode_query(p: &Problem, i: usize) -> Decoded {
     }
 }
 
-/// Decode flat key `x`.
-pub(crate) fn decode_key(p: &Problem, x: usize) -> Decoded {
-    match p.inputs.k {
-        Keys::E4m3 { codes, .. } => Decoded {
-            values: codes
-                .row(x)
-                .iter()
-                .map(|&b| e4m3::decode(b) as f64)
-                .collect(),
+/// Decode key `j` of `row`'s request (flat or paged).
+pub(crate) fn decode_key(p: &Problem, row: &Row, j: usize) -> Decoded {
+    match p.key(row, j) {
+        KeyRef::E4m3 { codes, .. } => Decoded {
+            values: codes.iter().map(|&b| e4m3::decode(b) as f64).collect(),
             scales: None,
         },
-        Keys::E2m1 { packed, scale } => {
-            let row = packed.row(x).to_vec();
+        KeyRef::E2m1 { packed, scale } => {
+            let row = packed.to_vec();
             Decoded {
                 values: (0..p.dim)
                     .map(|e| e2m1::decode(e2m1::unpack(&row, e)) as f64)
                     .collect(),
-                scales: Some(scale.row(x).iter().map(|&e| ue8m0::decode(e)).collect()),
+                scales: Some(scale.iter().map(|&e| ue8m0::decode(e)).collect()),
             }
         }
     }
@@ -187,12 +184,11 @@ pub fn row_logits(p: &Problem, i: usize, out: &mut [f32]) {
     let q = decode_query(p, i);
     let w = p.inputs.weights.row(i).to_vec();
     for (j, o) in out.iter_mut().enumerate().take(row.n) {
-        let x = row.ks + j;
-        let k = decode_key(p, x);
-        let ks = match p.inputs.k {
-            Keys::E4m3 { scale, .. } => Some(scale[x]),
-            Keys::E2m1 { .. } => None,
+        let key = p.key(&row, j);
+        let ks = match key {
+            KeyRef::E4m3 { scale, .. } => Some(scale),
+            KeyRef::E2m1 { .. } => None,
         };
-        *o = logit(&q, &k, &w, ks, p.heads, p.dim);
+        *o = logit(&q, &decode_key(p, &row, j), &w, ks, p.heads, p.dim);
     }
 }

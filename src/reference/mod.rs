@@ -119,7 +119,7 @@ pub fn finish_row(
     page.iter_mut().for_each(|x| *x = -1);
     for (c, &j) in ids.iter().enumerate() {
         raw[c] = j;
-        page[c] = p.slot(row.ks + j as usize);
+        page[c] = p.slot(&row, j as usize);
     }
 }
 

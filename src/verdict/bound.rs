@@ -2,7 +2,7 @@
 
 use crate::cpu::Engine;
 use crate::formats::{e2m1, e4m3, ue8m0};
-use crate::problem::{Keys, Problem, Queries};
+use crate::problem::{KeyRef, Problem, Queries};
 
 /// Row `i`'s scores over its visible keys, from the fast engine (bitwise the reference).
 pub fn row_scores(p: &Problem, i: usize) -> Vec<f32> {
@@ -21,25 +21,20 @@ pub fn magnitudes(p: &Problem, i: usize) -> Vec<f64> {
     let d = p.dim;
     let row = p.batch.rows()[i];
     (0..row.n)
-        .map(|j| {
-            let x = row.ks + j;
-            match p.inputs.k {
-                Keys::E4m3 { codes, scale } => {
-                    let s: f64 = (0..d)
-                        .map(|e| (e4m3::decode(codes[[x, e]]) as f64).abs() * a[e])
-                        .sum();
-                    s * scale[x] as f64
-                }
-                Keys::E2m1 { packed, scale } => (0..d)
-                    .map(|e| {
-                        let b = packed[[x, e / 2]];
-                        let code = if e % 2 == 0 { b & 0xF } else { b >> 4 };
-                        (e2m1::decode(code) as f64).abs()
-                            * a[e]
-                            * ue8m0::decode(scale[[x, e / 32]]) as f64
-                    })
-                    .sum(),
+        .map(|j| match p.key(&row, j) {
+            KeyRef::E4m3 { codes, scale } => {
+                let s: f64 = (0..d)
+                    .map(|e| (e4m3::decode(codes[e]) as f64).abs() * a[e])
+                    .sum();
+                s * scale as f64
             }
+            KeyRef::E2m1 { packed, scale } => (0..d)
+                .map(|e| {
+                    let b = packed[e / 2];
+                    let code = if e % 2 == 0 { b & 0xF } else { b >> 4 };
+                    (e2m1::decode(code) as f64).abs() * a[e] * ue8m0::decode(scale[e / 32]) as f64
+                })
+                .sum(),
         })
         .collect()
 }
@@ -81,10 +76,7 @@ pub fn bounds(p: &Problem, i: usize) -> Vec<f64> {
         .into_iter()
         .enumerate()
         .map(|(j, m)| {
-            let kscale = match p.inputs.k {
-                Keys::E4m3 { scale, .. } => scale[row.ks + j] as f64,
-                Keys::E2m1 { .. } => 1.0,
-            };
+            let kscale = p.key(&row, j).kscale() as f64;
             m / 256.0 + (kscale * (g * sum_w + h) + 2.0) * ulp
         })
         .collect()

@@ -24,7 +24,7 @@ pub(crate) fn page_vs_raw(ctx: &Rows, ids: &[Ids], page: &Array2<i32>) -> Tally 
         let ids = id.clone().unwrap_or_default();
         let slots: Vec<i32> = ids
             .iter()
-            .map(|&j| if j < r.n { p.slot(r.ks + j) } else { -2 })
+            .map(|&j| if j < r.n { p.slot(&r, j) } else { -2 })
             .collect();
         let canonical = (0..p.page_cols).map(|c| slots.get(c).copied().unwrap_or(-1));
         if row.iter().copied().eq(canonical) {
@@ -67,7 +67,7 @@ pub fn ids_from_page(p: &Problem, page: &Array2<i32>) -> Vec<Ids> {
     (0..p.batch.num_rows())
         .map(|i| {
             let r = p.batch.rows()[i];
-            let inv: HashMap<i32, usize> = (0..r.n).map(|j| (p.slot(r.ks + j), j)).collect();
+            let inv: HashMap<i32, usize> = (0..r.n).map(|j| (p.slot(&r, j), j)).collect();
             let row = page.row(i);
             let slots = row.as_slice().unwrap_or(&[]);
             if let Some(c) = slots.iter().position(|&x| x < -1) {
