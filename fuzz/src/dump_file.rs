@@ -69,6 +69,7 @@ pub fn dump_of(spec: &Spec) -> Option<(Dump, Output)> {
         } else {
             None
         },
+        next_n: None,
         description: String::new(),
     };
     let mut dump = Dump {

@@ -485,6 +485,7 @@ impl Layer {
             num_blocks: a.count("num_blocks")?.unwrap_or(2048),
             page_cols: a.count("page_cols")?,
             tail,
+            next_n: None,
             description: String::new(),
         };
         Ok(Layer {

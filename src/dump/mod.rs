@@ -99,6 +99,16 @@ impl Dump {
                     packed: packed.view(),
                     scale: scale.view(),
                 },
+                KData::Paged {
+                    kv_cache,
+                    page_table,
+                    page_size,
+                } => Keys::Paged(crate::paged::PagedKeys {
+                    format: self.meta.k_format,
+                    kv_cache: kv_cache.view(),
+                    page_table: page_table.view(),
+                    page_size: *page_size,
+                }),
             },
             weights: self.weights.view(),
             k_slots: self.k_slots.as_ref().map(|s| s.view()),

@@ -296,6 +296,34 @@ impl Reader<'_> {
         }
     }
 
+    /// `kv_cache`, `page_table` and the metadata `page_size` (SPEC 10): the pool's
+    /// shape and the table's are checked when the problem is built.
+    fn paged_keys(&self, page_size: Option<usize>) -> Result<KData> {
+        for flat in ["k", "k_scale", "k_slots"] {
+            if self.get(flat).is_some() {
+                return Err(derr(
+                    flat,
+                    "present beside kv_cache: a dump holds flat or paged keys, not both",
+                ));
+            }
+        }
+        let page_size =
+            page_size.ok_or_else(|| derr("__metadata__", "page_size missing (kv_cache given)"))?;
+        let kv = self.need("kv_cache")?;
+        ndim("kv_cache", &kv, 2)?;
+        let kv_cache = arr2(
+            "kv_cache",
+            kv.shape(),
+            bytes("kv_cache", &kv, &[Dtype::U8, Dtype::I8], "U8 or I8 bytes")?,
+        )?;
+        let pt = self.need("page_table")?;
+        Ok(KData::Paged {
+            kv_cache,
+            page_table: i32_2d("page_table", &pt)?,
+            page_size,
+        })
+    }
+
     /// `k` and `k_scale`.
     fn keys(&self, meta: &Meta) -> Result<KData> {
         let (d, g) = (meta.dim, meta.dim / 32);
@@ -405,7 +433,32 @@ impl Dump {
         let seq_lens = usize_vec("seq_lens", &sl)?;
         let layout = r.layout()?;
         let q = r.queries(&meta)?;
-        let k = r.keys(&meta)?;
+        let k = if r.get("kv_cache").is_some() {
+            r.paged_keys(super::schema::meta_num(
+                header.metadata().as_ref().unwrap_or(&empty),
+                "page_size",
+            )?)?
+        } else {
+            r.keys(&meta)?
+        };
+        if let (Some(n), Layout::Contiguous(q0)) = (meta.next_n, &layout) {
+            // q0_b = S_b - next_n (or 0 for a request shorter than next_n).
+            if let Some((b, _)) = seq_lens
+                .iter()
+                .zip(q0)
+                .enumerate()
+                .find(|(_, (&s, &q))| q != s.saturating_sub(n))
+            {
+                return Err(derr(
+                    "query_starts",
+                    format!(
+                        "query_starts[{b}] = {}, but next_n = {n} gives seq_lens[{b}] - {n} = {}",
+                        q0[b],
+                        seq_lens[b].saturating_sub(n)
+                    ),
+                ));
+            }
+        }
 
         let wt = r.need("weights")?;
         ndim("weights", &wt, 2)?;

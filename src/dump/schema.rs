@@ -45,6 +45,9 @@ pub struct Meta {
     pub page_cols: Option<usize>,
     /// Tail-only publishing.
     pub tail: Option<usize>,
+    /// Decode dumps: rows per request (`q0_b = S_b - next_n`), checked against the
+    /// layout.
+    pub next_n: Option<usize>,
     /// Free text.
     pub description: String,
 }
@@ -66,6 +69,7 @@ impl Meta {
             num_blocks: 2048,
             page_cols: None,
             tail: None,
+            next_n: None,
             description: String::new(),
         }
     }
@@ -101,6 +105,16 @@ pub enum KData {
         packed: Array2<u8>,
         /// Scale bytes.
         scale: Array2<u8>,
+    },
+    /// Paged keys (SPEC 10) of the metadata's `k_format`: `kv_cache`, `page_table` and
+    /// the metadata `page_size`.
+    Paged {
+        /// The pool, `u8 [num_pages, P * bytes_per_token]`.
+        kv_cache: Array2<u8>,
+        /// `i32 [B, max_pages]`.
+        page_table: Array2<i32>,
+        /// `P`.
+        page_size: usize,
     },
 }
 
@@ -162,7 +176,7 @@ pub struct Dump {
     pub expected: Expected,
 }
 
-fn meta_num(m: &HashMap<String, String>, key: &str) -> Result<Option<usize>> {
+pub(super) fn meta_num(m: &HashMap<String, String>, key: &str) -> Result<Option<usize>> {
     match m.get(key) {
         None => Ok(None),
         Some(s) => s.trim().parse::<usize>().map(Some).map_err(|_| {
@@ -215,6 +229,7 @@ impl Meta {
             num_blocks: meta_num(m, "num_blocks")?.unwrap_or(2048),
             page_cols: meta_num(m, "page_cols")?,
             tail: meta_num(m, "tail")?,
+            next_n: meta_num(m, "next_n")?,
             description: m.get("description").cloned().unwrap_or_default(),
         })
     }
@@ -256,6 +271,9 @@ impl Meta {
         }
         if let Some(t) = self.tail {
             put("tail", t.to_string());
+        }
+        if let Some(n) = self.next_n {
+            put("next_n", n.to_string());
         }
         put("description", self.description.clone());
         m

@@ -118,6 +118,14 @@ impl Dump {
                 t.push(u8_tensor("k", packed.shape(), packed));
                 t.push(u8_tensor("k_scale", scale.shape(), scale));
             }
+            KData::Paged {
+                kv_cache,
+                page_table,
+                ..
+            } => {
+                t.push(u8_tensor("kv_cache", kv_cache.shape(), kv_cache));
+                t.push(i32_2d_tensor("page_table", page_table));
+            }
         }
         t.push((
             "weights".into(),
@@ -181,8 +189,13 @@ impl Dump {
                     .map_err(|e| derr(n, e.to_string()))
             })
             .collect::<Result<_>>()?;
-        let bytes = safetensors::serialize(views, Some(self.meta.to_map()))
-            .map_err(|e| derr("header", e.to_string()))?;
+        let mut meta = self.meta.to_map();
+        if let KData::Paged { page_size, .. } = &self.k {
+            meta.insert("page_size".into(), page_size.to_string());
+            meta.insert("layout".into(), "paged".into());
+        }
+        let bytes =
+            safetensors::serialize(views, Some(meta)).map_err(|e| derr("header", e.to_string()))?;
         canonical_header(bytes)
     }
 }

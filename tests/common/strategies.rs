@@ -237,6 +237,7 @@ pub fn build(s: &Shape) -> Dump {
             } else {
                 None
             },
+            next_n: None,
             description: String::new(),
         },
         seq_lens: s.seq_lens.clone(),

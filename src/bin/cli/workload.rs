@@ -121,6 +121,7 @@ impl Shape {
             num_blocks: self.num_blocks,
             page_cols: None,
             tail: self.tail,
+            next_n: None,
             description: self.description.clone(),
         }
     }
