@@ -55,3 +55,14 @@ pub fn config(cases: u32) -> proptest::test_runner::Config {
         ..proptest::test_runner::Config::default()
     }
 }
+
+/// Every paged-key golden file (`tests/golden/paged/`, SPEC 10), sorted.
+pub fn paged_golden_files() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(golden_dir().join("paged"))
+        .expect("golden directory tests/golden/paged")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
