@@ -96,7 +96,8 @@ static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunk
 #define TK_PATH_SAMPLED 2  // sampled threshold, one pass
 #define TK_PATH_TWO 3      // two passes, the threshold bin resolved in shared memory
 #define TK_PATH_GENERAL 4  // four digit passes over the row
-#define TK_PATHS 5
+#define TK_PATH_RESAMPLED 5  // sampled threshold, a second pass at a corrected rank
+#define TK_PATHS 6
 
 // ==== a row's keys ====
 
@@ -382,29 +383,13 @@ __device__ __forceinline__ bool sampled_count_fits(TopkSmem &sm, const u32 K) {
   return fits;
 }
 
-// The sampled threshold: a sample of the row into sm.sel, its rank-r key t, then one pass
-// that appends every key >= t (and its id) to ckey / cid. True, with misc[4] = count
-// and misc[3] = 0, when K <= count <= TK_CAND_CAP: then the K-th key of the row is >= t,
-// so the candidates hold every key the exact selection can take, ties included (keys
-// left out are below t). False otherwise (a rare sample; the caller starts over).
+// The collecting pass of the sampled threshold: appends every key >= t of the row (and
+// its id) to ckey / cid, the first TK_CAND_CAP of them, and counts them all in misc[4]
+// (which the caller has zeroed). t >= 1: key 0 ("not a candidate") is never collected.
 template <int MODE>
-__device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, const u32 K) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr u32 S = TK_SEL_CAP, CH = S / 32;
-  for (u32 c = warp; c < CH; c += TK_THREADS / 32) {
-    const u32 start = (u32)(((u64)c * (n - 32)) / (CH - 1));  // chunks spread evenly
-    sm.sel[c * 32 + lane] = load_key<MODE>(src, start + lane);
-  }
-  if (tid < 8) sm.misc[tid] = 0;
-  __syncthreads();
-  const u32 target = 3u * K <= TK_CAND_CAP ? TK_CAND_CAP / 2 : (K + TK_CAND_CAP) / 2;
-  const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
-  u32 t, unused;
-  radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
-  if (sm.misc[7] < r) {  // fewer than r candidates sampled (a consumer's bitmap)
-    __syncthreads();  // every thread has read misc before the caller's fallback resets it
-    return false;
-  }
+__device__ __forceinline__ void collect_at_least(TopkSmem &sm, const RowSrc &src, const u32 n,
+                                                 const u32 t) {
+  const int tid = threadIdx.x, lane = tid & 31;
   if (MODE == 0 && src.bitmap == nullptr && (src.lo & 3u) == 0u &&
       t > 0x007FFFFFu) {
     // f32 logits, 16-byte aligned from the row's (or segment's) start, read as float4
@@ -449,7 +434,7 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
         }
       }
     }
-    return sampled_count_fits(sm, K);
+    return;
   }
   constexpr int U = TK_UNROLL;  // independent loads in flight per thread
   for (u32 base = 0; base < n; base += U * TK_THREADS) {
@@ -471,7 +456,65 @@ __device__ bool sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n,
       }
     }
   }
-  return sampled_count_fits(sm, K);
+}
+
+// The sampled threshold: a sample of the row into sm.sel, its rank-r key t, then one pass
+// that appends every key >= t (and its id) to ckey / cid. When that pass's count c misses
+// K .. TK_CAND_CAP, a second pass from a threshold t2 whose count is estimated from c:
+// - c > TK_CAND_CAP: ckey holds TK_CAND_CAP of the c keys >= t; t2 is their rank-m2 key,
+//   m2 = TK_CAND_CAP * target / c (about `target` of the row's keys are >= t2);
+// - c < K: t2 is the sample's rank-r2 key, r2 = r * target / c.
+// (At K = 512 of 1 M keys the sample's rank r is 7, and about one row in twenty misses.)
+// Returns TK_SAMPLE_FIRST or TK_SAMPLE_SECOND, with misc[4] = count and misc[3] = 0, when
+// the last pass's count lies in K .. TK_CAND_CAP: then the K-th key of the row is >= its
+// threshold, so the candidates hold every key the exact selection can take, ties
+// included (keys left out are below it). TK_SAMPLE_MISS otherwise (the caller starts
+// over). The result is the same in every thread.
+#define TK_SAMPLE_MISS 0
+#define TK_SAMPLE_FIRST 1
+#define TK_SAMPLE_SECOND 2
+template <int MODE>
+__device__ int sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, const u32 K) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr u32 S = TK_SEL_CAP, CH = S / 32;
+  for (u32 c = warp; c < CH; c += TK_THREADS / 32) {
+    const u32 start = (u32)(((u64)c * (n - 32)) / (CH - 1));  // chunks spread evenly
+    sm.sel[c * 32 + lane] = load_key<MODE>(src, start + lane);
+  }
+  if (tid < 8) sm.misc[tid] = 0;
+  __syncthreads();
+  const u32 target = 3u * K <= TK_CAND_CAP ? TK_CAND_CAP / 2 : (K + TK_CAND_CAP) / 2;
+  const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
+  u32 t, unused;
+  radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
+  const u32 sampled = sm.misc[7];  // non-zero keys in the sample
+  if (sampled < r) {  // fewer than r candidates sampled (a consumer's bitmap)
+    __syncthreads();  // every thread has read misc before the caller's fallback resets it
+    return TK_SAMPLE_MISS;
+  }
+  collect_at_least<MODE>(sm, src, n, t);
+  __syncthreads();
+  const u32 c = sm.misc[4];
+  if (c >= K && c <= TK_CAND_CAP) return TK_SAMPLE_FIRST;
+  // The second threshold (radix_select starts and ends with barriers: every thread has
+  // read c before misc[4] is reset, and ckey before the second pass overwrites it).
+  u32 t2;
+  if (c > TK_CAND_CAP) {
+    const u32 m2 = max(1u, (u32)(((u64)TK_CAND_CAP * target) / c));
+    radix_select<false>(sm.h256, sm.misc, TK_CAND_CAP, m2, [&](u32 i) { return sm.ckey[i]; },
+                        t2, unused);
+  } else {
+    const u32 r2 = (u32)min((u64)sampled, ((u64)r * target + c - 1) / max(c, 1u));
+    if (r2 <= r) {  // no lower threshold in the sample
+      __syncthreads();
+      return TK_SAMPLE_MISS;
+    }
+    radix_select<false>(sm.h256, sm.misc, S, r2, [&](u32 i) { return sm.sel[i]; }, t2, unused);
+  }
+  if (tid == 0) sm.misc[4] = 0;
+  __syncthreads();
+  collect_at_least<MODE>(sm, src, n, t2);
+  return sampled_count_fits(sm, K) ? TK_SAMPLE_SECOND : TK_SAMPLE_MISS;
 }
 
 // ==== the fast paths ====
@@ -493,11 +536,13 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
-  if (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > (u32)TK_SAMPLE_RATIO * K &&
-      3u * K <= 2u * TK_CAND_CAP &&
-      sampled_candidates<MODE>(sm, src, n, K)) {
-    need = K;  // every candidate is a key >= t; none selected yet
-    *path = TK_PATH_SAMPLED;
+  const int sampled = (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN &&
+                       n > (u32)TK_SAMPLE_RATIO * K && 3u * K <= 2u * TK_CAND_CAP)
+                          ? sampled_candidates<MODE>(sm, src, n, K)
+                          : TK_SAMPLE_MISS;
+  if (sampled != TK_SAMPLE_MISS) {
+    need = K;  // every candidate is a key >= the threshold; none selected yet
+    *path = sampled == TK_SAMPLE_FIRST ? TK_PATH_SAMPLED : TK_PATH_RESAMPLED;
   } else {
   *path = TK_PATH_TWO;
   // Pass 1: histogram of the top 11 bits.

@@ -1319,6 +1319,55 @@ fn topk_sampled_threshold_matches_a_full_sort() {
     }
 }
 
+/// Rows whose sample misjudges the row, both ways: the sample's chunks hold the row's
+/// lowest scores (its threshold admits nearly every key, more than the candidate
+/// capacity) or its highest (its threshold admits fewer than K). The second collecting
+/// pass, at a rank corrected by the first pass's count, serves every such row.
+#[test]
+fn topk_resampled_threshold_serves_rows_the_sample_misjudges() {
+    let Some(mut b) = gpu() else { return };
+    use rand::{Rng, SeedableRng};
+    let rows = 140usize;
+    let lens: Vec<usize> = (0..rows).map(|i| 16_384 + i * 211).collect();
+    let seq = *lens.iter().max().unwrap();
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let batch = Batch::explicit(&[seq], &vec![0; rows], &positions, 1).unwrap();
+    let c = Case::random(batch.clone(), 8, 32, 5);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+    // Whether key j of a row of n keys lies in one of the sample's 128 chunks of 32
+    // (chunk c starts at c (n - 32) / 127, as topk.cu's sampled_candidates draws them).
+    let in_sample = |n: usize, j: usize| {
+        (0..128usize).any(|c| {
+            let s = c * (n - 32) / 127;
+            (s..s + 32).contains(&j)
+        })
+    };
+    for (name, sample_value) in [
+        ("sample chunks lowest", -10.0f32),
+        ("sample chunks highest", 100.0),
+    ] {
+        let mut scores = Vec::new();
+        for &n in &lens {
+            for j in 0..n {
+                let x: f32 = rng.gen_range(0.0..1.0);
+                scores.push(if in_sample(n, j) { sample_value + x } else { x });
+            }
+        }
+        for k in [512usize, 1024] {
+            let paths = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
+            // Rows of at most the short cap select in shared memory instead.
+            let short_cap = kernels::topk_short_cap(b.device().hooks());
+            let long = lens.iter().filter(|&&n| n > short_cap).count() as u64;
+            if b.device().hooks().no_sampled_threshold {
+                assert_eq!(paths.resampled, 0, "{name}, K={k}: {paths:?}");
+            } else {
+                assert_eq!(paths.sampled, 0, "{name}, K={k}: {paths:?}");
+                assert_eq!(paths.resampled, long, "{name}, K={k}: {paths:?}");
+            }
+        }
+    }
+}
+
 /// Selects `scores` (one request, row `i` of `lens[i]` keys, rows concatenated) on the
 /// device and checks every row against a full sort; returns the paths the rows took,
 /// after checking that each row took exactly one.
@@ -1343,7 +1392,8 @@ fn check_select_by_sort(
         off += n;
     }
     let paths = b.topk_paths();
-    let counted = paths.all + paths.short + paths.sampled + paths.two_pass + paths.general;
+    let counted =
+        paths.all + paths.short + paths.sampled + paths.resampled + paths.two_pass + paths.general;
     assert_eq!(counted, lens.len() as u64, "{name}, K={k}: {paths:?}");
     let all = lens.iter().filter(|&&n| n <= k).count() as u64;
     assert_eq!(

@@ -203,7 +203,7 @@ impl BenchResult {
             "topk_paths": {
                 "all": self.topk_paths.all, "short": self.topk_paths.short,
                 "sampled": self.topk_paths.sampled, "two_pass": self.topk_paths.two_pass,
-                "general": self.topk_paths.general,
+                "general": self.topk_paths.general, "resampled": self.topk_paths.resampled,
             },
             "fold_counts": {
                 "query_blocks_folded": self.fold_counts.query_blocks_folded,
@@ -459,6 +459,7 @@ mod tests {
                 sampled: 36,
                 two_pass: 48,
                 general: 60,
+                resampled: 72,
             }
             .per_run(runs),
             fold_counts: FoldCounts {
@@ -473,8 +474,16 @@ mod tests {
         };
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         let p = &v["topk_paths"];
-        let got = ["all", "short", "sampled", "two_pass", "general"].map(|k| p[k].as_u64());
-        assert_eq!(got, [1, 2, 3, 4, 5].map(Some));
+        let got = [
+            "all",
+            "short",
+            "sampled",
+            "two_pass",
+            "general",
+            "resampled",
+        ]
+        .map(|k| p[k].as_u64());
+        assert_eq!(got, [1, 2, 3, 4, 5, 6].map(Some));
         let f = &v["fold_counts"];
         let got = [
             "query_blocks_folded",

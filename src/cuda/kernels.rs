@@ -355,7 +355,7 @@ pub fn topk_short_cap(hooks: Hooks) -> usize {
     }
 }
 /// Path counters of the top-k kernels, in `topk.cu`'s `TK_PATH_*` order.
-pub const TOPK_PATHS: [&str; 5] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL"];
+pub const TOPK_PATHS: [&str; 6] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL", "RESAMPLED"];
 /// Exact-class path counters of the logits kernels (scale folding, and
 /// `mqa_logits_wgi8`'s tiles), in `logits_common.cuh`'s `LG_PATH_*` order.
 pub const LOGITS_PATHS: [&str; 6] = ["QFOLD", "QPLAIN", "ONE", "TWO", "I8", "I8_FALLBACK"];

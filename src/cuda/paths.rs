@@ -59,6 +59,9 @@ path_counters! {
         pub two_pass: u64,
         /// Four digit passes over the row (K above the fast path's cap, or a crowded bin).
         pub general: u64,
+        /// Sampled threshold whose first pass missed: a second pass at a rank corrected
+        /// by the first pass's count.
+        pub resampled: u64,
     }
 }
 
@@ -96,7 +99,7 @@ mod tests {
     fn one_field_per_kernel_counter() {
         assert_eq!(TopkPaths::LEN, kernels::TOPK_PATHS.len());
         assert_eq!(FoldCounts::LEN, kernels::LOGITS_PATHS.len());
-        let c = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11];
+        let c = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
         assert_eq!(
             TopkPaths::from_device(&c),
             TopkPaths {
@@ -105,17 +108,18 @@ mod tests {
                 sampled: 3,
                 two_pass: 4,
                 general: 5,
+                resampled: 6,
             }
         );
         assert_eq!(
             FoldCounts::from_device(&c[kernels::TOPK_PATHS.len()..]),
             FoldCounts {
-                query_blocks_folded: 6,
-                query_blocks_plain: 7,
-                threads_one_multiply: 8,
-                threads_two_multiplies: 9,
-                tiles_int8: 10,
-                tiles_int8_fallback: 11,
+                query_blocks_folded: 7,
+                query_blocks_plain: 8,
+                threads_one_multiply: 9,
+                threads_two_multiplies: 10,
+                tiles_int8: 11,
+                tiles_int8_fallback: 12,
             }
         );
     }
@@ -128,6 +132,7 @@ mod tests {
             sampled: 36,
             two_pass: 48,
             general: 60,
+            resampled: 72,
         };
         assert_eq!(
             p.per_run(12),
@@ -137,6 +142,7 @@ mod tests {
                 sampled: 3,
                 two_pass: 4,
                 general: 5,
+                resampled: 6,
             }
         );
         assert_eq!(p.per_run(0), p);
