@@ -614,17 +614,23 @@ def slot_table(table, lens, page_size, width):
     return torch.where(inside, slots, -1).to(torch.int32).contiguous()
 
 
-def slots_to_keys(got, slots, lens, pool_slots):
-    """Pool slots selected per row (`[T, k]`, -1 padded) back to request-local keys, through
-    the inverse of `slot_table`'s map (requests share no page here); a slot that no
-    request's key holds becomes `pool_slots`, which no window contains."""
-    inv = torch.full((pool_slots + 1,), pool_slots, dtype=torch.int64, device=slots.device)
-    j = torch.arange(slots.shape[1], device=slots.device)[None, :].expand_as(slots)
+def slots_to_keys(got, slots, row_to_batch, pool_slots):
+    """Pool slots selected per row (`[T, k]`, -1 padded) back to request-local keys,
+    through the inverse of `slot_table`'s map (requests share no page here). A slot that
+    no key of the row's own request (`row_to_batch`) holds becomes `pool_slots`, which no
+    window contains."""
+    dev = slots.device
+    owner = torch.full((pool_slots + 1,), -1, dtype=torch.int64, device=dev)
+    inv = torch.full((pool_slots + 1,), pool_slots, dtype=torch.int64, device=dev)
+    b = torch.arange(slots.shape[0], device=dev)[:, None].expand_as(slots)
+    j = torch.arange(slots.shape[1], device=dev)[None, :].expand_as(slots)
     used = slots >= 0
+    owner[slots[used].long()] = b[used]
     inv[slots[used].long()] = j[used]
     g = got.long()
-    bad = (g < 0) | (g >= pool_slots)
-    keys = inv[torch.where(bad, pool_slots, g)]
+    g = torch.where((g < 0) | (g >= pool_slots), pool_slots, g)
+    mine = owner[g] == row_to_batch.long()[:, None].to(dev)
+    keys = torch.where(mine, inv[g], pool_slots)
     return torch.where(got < 0, -1, keys).to(torch.int32)
 
 
@@ -1102,7 +1108,7 @@ class Runner:
             try:
                 lg = dg_paged_logits(dg, prob.q8, kv, prob.w, ctx, prob.table, sched, sh.l, False)
                 got = fi.page_table_transform(lg, meta, K)
-                ok, why = same_selection(lg, torch.zeros_like(row_lens), row_lens, slots_to_keys(got, slots, lens, prob.pool.shape[0] * sh.p), K)
+                ok, why = same_selection(lg, torch.zeros_like(row_lens), row_lens, slots_to_keys(got, slots, meta["row_to_batch"], prob.pool.shape[0] * sh.p), K)
                 base["flashinfer_algorithm"] = fi.algorithm(sh.t, K, sh.l)
                 base["flashinfer_selection_ok"] = ok
                 base["flashinfer_selection"] = why
