@@ -73,6 +73,38 @@ computes the same function as the crate. The conversion (torch ops, not a fused
 kernel) is timed on its own and reported, q and k apart; it is not part of any other
 figure.
 
+Decode workloads (`v32-decode-b64-32k`: 64 requests of 32768 keys, `next_n` 1;
+`v32-decode-b128-128k-mtp2`: 128 requests of 131072 keys, `next_n` 2; E4M3 as v32-16k,
+pages of 64; `dsa-indexer bench`'s v41-decode-b64-64k has E2M1 keys and no peer here).
+Inputs drawn as bench.rs draws them, in distribution: weights `[B * next_n, H]`, queries
+`[B, next_n, H, D]`, each request's keys and per-key scales, written into SPEC 10's pool
+(`u8 [pages, 64 * 132]`: 64 x 128 E4M3 codes, then 64 f32 scales) of exactly the pages
+used, handed out in a random page order; the page table `i32 [B, L / 64]`. The peers:
+
+- DeepGEMM's paged logits, `deep_gemm.fp8_fp4_paged_mqa_logits((q, None), kv_cache,
+  weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits)`
+  with `kv_cache` the pool viewed as `u8 [pages, 64, 1, 132]`, `context_lens` int32
+  `[B, next_n]` (row `n` of request `b` sees `L_b - next_n + n + 1` keys; `[B]` with
+  `L_b` where this DeepGEMM refuses the 2-D form; the line says which it took) and
+  `schedule_meta = get_paged_mqa_logits_metadata(context_lens, 64, get_num_sms())`. It
+  returns `[B * next_n, max_context_len]` f32. The metadata is timed on its own: engines
+  compute it once per decode step for all layers, so it is in no other figure.
+- FlashInfer's top-k, `top_k_page_table_transform` on the unmasked logits with each row's
+  length, no row starts, each row's request and the engine's token-level slot table
+  (`page_table[b, j // 64] * 64 + j % 64`), so an index comes back as a pool slot
+  (SPEC 10's `page`); its selection is mapped back to keys and checked against
+  torch.topk's, once per workload.
+- `torch.topk` on DeepGEMM's `clean_logits=True` output.
+
+End to end: the logits call plus the top-k, one region. Every figure of a decode line
+carries `kv_bytes`, the floor of the KV-cache bytes read (every used page once per
+request, `sum_b ceil(L_b / 64) * 64 * 132`), and the logits and end-to-end figures
+`kv_gbs` and `kv_ceiling_fraction` against the 4.3 TB/s copy ceiling. DeepGEMM's
+logits of the first, middle and last request are checked against the float64 reference
+over the flat keys (2^-8 M), and `clean_logits=True` for -inf past each row's keys. One
+input set (every pool is larger than two L2s); `--shrink N` divides the keys per
+request by N.
+
 Row chunking: as the serving engine does (the crate's default budget too), a
 workload whose `[T, L]` f32 logits exceed `--budget` (2 GiB) runs in chunks of
 `budget // (4 L)` consecutive rows, each chunk a DeepGEMM call (all L keys) followed
