@@ -704,4 +704,47 @@ mod tests {
         assert!((f.kv_gbs - gbs).abs() < 1e-9 * gbs);
         assert!((f.kv_ceiling_fraction - gbs / KV_COPY_CEILING_GBS).abs() < 1e-12);
     }
+
+    /// A decode workload's JSON line adds its batch, pool and KV figures to the common
+    /// fields, flat, as the others are.
+    #[test]
+    fn decode_json_adds_the_kv_figures() {
+        let batch = Batch::contiguous(&[128, 100], &[127, 99], 1).unwrap();
+        let d = DecodeFigures::new(&batch, 64, 4, 132, 0.25);
+        let j = serde_json::json!({"requests": 2, "next_n": 1, "page_size": 64, "pool_pages": 4,
+            "bytes_per_token": 132, "kv_bytes": 4 * 64 * 132});
+        let r = BenchResult {
+            name: "v32-decode-b64-32k".into(),
+            device: "none".into(),
+            rows: 2,
+            valid_pairs: 228,
+            tiles: 1,
+            budget: 1,
+            median_ms: 0.25,
+            min_ms: 0.25,
+            logits_ms: 0.2,
+            select_ms: 0.05,
+            tflops: 1.0,
+            logits_tflops: 1.0,
+            topk_gbs: 1.0,
+            rows_per_s: 1.0,
+            counted_peak: 1,
+            planned_peak: 1,
+            driver: DriverMemory::default(),
+            reps: 5,
+            topk_paths: TopkPaths::default(),
+            fold_counts: FoldCounts::default(),
+            decode: Some(d),
+        };
+        let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        for (k, want) in j.as_object().unwrap() {
+            assert_eq!(&v[k], want, "{k}");
+        }
+        let gbs = (4 * 64 * 132) as f64 / 0.25e-3 / 1e9;
+        assert!((v["kv_gbs"].as_f64().unwrap() - gbs).abs() < 1e-9 * gbs);
+        assert_eq!(v["kv_ceiling_gbs"].as_f64(), Some(KV_COPY_CEILING_GBS));
+        assert!((v["kv_ceiling_fraction"].as_f64().unwrap() - gbs / 4300.0).abs() < 1e-12);
+        assert_eq!(v["select_ms"].as_f64(), Some(0.05));
+        assert_eq!(v["name"], "v32-decode-b64-32k");
+    }
 }
