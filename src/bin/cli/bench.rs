@@ -372,35 +372,6 @@ mod gpu {
         Ok(code)
     }
 
-    /// The decode inputs on the host (no GPU): a small decode workload of either format
-    /// gives a valid paged problem over a pool of exactly the pages used.
-    #[cfg(test)]
-    mod tests {
-        use super::*;
-
-        #[test]
-        fn decode_inputs_make_a_valid_paged_problem() {
-            for name in ["v32-decode-b64-32k", "v41-decode-b64-64k"] {
-                let w = bench::Workload {
-                    seq_len: 130,
-                    rows: 2,
-                    decode: Some(bench::Decode {
-                        requests: 3,
-                        page_size: 64,
-                    }),
-                    ..bench::workload(name).unwrap()
-                };
-                let batch = w.batch().unwrap();
-                let data = Data::new(&w, batch.num_rows(), batch.num_keys()).unwrap();
-                let p = w.problem(&batch, data.inputs()).unwrap();
-                let pk = p.paged().expect("paged keys");
-                assert_eq!(pk.num_pages(), 3 * 3, "{name}");
-                assert_eq!(pk.format, w.key_format());
-                assert_eq!((p.heads, p.topk, batch.num_rows()), (w.heads, w.topk, 6));
-            }
-        }
-    }
-
     fn print_text(r: &bench::BenchResult) {
         println!(
             "bench {} on {}: {} rows, {} pairs, {} tiles, budget {} B",
@@ -446,6 +417,35 @@ mod gpu {
             f.query_blocks_plain, f.threads_one_multiply, f.threads_two_multiplies, f.tiles_int8,
             f.tiles_int8_fallback
         );
+    }
+
+    /// The decode inputs on the host (no GPU): a small decode workload of either format
+    /// gives a valid paged problem over a pool of exactly the pages used.
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn decode_inputs_make_a_valid_paged_problem() {
+            for name in ["v32-decode-b64-32k", "v41-decode-b64-64k"] {
+                let w = bench::Workload {
+                    seq_len: 130,
+                    rows: 2,
+                    decode: Some(bench::Decode {
+                        requests: 3,
+                        page_size: 64,
+                    }),
+                    ..bench::workload(name).unwrap()
+                };
+                let batch = w.batch().unwrap();
+                let data = Data::new(&w, batch.num_rows(), batch.num_keys()).unwrap();
+                let p = w.problem(&batch, data.inputs()).unwrap();
+                let pk = p.paged().expect("paged keys");
+                assert_eq!(pk.num_pages(), 3 * 3, "{name}");
+                assert_eq!(pk.format, w.key_format());
+                assert_eq!((p.heads, p.topk, batch.num_rows()), (w.heads, w.topk, 6));
+            }
+        }
     }
 }
 
