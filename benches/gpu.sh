@@ -4,9 +4,9 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage --features tuning                                   # here
-#   run: bash benches/gpu.sh [tests] [bench] [ab] [torch] [ncu] [ncutk] [sanitize] [old]
-#        [replay] [peers] [pyengine]
-#        # there, carry .gpu (and .whl for bench, peers, pyengine)
+#   run: bash benches/gpu.sh [tests] [bench] [decode] [ab] [torch] [ncu] [ncutk] [sanitize]
+#        [old] [replay] [peers] [pyengine]
+#        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
 # arguments go to every cargo call, which already passes --features cuda) for the
@@ -16,7 +16,12 @@
 # `bench` runs ours (bench.jsonl), the peers (benches/peers.py: DeepGEMM, FlashInfer's
 # top-k, torch.topk; peers.jsonl) and prints one table per workload with the ratios
 # (benches/table.py; table.md). It needs .whl/ (the DeepGEMM and tvm-ffi wheels, and
-# flashinfer_topk/libdsa_fi_topk.so) carried beside .gpu/.
+# flashinfer_topk/libdsa_fi_topk.so) carried beside .gpu/. The prefill workloads ($W)
+# run first, then the decode workloads over paged keys ($DW: batches of requests, pages
+# of 64), ours and the peers (DeepGEMM's paged logits + FlashInfer's top-k through the
+# slot table, + torch.topk, on the E4M3 ones, $PDW), each a line of the same files; the
+# decode tables add the KV cache's bytes per second at the floor against 4.3 TB/s.
+# `decode` runs only the decode half of `bench` (ours, the peers with --check, the tables).
 #
 # `pyengine` installs the Python package's wheel (.whl/dsa_indexer-*.whl, built by
 # python/build_wheel.sh) with the DeepGEMM wheels, runs python/examples/deepgemm_check.py
@@ -102,6 +107,9 @@ fi
 W="v32-16k v41-chunk v41-chunk-source v41-chunk-wide v32-64k v41-1m v41-1m-256m"
 # The peers' shapes (v41-chunk-source and v41-1m-256m have v41-chunk's and v41-1m's).
 PW="v32-16k v41-chunk v41-chunk-wide v32-64k v41-1m"
+# Decode over paged keys: ours on all three, the peers on the E4M3 two.
+DW="v32-decode-b64-32k v32-decode-b128-128k-mtp2 v41-decode-b64-64k"
+PDW="v32-decode-b64-32k v32-decode-b128-128k-mtp2"
 # DeepGEMM's logits, FlashInfer's top-k (through .whl/flashinfer_topk/, built by
 # benches/flashinfer_topk/build.sh) and torch.topk on the same shapes, with --check; the
 # wheels travel in .whl/ (benches/peers.py says how). Its JSON lines go to peers.jsonl.
@@ -111,10 +119,10 @@ install_wheels() {
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
 }
-peers_run() {
+peers_run() {  # peers_run WORKLOAD...
   log "peers"
   install_wheels
-  PYTHONUNBUFFERED=1 timeout 360 python3 benches/peers.py --check $PW > "$OUT/peers.txt" 2>&1
+  PYTHONUNBUFFERED=1 timeout 480 python3 benches/peers.py --check "$@" > "$OUT/peers.txt" 2>&1
   echo "peers rc=$?" | tee -a "$OUT/summary.txt"
   grep '^{' "$OUT/peers.txt" > "$OUT/peers.jsonl"
   grep -E '^flashinfer: not available|FAILED|^peers.py: ' "$OUT/peers.txt" | tee -a "$OUT/summary.txt"
@@ -124,9 +132,11 @@ if has bench; then
   # Ours, then the peers in the same call, then one table per workload (table.md).
   log "bench (median of 5)"
   timeout 240 $B/dsa-indexer bench --device cuda --json $W --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
+  log "bench decode (median of 5)"
+  timeout 240 $B/dsa-indexer bench --device cuda --json $DW --reps 5 >> "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
   cat "$OUT/bench.jsonl" >> "$OUT/summary.txt"
   timeout 60 $B/dsa-indexer bench --workload v41-chunk --device cuda --reps 3 >> "$OUT/summary.txt" 2>&1
-  peers_run
+  peers_run $PW $PDW
   python3 benches/table.py "$OUT" > "$OUT/table.md" 2>&1
   cat "$OUT/table.md" >> "$OUT/summary.txt"
 fi
@@ -242,9 +252,19 @@ if has replay; then
   echo "replay: $rp_fail files not identical" | tee -a "$OUT/summary.txt"
 fi
 
+if has decode && ! has bench; then
+  # The decode workloads alone, ours and the peers, and their tables (bench runs them too).
+  log "bench decode (median of 5)"
+  timeout 240 $B/dsa-indexer bench --device cuda --json $DW --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
+  cat "$OUT/bench.jsonl" >> "$OUT/summary.txt"
+  peers_run --no-ceilings $PDW
+  python3 benches/table.py "$OUT" > "$OUT/table.md" 2>&1
+  cat "$OUT/table.md" >> "$OUT/summary.txt"
+fi
+
 if has peers && ! has bench; then
   # The peers alone (bench runs them too).
-  peers_run
+  peers_run $PW $PDW
   tail -40 "$OUT/peers.txt" >> "$OUT/summary.txt"
 fi
 

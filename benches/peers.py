@@ -73,6 +73,38 @@ computes the same function as the crate. The conversion (torch ops, not a fused
 kernel) is timed on its own and reported, q and k apart; it is not part of any other
 figure.
 
+Decode workloads (`v32-decode-b64-32k`: 64 requests of 32768 keys, `next_n` 1;
+`v32-decode-b128-128k-mtp2`: 128 requests of 131072 keys, `next_n` 2; E4M3 as v32-16k,
+pages of 64; `dsa-indexer bench`'s v41-decode-b64-64k has E2M1 keys and no peer here).
+Inputs drawn as bench.rs draws them, in distribution: weights `[B * next_n, H]`, queries
+`[B, next_n, H, D]`, each request's keys and per-key scales, written into SPEC 10's pool
+(`u8 [pages, 64 * 132]`: 64 x 128 E4M3 codes, then 64 f32 scales) of exactly the pages
+used, handed out in a random page order; the page table `i32 [B, L / 64]`. The peers:
+
+- DeepGEMM's paged logits, `deep_gemm.fp8_fp4_paged_mqa_logits((q, None), kv_cache,
+  weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits)`
+  with `kv_cache` the pool viewed as `u8 [pages, 64, 1, 132]`, `context_lens` int32
+  `[B, next_n]` (row `n` of request `b` sees `L_b - next_n + n + 1` keys; `[B]` with
+  `L_b` where this DeepGEMM refuses the 2-D form; the line says which it took) and
+  `schedule_meta = get_paged_mqa_logits_metadata(context_lens, 64, get_num_sms())`. It
+  returns `[B * next_n, max_context_len]` f32. The metadata is timed on its own: engines
+  compute it once per decode step for all layers, so it is in no other figure.
+- FlashInfer's top-k, `top_k_page_table_transform` on the unmasked logits with each row's
+  length, no row starts, each row's request and the engine's token-level slot table
+  (`page_table[b, j // 64] * 64 + j % 64`), so an index comes back as a pool slot
+  (SPEC 10's `page`); its selection is mapped back to keys and checked against
+  torch.topk's, once per workload.
+- `torch.topk` on DeepGEMM's `clean_logits=True` output.
+
+End to end: the logits call plus the top-k, one region. Every figure of a decode line
+carries `kv_bytes`, the floor of the KV-cache bytes read (every used page once per
+request, `sum_b ceil(L_b / 64) * 64 * 132`), and the logits and end-to-end figures
+`kv_gbs` and `kv_ceiling_fraction` against the 4.3 TB/s copy ceiling. DeepGEMM's
+logits of the first, middle and last request are checked against the float64 reference
+over the flat keys (2^-8 M), and `clean_logits=True` for -inf past each row's keys. One
+input set (every pool is larger than two L2s); `--shrink N` divides the keys per
+request by N.
+
 Row chunking: as the serving engine does (the crate's default budget too), a
 workload whose `[T, L]` f32 logits exceed `--budget` (2 GiB) runs in chunks of
 `budget // (4 L)` consecutive rows, each chunk a DeepGEMM call (all L keys) followed
@@ -150,7 +182,12 @@ WORKLOADS = {
     "v41-chunk": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=262144, rows=4096),
     "v41-chunk-wide": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=262144, rows=4096, draw="uniform"),
     "v41-1m": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=1 << 20, rows=16384),
+    # Decode over paged keys (src/cuda/bench.rs): `requests` requests of `seq_len` tokens,
+    # each request's `rows` newest positions (next_n) its query rows, keys in pages of 64.
+    "v32-decode-b64-32k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=32768, rows=1, decode=dict(requests=64, page_size=64)),
+    "v32-decode-b128-128k-mtp2": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=131072, rows=2, decode=dict(requests=128, page_size=64)),
 }
+KV_COPY_CEILING_GBS = 4300.0
 
 
 def emit(obj):
@@ -204,6 +241,49 @@ class EmulatedDeepGemm:
             v = (s * weights[r0:r1, :, None]).sum(1) * k_sf[None, :]
             inside = (cols[None, :] >= ks[r0:r1, None].long()) & (cols[None, :] < ke[r0:r1, None].long())
             out[r0:r1] = torch.where(inside, v, torch.full_like(v, fill))
+        return out
+
+
+    @staticmethod
+    def get_num_sms():
+        return 132
+
+    @staticmethod
+    def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=None):
+        assert context_lens.dtype == torch.int32 and block_kv == 64 and indices is None
+        return torch.zeros((num_sms + 1, 2), dtype=torch.int32, device=context_lens.device)
+
+    @staticmethod
+    def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits=False, logits_dtype=torch.float, indices=None):
+        """The paged kernel's contract: row `b * next_n + n` holds, for the keys `j <
+        len(b, n)` of request `b` (`context_lens[b, n]`, or `context_lens[b] - next_n + n + 1`
+        when it is `[B]`), `sum_h w_h relu(q_h . k_j) * kscale_j`, each key read from page
+        `block_table[b, j // P]` of `kv_cache` (SPEC 10's E4M3 layout: P x D codes, then
+        P f32 scales)."""
+        q8, q_sf = q
+        if q_sf is not None:
+            raise RuntimeError("emulated deep_gemm: packed fp4 is refused (Unsupported architecture)")
+        assert q8.dtype == torch.float8_e4m3fn and kv_cache.dtype == torch.uint8 and indices is None
+        b, next_n, h, d = q8.shape
+        pages, p, one, width = kv_cache.shape
+        assert one == 1 and width == d + 4 and weights.shape == (b * next_n, h)
+        lens = decode_row_lens(context_lens, next_n)
+        raw = kv_cache.reshape(pages, p * width)
+        codes = raw[:, : p * d].contiguous().view(torch.float8_e4m3fn).reshape(pages, p, d)
+        scales = raw[:, p * d :].contiguous().view(torch.float32).reshape(pages, p)
+        buf = torch.empty((b * next_n, align(max_context_len, 256)), dtype=torch.float32, device=q8.device)
+        buf.fill_(float("-inf") if clean_logits else 3.0e38)
+        out = buf[:, :max_context_len]
+        for r in range(b):
+            n_keys = int(lens[r * next_n : (r + 1) * next_n].max())
+            ids = block_table[r, : (n_keys + p - 1) // p].long()
+            kf = codes[ids].reshape(-1, d)[:n_keys].float()
+            sc = scales[ids].reshape(-1)[:n_keys]
+            s_ = torch.einsum("nhd,ld->nhl", q8[r].float(), kf).clamp_min_(0.0)
+            v = (s_ * weights[r * next_n : (r + 1) * next_n, :, None]).sum(1) * sc[None, :]
+            for n in range(next_n):
+                m = int(lens[r * next_n + n])
+                out[r * next_n + n, :m] = v[n, :m]
         return out
 
 
@@ -501,12 +581,148 @@ def reference_error(prob, rows, logits, ks, ke, key_step=1 << 17):
 
 
 # ---------------------------------------------------------------------------------------
+# Decode over paged keys: the pool, the page table, the context lengths
+# ---------------------------------------------------------------------------------------
+
+
+def decode_row_lens(context_lens, next_n):
+    """Keys each decode row sees, `[B * next_n]`: `context_lens` as DeepGEMM's paged kernel
+    takes it, `[B, next_n]` (row by row) or `[B]` (row `n` of request `b` sees
+    `context_lens[b] - next_n + n + 1` keys)."""
+    if context_lens.dim() == 2:
+        return context_lens.reshape(-1)
+    n = torch.arange(next_n, device=context_lens.device, dtype=torch.int32)
+    return (context_lens[:, None] - next_n + n[None, :] + 1).reshape(-1)
+
+
+def decode_context_lens(lens, next_n, two_d=True):
+    """DeepGEMM's `context_lens` for a decode batch of `lens` keys per request (ratio 1:
+    row `n` sits at position `L_b - next_n + n` and sees keys `0 ..= L_b - next_n + n`):
+    int32 `[B, next_n]` with `L_b - next_n + n + 1`, or `[B]` with `L_b`."""
+    lens = lens.to(torch.int32)
+    if not two_d:
+        return lens.contiguous()
+    n = torch.arange(next_n, device=lens.device, dtype=torch.int32)
+    return (lens[:, None] - next_n + n[None, :] + 1).contiguous()
+
+
+def build_pool(k8, kscale, lens, page_size, g):
+    """SPEC 10's E4M3 page pool of a decode batch: request `b`'s first `lens[b]` keys of
+    `k8` (`[B, Lmax, D]` E4M3) and `kscale` (`[B, Lmax]` f32) written page by page (P x D
+    codes, then P f32 scales) into `sum_b ceil(L_b / P)` pages handed out in the random
+    order of a permutation from `g`. Returns the pool `u8 [pages, P * (D + 4)]` and the
+    page table `i32 [B, max_b ceil(L_b / P)]`, -1 past a request's pages; the slots of a
+    last page past `L_b` hold zeros."""
+    b, lmax, d = k8.shape
+    p = page_size
+    dev = k8.device
+    used = [(int(l) + p - 1) // p for l in lens]
+    pages, width = sum(used), max(used)
+    perm = torch.randperm(pages, generator=g, device=dev).to(torch.int32)
+    pool = torch.zeros((pages, p * (d + 4)), dtype=torch.uint8, device=dev)
+    table = torch.full((b, width), -1, dtype=torch.int32, device=dev)
+    codes = k8.view(torch.uint8)
+    at = 0
+    for r in range(b):
+        n_pages, l = used[r], int(lens[r])
+        ids = perm[at : at + n_pages]
+        at += n_pages
+        table[r, :n_pages] = ids
+        c = torch.zeros((n_pages * p, d), dtype=torch.uint8, device=dev)
+        c[:l] = codes[r, :l]
+        sc = torch.zeros(n_pages * p, dtype=torch.float32, device=dev)
+        sc[:l] = kscale[r, :l]
+        pool[ids.long()] = torch.cat([c.reshape(n_pages, p * d), sc.view(torch.uint8).reshape(n_pages, p * 4)], dim=1)
+    return pool, table
+
+
+def slot_table(table, lens, page_size, width):
+    """The engine's token-level table, `i32 [B, width]`: key `j` of request `b` at pool slot
+    `table[b, j // P] * P + j % P` (SPEC 10's `page`), -1 past `L_b`."""
+    j = torch.arange(width, device=table.device)
+    idx = (j // page_size).clamp_max(table.shape[1] - 1)
+    slots = table[:, idx].long() * page_size + (j % page_size)[None, :]
+    inside = j[None, :] < lens.to(table.device)[:, None].long()
+    return torch.where(inside, slots, -1).to(torch.int32).contiguous()
+
+
+def slots_to_keys(got, slots, row_to_batch, pool_slots):
+    """Pool slots selected per row (`[T, k]`, -1 padded) back to request-local keys,
+    through the inverse of `slot_table`'s map (requests share no page here). A slot that
+    no key of the row's own request (`row_to_batch`) holds becomes `pool_slots`, which no
+    window contains."""
+    dev = slots.device
+    owner = torch.full((pool_slots + 1,), -1, dtype=torch.int64, device=dev)
+    inv = torch.full((pool_slots + 1,), pool_slots, dtype=torch.int64, device=dev)
+    b = torch.arange(slots.shape[0], device=dev)[:, None].expand_as(slots)
+    j = torch.arange(slots.shape[1], device=dev)[None, :].expand_as(slots)
+    used = slots >= 0
+    owner[slots[used].long()] = b[used]
+    inv[slots[used].long()] = j[used]
+    g = got.long()
+    g = torch.where((g < 0) | (g >= pool_slots), pool_slots, g)
+    mine = owner[g] == row_to_batch.long()[:, None].to(dev)
+    keys = torch.where(mine, inv[g], pool_slots)
+    return torch.where(got < 0, -1, keys).to(torch.int32)
+
+
+def kv_bytes_floor(lens, page_size, bytes_per_token):
+    """Every page a request uses, read once for that request: `sum_b ceil(L_b / P) * P *
+    bytes_per_token` (bench.rs `kv_bytes_floor`)."""
+    return sum((int(l) + page_size - 1) // page_size * page_size * bytes_per_token for l in lens)
+
+
+class DecodeProblem:
+    """One decode input set, drawn as bench.rs draws a decode workload (in distribution):
+    weights `[B * next_n, H]` in [-1, 1), E4M3 queries `[B, next_n, H, D]`, each request's
+    E4M3 keys with per-key scales in [0.5, 2), the keys in a page pool of random page order."""
+
+    def __init__(self, b, next_n, l, h, d, page_size, g, dev):
+        self.b, self.next_n, self.h, self.d, self.p = b, next_n, h, d, page_size
+        self.lens = torch.full((b,), l, dtype=torch.int64)
+        self.w = rand_uniform((b * next_n, h), -1.0, 1.0, g, dev)
+        self.q8 = rand_e4m3((b, next_n, h, d), g, dev)
+        k8 = rand_e4m3((b, l, d), g, dev)
+        ks = rand_uniform((b, l), 0.5, 2.0, g, dev)
+        self.pool, self.table = build_pool(k8, ks, self.lens.tolist(), page_size, g)
+        self.max_len = l
+        # The flat keys stay only as long as the reference check needs them (small sets).
+        self.k8, self.kscale = k8, ks
+
+    def kv_cache(self):
+        """The pool as DeepGEMM takes it: `u8 [pages, P, 1, D + 4]`."""
+        return self.pool.view(self.pool.shape[0], self.p, 1, self.d + 4)
+
+    def request(self, r):
+        """Request `r` as a flat `Problem`-like view (its rows and keys) for `reference_error`."""
+        return _FlatRequest(self, r)
+
+
+class _FlatRequest:
+    def __init__(self, dp, r):
+        self.fp4 = False
+        self.dp, self.r = dp, r
+
+    def decoded_rows(self, rows):
+        dp, r = self.dp, self.r
+        return dp.q8[r][rows].double(), dp.w[r * dp.next_n : (r + 1) * dp.next_n][rows].double()
+
+    def decoded_keys(self, a, b):
+        return self.dp.k8[self.r, a:b].double(), self.dp.kscale[self.r, a:b].double()
+
+
+# ---------------------------------------------------------------------------------------
 # The peers
 # ---------------------------------------------------------------------------------------
 
 
 def dg_logits(dg, q8, k8, kscale, w, ks, ke, clean):
     return dg.fp8_fp4_mqa_logits((q8, None), (k8, kscale), w, ks, ke, clean_logits=clean, max_seqlen_k=0)
+
+
+def dg_paged_logits(dg, q8, kv_cache, w, context_lens, block_table, sched, max_len, clean):
+    """DeepGEMM's paged logits, `[B * next_n, max_len]` f32 (a view with a padded row stride)."""
+    return dg.fp8_fp4_paged_mqa_logits((q8, None), kv_cache, w, context_lens, block_table, sched, max_len, clean_logits=clean)
 
 
 def mask_invalid_(logits, ks, ke):
@@ -560,6 +776,20 @@ class FlashInferTopK:
             "row_to_batch": torch.zeros_like(ks, dtype=torch.int32),
         }
 
+    @staticmethod
+    def prepare_decode(row_lens, slots, next_n):
+        """What an engine holds for a decode batch: each row's length, no row starts (0),
+        the token-level slot table `[B, max_len]` (`slot_table`) and each row's request, so
+        an index comes back as SPEC 10's pool slot."""
+        t = row_lens.shape[0]
+        dev = row_lens.device
+        return {
+            "lengths": row_lens.to(torch.int32).contiguous(),
+            "starts": torch.zeros(t, dtype=torch.int32, device=dev),
+            "table": slots,
+            "row_to_batch": torch.arange(t // next_n, dtype=torch.int32, device=dev).repeat_interleave(next_n).contiguous(),
+        }
+
     def page_table_transform(self, logits, meta, k):
         t, l = logits.shape
         if not logits.is_cuda or logits.dtype != torch.float32 or logits.stride(1) != 1:
@@ -597,7 +827,7 @@ class EmulatedFlashInferTopK(FlashInferTopK):
         cols = torch.arange(l, device=logits.device)[None, :]
         inside = (cols >= s0[:, None]) & (cols < (s0 + n)[:, None])
         idx = torch.where(inside, logits, float("-inf")).topk(min(k, l), dim=-1).indices
-        keys = meta["table"][0].long()[idx]
+        keys = meta["table"][meta["row_to_batch"].long()].long().gather(1, idx)
         out = torch.full((t, k), -1, dtype=torch.int32, device=logits.device)
         out[:, : idx.shape[1]] = torch.where(torch.arange(idx.shape[1], device=logits.device)[None, :] < n[:, None], keys, -1).to(torch.int32)
         return out
@@ -752,6 +982,43 @@ class Shape:
         }
 
 
+class DecodeShape:
+    """A decode workload: `requests` requests of `seq_len` keys (ratio 1), `next_n` rows each."""
+
+    def __init__(self, name, spec, shrink):
+        self.name = name if shrink == 1 else f"{name}/shrink{shrink}"
+        dec = spec["decode"]
+        self.b, self.p = dec["requests"], dec["page_size"]
+        self.h, self.d = spec["heads"], spec["dim"]
+        self.next_n = spec["rows"]
+        self.l = max(self.next_n, spec["seq_len"] // shrink)
+        self.t = self.b * self.next_n
+        self.k = min(spec["topk"], self.l - self.next_n + 1)
+        self.lens = [self.l] * self.b
+        self.valid_pairs = self.b * sum(self.l - self.next_n + n + 1 for n in range(self.next_n))
+        self.flops = 2.0 * self.valid_pairs * self.h * self.d
+        self.bytes_per_token = self.d + 4
+        self.kv_bytes = kv_bytes_floor(self.lens, self.p, self.bytes_per_token)
+
+    def meta(self):
+        return {
+            "workload": self.name,
+            "mode": "decode",
+            "requests": self.b,
+            "next_n": self.next_n,
+            "keys_per_request": self.l,
+            "page_size": self.p,
+            "rows": self.t,
+            "heads": self.h,
+            "dim": self.d,
+            "topk": self.k,
+            "valid_pairs": self.valid_pairs,
+            "bytes_per_token": self.bytes_per_token,
+            "kv_bytes": self.kv_bytes,
+            "format": "e4m3 x e4m3, paged keys",
+        }
+
+
 class Runner:
     def __init__(self, args, dg, emulated, dev):
         self.args = args
@@ -829,6 +1096,139 @@ class Runner:
             mb["chunk_logits_bytes"] = 4 * mb["chunk_rows"] * align(sh.l + 256, 8)
             self.measure(sh, mb, sets, ks, ke, chunks)
             free_memory()
+
+    def decode_workload(self, name):
+        """DeepGEMM's paged logits, then FlashInfer's top-k through the slot table (the call
+        engines make for DSA decode) or torch.topk, on one decode batch."""
+        sh = DecodeShape(name, WORKLOADS[name], self.args.shrink)
+        base = sh.meta()
+        dg, clock, fi, K = self.dg, self.clock, self.fi, sh.k
+        g = torch.Generator(device=self.dev).manual_seed(0x5EED)
+        prob = DecodeProblem(sh.b, sh.next_n, sh.l, sh.h, sh.d, sh.p, g, self.dev)
+        base["pool_pages"] = int(prob.pool.shape[0])
+        base["input_sets"] = 1  # every pool is larger than two L2s
+        kv = prob.kv_cache()
+        lens = prob.lens.to(self.dev)
+        num_sms = dg.get_num_sms()
+        # context_lens as [B, next_n] (the engines' form with MTP); [B] where it is refused.
+        ctx, refused = None, []
+        for two_d in (True, False):
+            form = "[B, next_n]" if two_d else "[B]"
+            c = decode_context_lens(lens, sh.next_n, two_d)
+            try:
+                sched = dg.get_paged_mqa_logits_metadata(c, sh.p, num_sms)
+                lg = dg_paged_logits(dg, prob.q8, kv, prob.w, c, prob.table, sched, sh.l, False)
+                clock.sync()
+                ctx = c
+                base["context_lens"] = form
+                break
+            except Exception as e:
+                refused.append(f"{form}: {type(e).__name__}: {str(e).strip()[-200:]}")
+        if ctx is None:
+            raise RuntimeError("DeepGEMM's paged logits refused both context_lens forms: " + " | ".join(refused))
+        if refused:
+            base["context_lens_refused"] = refused
+        row_lens = decode_row_lens(ctx, sh.next_n).to(torch.int64)
+        self.decode_sample_check(sh, base, prob, lg, ctx, sched, kv, row_lens)
+        prob.k8 = prob.kscale = None
+        free_memory()
+
+        slots = slot_table(prob.table, lens, sh.p, sh.l)
+        meta = fi.prepare_decode(row_lens, slots, sh.next_n) if fi is not None else None
+        fi_errors = {}
+        if fi is not None:
+            try:
+                lg = dg_paged_logits(dg, prob.q8, kv, prob.w, ctx, prob.table, sched, sh.l, False)
+                got = fi.page_table_transform(lg, meta, K)
+                ok, why = same_selection(lg, torch.zeros_like(row_lens), row_lens, slots_to_keys(got, slots, meta["row_to_batch"], prob.pool.shape[0] * sh.p), K)
+                base["flashinfer_algorithm"] = fi.algorithm(sh.t, K, sh.l)
+                base["flashinfer_selection_ok"] = ok
+                base["flashinfer_selection"] = why
+                if not ok:
+                    self.failures.append(f"{sh.name}: flashinfer's selection: {why}")
+                del lg, got
+            except Exception as e:
+                fi_errors["fi"] = fi_errors["e2e_fi"] = f"{type(e).__name__}: {e}"
+                self.failures.append(f"{sh.name}: flashinfer: {fi_errors['fi']}")
+            free_memory()
+
+        def logits(clean):
+            return dg_paged_logits(dg, prob.q8, kv, prob.w, ctx, prob.table, sched, sh.l, clean)
+
+        runs = {}
+        for rep in range(self.args.reps + 1):
+            acc = {}
+            ms, _ = clock.time(lambda: dg.get_paged_mqa_logits_metadata(ctx, sh.p, num_sms))
+            acc["metadata"] = ms
+            ms, lg = clock.time(lambda: logits(False))
+            acc["logits"] = ms
+            if fi is not None and "fi" not in fi_errors:
+                try:
+                    acc["fi"], _ = clock.time(lambda: fi.page_table_transform(lg, meta, K))
+                    acc["e2e_fi"], _ = clock.time(lambda: fi.page_table_transform(logits(False), meta, K))
+                except Exception as e:
+                    fi_errors["fi"] = fi_errors["e2e_fi"] = f"{type(e).__name__}: {e}"
+                    self.failures.append(f"{sh.name}: flashinfer: {fi_errors['fi']}")
+            del lg
+            ms, lc = clock.time(lambda: logits(True))
+            acc["logits_clean"] = ms
+            acc["topk"], _ = clock.time(lambda: torch.topk(lc, K, dim=-1))
+            del lc
+            acc["e2e_clean"], _ = clock.time(lambda: torch.topk(logits(True), K, dim=-1))
+            if rep:
+                for key, v in acc.items():
+                    runs.setdefault(key, []).append(v)
+
+        def kv_rates(ms):
+            gbs = sh.kv_bytes / (ms * 1e-3) / 1e9
+            return {"kv_gbs": gbs, "kv_ceiling_gbs": KV_COPY_CEILING_GBS, "kv_ceiling_fraction": gbs / KV_COPY_CEILING_GBS}
+
+        def tflops(ms):
+            return sh.flops / (ms * 1e-3) / 1e12
+
+        def sel_rates(ms):
+            return {"gbs_logits_read": 4.0 * sh.t * sh.l / (ms * 1e-3) / 1e9, "gbs_valid": 4.0 * sh.valid_pairs / (ms * 1e-3) / 1e9}
+
+        st = self.stats(runs["metadata"])
+        self.record(base, "deepgemm_get_paged_mqa_logits_metadata", what="once per decode step, shared by the layers; in no other figure", num_sms=num_sms, **st)
+        st = self.stats(runs["logits"])
+        self.record(base, "deepgemm_fp8_paged_mqa_logits", clean_logits=False, effective_tflops=tflops(st["median_ms"]), **kv_rates(st["median_ms"]), **st)
+        st = self.stats(runs["logits_clean"])
+        self.record(base, "deepgemm_fp8_paged_mqa_logits_clean", clean_logits=True, effective_tflops=tflops(st["median_ms"]), **kv_rates(st["median_ms"]), **st)
+        st = self.stats(runs["topk"])
+        self.record(base, "torch_topk", sorted=True, **sel_rates(st["median_ms"]), **st)
+        if "fi" in fi_errors:
+            self.record(base, "flashinfer_top_k_page_table_transform", error=fi_errors["fi"])
+            self.record(base, "deepgemm_paged+flashinfer_top_k_page_table_transform", error=fi_errors["e2e_fi"])
+        elif "fi" in runs:
+            st = self.stats(runs["fi"])
+            self.record(base, "flashinfer_top_k_page_table_transform", library=fi.path, **sel_rates(st["median_ms"]), **st)
+            st = self.stats(runs["e2e_fi"])
+            self.record(base, "deepgemm_paged+flashinfer_top_k_page_table_transform", mask="clean_logits=False, row lengths", effective_tflops=tflops(st["median_ms"]), **kv_rates(st["median_ms"]), **st)
+        st = self.stats(runs["e2e_clean"])
+        self.record(base, "deepgemm_paged+torch_topk", mask="clean_logits=True", effective_tflops=tflops(st["median_ms"]), **kv_rates(st["median_ms"]), **st)
+
+    def decode_sample_check(self, sh, base, prob, lg, ctx, sched, kv, row_lens):
+        """DeepGEMM's paged logits of the first, middle and last request against the float64
+        reference over the flat keys, and clean_logits=True: -inf past each row's keys, the
+        same bits before."""
+        reqs = sorted({0, sh.b // 2, sh.b - 1})
+        worst = 0.0
+        for r in reqs:
+            rows = list(range(sh.next_n))
+            n = row_lens[r * sh.next_n : (r + 1) * sh.next_n].tolist()
+            worst = max(worst, reference_error(prob.request(r), rows, lg[r * sh.next_n : (r + 1) * sh.next_n], [0] * sh.next_n, n))
+        base["sample_requests"] = reqs
+        base["sample_max_err_over_M"] = log2_str(worst)
+        lc = dg_paged_logits(self.dg, prob.q8, kv, prob.w, ctx, prob.table, sched, sh.l, True)
+        inside = torch.arange(sh.l, device=lg.device)[None, :] < row_lens.to(lg.device)[:, None]
+        same = torch.equal(lg[inside].view(torch.int32), lc[inside].view(torch.int32))
+        base["clean_logits_ok"] = bool(same and bool((lc[~inside] == float("-inf")).all()))
+        del lc
+        if not worst <= 2.0**SPEC_BOUND_LOG2:
+            raise RuntimeError(f"DeepGEMM's paged logits differ from the reference: max |x - ref| / M = {log2_str(worst)}")
+        if not base["clean_logits_ok"]:
+            raise RuntimeError("DeepGEMM's clean_logits=True is not -inf past each row's keys with the same bits before")
 
     def fp4_conversion(self, base, sets):
         """Time the fp4 -> e4m3 conversion (q with its weight fold, and k) on its own."""
@@ -1277,7 +1677,10 @@ def main():
         r.ceilings()
     for name in names:
         try:
-            r.workload(name)
+            if "decode" in WORKLOADS[name]:
+                r.decode_workload(name)
+            else:
+                r.workload(name)
         except Exception as e:
             failed = True
             traceback.print_exc()

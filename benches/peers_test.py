@@ -2,6 +2,9 @@
 """CPU tests of benches/peers.py's own parts (needs torch; skips without it):
 `python3 benches/peers_test.py`. The GPU paths are exercised by `peers.py --check` there."""
 
+import argparse
+import contextlib
+import io
 import os
 import sys
 import unittest
@@ -118,6 +121,138 @@ class LoaderTest(unittest.TestCase):
         fi, why = peers.load_flashinfer(__file__, False)
         self.assertIsNone(fi)
         self.assertIn("OSError", why)
+
+
+def read_pool(pool, table, page_size, d, b, j):
+    """Key `j` of request `b` read from an E4M3 pool as SPEC 10 lays it out (written here
+    from the spec, not from peers.py): its D codes and its f32 scale."""
+    page = int(table[b, j // page_size])
+    t = j % page_size
+    codes = pool[page, t * d : (t + 1) * d]
+    at = page_size * d + 4 * t
+    scale = pool[page, at : at + 4].contiguous().view(torch.float32)[0]
+    return codes, scale
+
+
+@unittest.skipIf(torch is None, "torch is not importable")
+class DecodePoolTest(unittest.TestCase):
+    """The decode peer's inputs: the pool, its tables and the context lengths."""
+
+    def setUp(self):
+        self.g = torch.Generator().manual_seed(5)
+        self.lens = [130, 64, 1, 17]
+        self.p, self.d = 16, 128
+        self.k8 = peers.rand_e4m3((4, 130, self.d), self.g, torch.device("cpu"))
+        self.ks = peers.rand_uniform((4, 130), 0.5, 2.0, self.g, torch.device("cpu"))
+        self.pool, self.table = peers.build_pool(self.k8, self.ks, self.lens, self.p, self.g)
+
+    def test_the_pool_reads_back_through_the_page_table(self):
+        pages = sum((l + self.p - 1) // self.p for l in self.lens)
+        self.assertEqual(tuple(self.pool.shape), (pages, self.p * (self.d + 4)))
+        ids = sorted(int(x) for x in self.table.flatten() if x >= 0)
+        self.assertEqual(ids, list(range(pages)))
+        self.assertNotEqual(self.table[0, :9].tolist(), list(range(9)))  # random page order
+        for b, l in enumerate(self.lens):
+            self.assertTrue(bool((self.table[b, (l + self.p - 1) // self.p :] == -1).all()))
+            for j in range(l):
+                codes, scale = read_pool(self.pool, self.table, self.p, self.d, b, j)
+                self.assertTrue(torch.equal(codes, self.k8[b, j].view(torch.uint8)), (b, j))
+                self.assertEqual(float(scale), float(self.ks[b, j]), (b, j))
+
+    def test_the_slot_table_is_specs_page_mapping(self):
+        slots = peers.slot_table(self.table, torch.tensor(self.lens), self.p, 130)
+        for b, l in enumerate(self.lens):
+            for j in range(130):
+                want = int(self.table[b, j // self.p]) * self.p + j % self.p if j < l else -1
+                self.assertEqual(int(slots[b, j]), want, (b, j))
+
+    def test_context_lens_both_forms_give_each_rows_keys(self):
+        lens = torch.tensor([100, 7])
+        for next_n in (1, 2, 4):
+            want = [l - next_n + n + 1 for l in (100, 7) for n in range(next_n)]
+            c2 = peers.decode_context_lens(lens, next_n, True)
+            self.assertEqual(tuple(c2.shape), (2, next_n))
+            self.assertEqual(c2.dtype, torch.int32)
+            self.assertEqual(peers.decode_row_lens(c2, next_n).tolist(), want)
+            c1 = peers.decode_context_lens(lens, next_n, False)
+            self.assertEqual(c1.tolist(), [100, 7])
+            self.assertEqual(peers.decode_row_lens(c1, next_n).tolist(), want)
+
+    def test_kv_floor_counts_whole_pages(self):
+        self.assertEqual(peers.kv_bytes_floor([65, 64, 1], 64, 132), (128 + 64 + 64) * 132)
+        self.assertEqual(peers.kv_bytes_floor([32768] * 64, 64, 132), 64 * 32768 * 132)
+
+
+@unittest.skipIf(torch is None, "torch is not importable")
+class DecodePeerTest(unittest.TestCase):
+    """The decode harness on the stand-ins: the reference check, FlashInfer's slots mapped
+    back to keys, and one emulated workload's records."""
+
+    def setUp(self):
+        self.g = torch.Generator().manual_seed(6)
+        self.dev = torch.device("cpu")
+        self.dp = peers.DecodeProblem(3, 2, 150, 32, 128, 64, self.g, self.dev)
+        self.dg = peers.EmulatedDeepGemm()
+        self.ctx = peers.decode_context_lens(self.dp.lens, 2)
+        self.sched = self.dg.get_paged_mqa_logits_metadata(self.ctx, 64, self.dg.get_num_sms())
+
+    def logits(self, table):
+        return peers.dg_paged_logits(self.dg, self.dp.q8, self.dp.kv_cache(), self.dp.w, self.ctx, table, self.sched, 150, False)
+
+    def worst(self, lg):
+        lens = peers.decode_row_lens(self.ctx, 2).tolist()
+        return max(
+            peers.reference_error(self.dp.request(r), [0, 1], lg[2 * r : 2 * r + 2], [0, 0], lens[2 * r : 2 * r + 2])
+            for r in range(3)
+        )
+
+    def test_the_reference_check_passes_the_pool_and_catches_a_swapped_page(self):
+        self.assertLess(self.worst(self.logits(self.dp.table)), 2.0**-16)
+        bad = self.dp.table.clone()
+        bad[1, 0], bad[1, 1] = self.dp.table[1, 1], self.dp.table[1, 0]
+        self.assertGreater(self.worst(self.logits(bad)), 2.0**-8)
+
+    def test_flashinfer_slots_map_back_to_a_top_k(self):
+        lg = self.logits(self.dp.table)
+        row_lens = peers.decode_row_lens(self.ctx, 2).long()
+        slots = peers.slot_table(self.dp.table, self.dp.lens, 64, 150)
+        fi = peers.EmulatedFlashInferTopK()
+        meta = fi.prepare_decode(row_lens, slots, 2)
+        self.assertEqual(meta["row_to_batch"].tolist(), [0, 0, 1, 1, 2, 2])
+        k = 40
+        got = fi.page_table_transform(lg, meta, k)
+        pool_slots = self.dp.pool.shape[0] * 64
+        keys = peers.slots_to_keys(got, slots, meta["row_to_batch"], pool_slots)
+        zero = torch.zeros_like(row_lens)
+        self.assertTrue(peers.same_selection(lg, zero, row_lens, keys, k)[0])
+        # Another request's slot in row 2 (request 1) is no key of that row's window.
+        other = got.clone()
+        other[2, 0] = slots[0, int(keys[2, 0])]
+        self.assertFalse(peers.same_selection(lg, zero, row_lens, peers.slots_to_keys(other, slots, meta["row_to_batch"], pool_slots), k)[0])
+
+    def test_an_emulated_decode_workload_records_every_part(self):
+        name = "test-decode"
+        peers.WORKLOADS[name] = dict(fp4=False, heads=32, dim=128, topk=64, seq_len=200, rows=2, decode=dict(requests=3, page_size=64))
+        try:
+            args = argparse.Namespace(reps=2, shrink=1, flashinfer_so=None)
+            r = peers.Runner(args, self.dg, True, self.dev)
+            with contextlib.redirect_stdout(io.StringIO()):
+                r.decode_workload(name)
+        finally:
+            del peers.WORKLOADS[name]
+        self.assertEqual(r.failures, [])
+        by = {x["peer"]: x for x in r.records}
+        want = ["deepgemm_get_paged_mqa_logits_metadata", "deepgemm_fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits_clean",
+                "torch_topk", "flashinfer_top_k_page_table_transform", "deepgemm_paged+flashinfer_top_k_page_table_transform",
+                "deepgemm_paged+torch_topk"]
+        self.assertEqual(sorted(by), sorted("EMULATED:" + w for w in want))
+        e2e = by["EMULATED:deepgemm_paged+flashinfer_top_k_page_table_transform"]
+        self.assertEqual(e2e["mode"], "decode")
+        self.assertEqual(e2e["kv_bytes"], 3 * 256 * 132)  # 200 keys: 4 pages of 64
+        self.assertEqual(e2e["valid_pairs"], 3 * (199 + 200))
+        self.assertAlmostEqual(e2e["kv_gbs"], e2e["kv_bytes"] / (e2e["median_ms"] * 1e-3) / 1e9)
+        self.assertTrue(e2e["flashinfer_selection_ok"] and e2e["clean_logits_ok"])
+        self.assertEqual(e2e["context_lens"], "[B, next_n]")
 
 
 if __name__ == "__main__":

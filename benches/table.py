@@ -11,7 +11,15 @@ Reads the JSON lines of `dsa-indexer bench --device cuda --json` (ours) and of
   the fp4 inputs, so it is added beside them);
 
 each with its ratio `peer / ours` against the part of ours it stands for (above 1: ours
-is faster). Peers are taken from the peer workload of the same shape
+is faster).
+
+A decode workload of ours (its line has `next_n` and `kv_gbs`) gets its own table: ours
+end to end, logits and selection; DeepGEMM's paged logits + FlashInfer's top-k and +
+torch.topk (end to end), each part alone, and DeepGEMM's schedule metadata (once per
+decode step, in no other figure); each with the KV cache's bytes per second at the floor
+(`kv_bytes`: every used page read once per request) and its share of the 4.3 TB/s copy
+ceiling, and the ratio. Its peers are peers.py's `decode` mode of the same workload
+(E4M3 workloads only; the others show n/a). Peers are taken from the peer workload of the same shape
 (`v41-chunk-source` -> `v41-chunk`, `v41-1m-256m` -> `v41-1m`) in the mode that runs
 at ours' default budget (`row_chunked` where peers.py chunks, else `single_call`).
 
@@ -28,6 +36,7 @@ import os
 import sys
 
 PEER_SHAPE = {"v41-chunk-source": "v41-chunk", "v41-1m-256m": "v41-1m"}
+KV_COPY_CEILING_GBS = 4300.0
 EMULATED = "EMULATED:"
 
 
@@ -93,8 +102,72 @@ def peer_cell(rec):
     return rec.get("median_ms"), ms(rec.get("median_ms"))
 
 
+def is_decode(o):
+    return "next_n" in o and "kv_gbs" in o
+
+
+def kv_cells(kv_bytes, t):
+    """(GB/s, % of the ceiling) of `kv_bytes` read in `t` ms, as text."""
+    if not isinstance(kv_bytes, (int, float)) or not isinstance(t, (int, float)) or t <= 0:
+        return "", ""
+    gbs = kv_bytes / (t * 1e-3) / 1e9
+    return f"{gbs:.0f}", f"{100.0 * gbs / KV_COPY_CEILING_GBS:.1f} %"
+
+
+def decode_table(o, peers):
+    """The Markdown lines of one decode workload of ours `o`."""
+    name = o["name"]
+    kv = o.get("kv_bytes")
+    e2e, lg, sel = o.get("median_ms"), o.get("logits_ms"), o.get("select_ms")
+    lines = [
+        f"### {name} (decode: {o.get('requests', '?')} requests x {o.get('next_n', '?')} rows, "
+        f"pages of {o.get('page_size', '?')}; KV floor {kv / 1e6:.1f} MB)" if isinstance(kv, (int, float)) else f"### {name} (decode)",
+        "",
+        "| part | median ms | KV GB/s | of 4.3 TB/s | peer / ours |",
+        "|---|---|---|---|---|",
+    ]
+    for label, t in (("ours, end to end", e2e), ("ours, logits", lg)):
+        g, pct = kv_cells(kv, t)
+        lines.append(f"| {label} | {ms(t)} | {g} | {pct} | |")
+    lines.append(f"| ours, selection | {ms(sel)} | | | |")
+    rows = [
+        ("DeepGEMM paged + FlashInfer top-k", "deepgemm_paged+flashinfer_top_k_page_table_transform", e2e, True),
+        ("DeepGEMM paged + torch.topk", "deepgemm_paged+torch_topk", e2e, True),
+        ("DeepGEMM paged logits alone", "deepgemm_fp8_paged_mqa_logits", lg, True),
+        ("FlashInfer top-k alone", "flashinfer_top_k_page_table_transform", sel, False),
+        ("torch.topk alone", "torch_topk", sel, False),
+    ]
+    for label, peer, ours_ms, reads_kv in rows:
+        rec = peers.get(name, "decode", peer)
+        t, text = peer_cell(rec)
+        g, pct = kv_cells(kv, t) if reads_kv and t is not None else ("", "")
+        lines.append(f"| {label} | {text} | {g} | {pct} | {ratio(t, ours_ms)} |")
+    meta = peers.get(name, "decode", "deepgemm_get_paged_mqa_logits_metadata")
+    if meta is not None:
+        lines.append(f"| DeepGEMM schedule metadata (once per step) | {peer_cell(meta)[1]} | | | |")
+    lines.append("")
+    notes = []
+    p = o.get("topk_paths")
+    if p:
+        notes.append("top-k rows per run: " + ", ".join(f"{k} {v}" for k, v in p.items()))
+    any_rec = next((r for (w, m, _), r in peers.by.items() if w == name and m == "decode"), None)
+    if any_rec is None:
+        notes.append("no peer figures for this workload (peers.py runs the decode peers on the E4M3 workloads)")
+    else:
+        if any_rec.get("context_lens"):
+            notes.append(f"DeepGEMM took context_lens as {any_rec['context_lens']}; its sample max |x - ref| / M = {any_rec.get('sample_max_err_over_M', '?')}")
+        if any_rec.get("flashinfer_algorithm"):
+            notes.append(f"FlashInfer took {any_rec['flashinfer_algorithm']}; its selection: {any_rec.get('flashinfer_selection', '?')}")
+    lines.extend(f"- {n}" for n in notes)
+    if notes:
+        lines.append("")
+    return lines
+
+
 def table(o, peers):
     """The Markdown lines of one workload of ours `o`."""
+    if is_decode(o):
+        return decode_table(o, peers)
     name = o["name"]
     pw = PEER_SHAPE.get(name, name)
     modes = peers.modes(pw)

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Tests of benches/table.py on the recorded lines in benches/testdata (no GPU, no torch):
-`python3 benches/table_test.py`."""
+`python3 benches/table_test.py`. benches/testdata/decode holds made-up figures in the
+fields `dsa-indexer bench --json` and peers.py write for the decode workloads (no decode
+run has been recorded yet)."""
 
 import contextlib
 import io
@@ -12,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import table  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata")
+DECODE = os.path.join(DATA, "decode")
 
 
 def render(*argv):
@@ -77,6 +80,51 @@ class TableTest(unittest.TestCase):
         self.assertEqual(rc, 0)
         self.assertIn("No peer figures", text)
         self.assertEqual(row(section(text, "v32-16k"), "ours, end to end")[1], "4.030")
+
+
+class DecodeTableTest(unittest.TestCase):
+    def setUp(self):
+        self.rc, self.text = render(DECODE)
+
+    def test_ratios_and_kv_rates_at_the_floor(self):
+        self.assertEqual(self.rc, 0)
+        s = section(self.text, "v32-decode-b64-32k")
+        self.assertIn("64 requests x 1 rows, pages of 64; KV floor 276.8 MB", s[0])
+        # kv_bytes = 64 * 32768 * 132 = 276824064; / 0.080 ms = 3460 GB/s, 80.5 % of 4300.
+        self.assertEqual(row(s, "ours, end to end")[1:4], ["0.080", "3460", "80.5 %"])
+        self.assertEqual(row(s, "ours, logits")[2:4], ["3955", "92.0 %"])  # / 0.070 ms
+        self.assertEqual(row(s, "DeepGEMM paged + FlashInfer top-k")[1:], ["0.152", "1821", "42.4 %", "1.90"])
+        self.assertEqual(row(s, "DeepGEMM paged + torch.topk")[4], "5.25")  # 0.42 / 0.08
+        self.assertEqual(row(s, "DeepGEMM paged logits alone")[1:], ["0.110", "2517", "58.5 %", "1.57"])  # vs logits
+        self.assertEqual(row(s, "FlashInfer top-k alone")[1:], ["0.040", "", "", "2.00"])  # vs selection
+        self.assertEqual(row(s, "torch.topk alone")[4], "15.00")
+        self.assertEqual(row(s, "DeepGEMM schedule metadata (once per step)")[1], "0.006")
+        self.assertTrue(any("context_lens as [B, next_n]" in l for l in s))
+        self.assertTrue(any("FlashInfer took RadixTopK multi-CTA" in l for l in s))
+
+    def test_mtp2_counts_both_rows_and_shows_errors(self):
+        s = section(self.text, "v32-decode-b128-128k-mtp2")
+        self.assertIn("128 requests x 2 rows", s[0])
+        # 128 * 131072 * 132 B / 0.700 ms = 3164 GB/s.
+        self.assertEqual(row(s, "ours, end to end")[2:4], ["3164", "73.6 %"])
+        r = row(s, "DeepGEMM paged + FlashInfer top-k")
+        self.assertTrue(r[1].startswith("error: RuntimeError"))
+        self.assertEqual(r[2:], ["", "", ""])
+        self.assertEqual(row(s, "DeepGEMM paged logits alone")[1:], ["0.597", "3710", "86.3 %", "0.96"])
+
+    def test_a_decode_workload_without_peers_says_so(self):
+        s = section(self.text, "v41-decode-b64-64k")
+        # E2M1 pages: 68 B a token, 64 * 65536 * 68 = 285212672.
+        self.assertIn("KV floor 285.2 MB", s[0])
+        self.assertEqual(row(s, "DeepGEMM paged + FlashInfer top-k")[1:], ["n/a", "", "", ""])
+        self.assertTrue(any("no peer figures" in l for l in s))
+
+    def test_prefill_tables_ignore_decode_lines(self):
+        rc, text = render("--ours", os.path.join(DATA, "bench.jsonl"), "--peers", os.path.join(DECODE, "peers.jsonl"))
+        self.assertEqual(rc, 0)
+        s = section(text, "v32-16k")
+        self.assertEqual(row(s, "DeepGEMM + FlashInfer top-k")[1], "n/a")
+        self.assertNotIn("KV GB/s", text)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,12 @@
 //! `reps` runs. The logits and the selection halves are timed
 //! separately too (each tile's kernels between their own events, summed over tiles).
 //!
+//! Decode workloads (SPEC 10) put `requests` requests of `seq_len` tokens in one batch,
+//! each request's `rows` newest positions its query rows (`next_n`), and their keys in a
+//! page pool: pages of `page_size` tokens in random page order, the pool as large as the
+//! pages used. Besides the times they report the KV cache's bytes read per second against
+//! [`KV_COPY_CEILING_GBS`], counted at the floor: every used page read once per request.
+//!
 //! Device memory, two ways: the counted transient bytes (every buffer of the run as
 //! `Device::allocate` allocated it), asserted at most the plan's peak, and the driver's
 //! own figure (`cuMemGetInfo`, total minus free) read before the run, after `begin`,
@@ -31,9 +37,10 @@ pub struct Workload {
     pub dim: usize,
     /// `K`.
     pub topk: usize,
-    /// `S` of the one request.
+    /// `S` of the one request (of each request, for a decode workload).
     pub seq_len: usize,
-    /// Query rows: the last `rows` positions.
+    /// Query rows: the last `rows` positions (of each request: `next_n`, for a decode
+    /// workload).
     pub rows: usize,
     /// Logits budget in bytes.
     pub budget: usize,
@@ -41,7 +48,22 @@ pub struct Workload {
     pub source_tail: Option<usize>,
     /// How the fp4 inputs are drawn (ignored by fp8 workloads).
     pub fp4_draw: Fp4Draw,
+    /// A decode batch over paged keys (`None`: one request, flat keys).
+    pub decode: Option<Decode>,
 }
+
+/// A decode workload's batch: `requests` equal requests, keys in a page pool (SPEC 10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decode {
+    /// `B`: requests in the batch.
+    pub requests: usize,
+    /// `P`: tokens per page.
+    pub page_size: usize,
+}
+
+/// The copy ceiling a decode workload's KV bytes per second are set against: the H200's
+/// HBM3e, 4.3 TB/s, in GB/s.
+pub const KV_COPY_CEILING_GBS: f64 = 4300.0;
 
 /// How a V4.1 workload's fp4 queries and keys are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +94,7 @@ const V32: Workload = Workload {
     budget: 2 * GIB,
     source_tail: None,
     fp4_draw: Fp4Draw::Quantized,
+    decode: None,
 };
 
 /// The V4.1 shape: E2M1 x E2M1, H = 32, K = 512, the last 4096 rows of 256K tokens.
@@ -86,9 +109,13 @@ const V41: Workload = Workload {
     budget: 2 * GIB,
     source_tail: None,
     fp4_draw: Fp4Draw::Quantized,
+    decode: None,
 };
 
-/// The workload table: the two shapes and their variants.
+/// Decode over the engines' page size: 64 tokens per page.
+const DECODE_PAGE: usize = 64;
+
+/// The workload table: the two shapes and their variants, prefill then decode.
 pub const WORKLOADS: &[Workload] = &[
     V32,
     Workload {
@@ -121,6 +148,36 @@ pub const WORKLOADS: &[Workload] = &[
         budget: 256 << 20,
         ..V41
     },
+    Workload {
+        name: "v32-decode-b64-32k",
+        seq_len: 32768,
+        rows: 1,
+        decode: Some(Decode {
+            requests: 64,
+            page_size: DECODE_PAGE,
+        }),
+        ..V32
+    },
+    Workload {
+        name: "v32-decode-b128-128k-mtp2",
+        seq_len: 131072,
+        rows: 2,
+        decode: Some(Decode {
+            requests: 128,
+            page_size: DECODE_PAGE,
+        }),
+        ..V32
+    },
+    Workload {
+        name: "v41-decode-b64-64k",
+        seq_len: 65536,
+        rows: 1,
+        decode: Some(Decode {
+            requests: 64,
+            page_size: DECODE_PAGE,
+        }),
+        ..V41
+    },
 ];
 
 /// Look a workload up by name.
@@ -134,7 +191,7 @@ pub fn workload(name: &str) -> Result<Workload> {
                 "workload",
                 name,
                 "one of v32-16k, v32-64k, v41-chunk, v41-chunk-source, v41-chunk-wide, v41-1m, \
-                 v41-1m-256m",
+                 v41-1m-256m, v32-decode-b64-32k, v32-decode-b128-128k-mtp2, v41-decode-b64-64k",
             )
         })
 }
@@ -183,12 +240,71 @@ pub struct BenchResult {
     pub topk_paths: TopkPaths,
     /// Exact-class fold counters per run (zero outside the exact class).
     pub fold_counts: FoldCounts,
+    /// A decode workload's figures (`None` for the others, whose JSON is unchanged).
+    pub decode: Option<DecodeFigures>,
+}
+
+/// What a decode workload reports besides the common figures: its batch, its pool and
+/// the KV cache's bytes read per second.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeFigures {
+    /// `B`.
+    pub requests: usize,
+    /// Query rows per request.
+    pub next_n: usize,
+    /// `P`.
+    pub page_size: usize,
+    /// Pages in the pool (every one used).
+    pub pool_pages: usize,
+    /// Bytes of one token in a page.
+    pub bytes_per_token: usize,
+    /// The floor of the KV bytes read: `sum_b ceil(L_b / P) * P * bytes_per_token`.
+    pub kv_bytes: u64,
+    /// `kv_bytes / median_ms` in GB/s.
+    pub kv_gbs: f64,
+    /// `kv_gbs / KV_COPY_CEILING_GBS`.
+    pub kv_ceiling_fraction: f64,
+}
+
+impl DecodeFigures {
+    /// The figures of a decode batch over `pool` pages of `page_size`, timed at `median_ms`.
+    pub fn new(
+        batch: &Batch,
+        page_size: usize,
+        pool_pages: usize,
+        bytes_per_token: usize,
+        median_ms: f64,
+    ) -> Self {
+        let reqs = batch.requests();
+        let kv_bytes = kv_bytes_floor(batch, page_size, bytes_per_token);
+        let kv_gbs = kv_bytes as f64 / (median_ms * 1e-3) / 1e9;
+        DecodeFigures {
+            requests: reqs.len(),
+            next_n: batch.num_rows() / reqs.len().max(1),
+            page_size,
+            pool_pages,
+            bytes_per_token,
+            kv_bytes,
+            kv_gbs,
+            kv_ceiling_fraction: kv_gbs / KV_COPY_CEILING_GBS,
+        }
+    }
+}
+
+/// The floor of the KV-cache bytes a decode batch reads: every page a request uses, read
+/// once for that request, `sum_b ceil(L_b / P) * P * bytes_per_token`.
+pub fn kv_bytes_floor(batch: &Batch, page_size: usize, bytes_per_token: usize) -> u64 {
+    batch
+        .requests()
+        .iter()
+        .map(|r| (r.keys.div_ceil(page_size) * page_size * bytes_per_token) as u64)
+        .sum()
 }
 
 impl BenchResult {
     /// One JSON object.
     pub fn to_json(&self) -> String {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "name": self.name, "device": self.device, "rows": self.rows,
             "valid_pairs": self.valid_pairs, "tiles": self.tiles, "budget": self.budget,
             "median_ms": self.median_ms, "min_ms": self.min_ms, "logits_ms": self.logits_ms,
@@ -213,8 +329,19 @@ impl BenchResult {
                 "tiles_int8": self.fold_counts.tiles_int8,
                 "tiles_int8_fallback": self.fold_counts.tiles_int8_fallback,
             },
-        })
-        .to_string()
+        });
+        if let (Some(d), Some(o)) = (&self.decode, v.as_object_mut()) {
+            let fields = serde_json::json!({
+                "requests": d.requests, "next_n": d.next_n, "page_size": d.page_size,
+                "pool_pages": d.pool_pages, "bytes_per_token": d.bytes_per_token,
+                "kv_bytes": d.kv_bytes, "kv_gbs": d.kv_gbs,
+                "kv_ceiling_gbs": KV_COPY_CEILING_GBS, "kv_ceiling_fraction": d.kv_ceiling_fraction,
+            });
+            if let Some(f) = fields.as_object() {
+                o.extend(f.clone());
+            }
+        }
+        v.to_string()
     }
 }
 
@@ -257,13 +384,23 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 impl Workload {
-    /// The workload's batch: one request of `seq_len` tokens, its last `rows`
-    /// positions the query rows.
+    /// The workload's batch: one request of `seq_len` tokens (a decode workload:
+    /// `requests` of them), its last `rows` positions the query rows, ratio 1.
     pub fn batch(&self) -> Result<Batch> {
         let q0 = self.seq_len.checked_sub(self.rows).ok_or_else(|| {
             Error::range("workload.rows", self.rows, "at most the workload's seq_len")
         })?;
-        Batch::contiguous(&[self.seq_len], &[q0], 1)
+        let b = self.decode.map_or(1, |d| d.requests);
+        Batch::contiguous(&vec![self.seq_len; b], &vec![q0; b], 1)
+    }
+
+    /// The format of the workload's keys.
+    pub fn key_format(&self) -> crate::problem::Format {
+        if self.fp4 {
+            crate::problem::Format::E2m1
+        } else {
+            crate::problem::Format::E4m3
+        }
     }
 
     /// The workload's role: plain, or a source with its tail.
@@ -366,6 +503,22 @@ pub fn run_workload(
     let flops = 2.0 * pairs * (h * d) as f64;
     let min_ms = total.iter().copied().fold(f64::INFINITY, f64::min);
     let (med, lmed, smed) = (median(total), median(logits), median(select));
+    let decode = match (w.decode, p.paged()) {
+        (Some(d), Some(pk)) => Some(DecodeFigures::new(
+            batch,
+            d.page_size,
+            pk.num_pages(),
+            crate::paged::bytes_per_token(pk.format, p.dim),
+            med,
+        )),
+        (None, None) => None,
+        _ => {
+            return Err(super::backend_err(format!(
+                "{}: a decode workload takes paged keys and the others flat keys",
+                w.name
+            )))
+        }
+    };
     Ok(BenchResult {
         name: w.name.into(),
         device: b.dev.name(),
@@ -387,6 +540,7 @@ pub fn run_workload(
         reps,
         topk_paths,
         fold_counts,
+        decode,
     })
 }
 
@@ -471,8 +625,10 @@ mod tests {
                 tiles_int8_fallback: 36,
             }
             .per_run(runs),
+            decode: None,
         };
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert!(v.get("kv_gbs").is_none() && v.get("next_n").is_none());
         let p = &v["topk_paths"];
         let got = [
             "all",
@@ -500,5 +656,104 @@ mod tests {
             ["used_before", "used_high", "used_after", "peak", "samples"].map(|k| m[k].as_u64());
         assert_eq!(got, [100, 350, 120, 250, 7].map(Some));
         assert_eq!(v["counted_peak"].as_u64(), Some(1));
+    }
+
+    /// The decode workloads: the issue's shapes, their batches and their KV floor.
+    #[test]
+    fn decode_workloads_batches_and_kv_floor() {
+        let cases = [
+            ("v32-decode-b64-32k", false, 64, 2048, 64, 32768, 1, 132),
+            (
+                "v32-decode-b128-128k-mtp2",
+                false,
+                64,
+                2048,
+                128,
+                131072,
+                2,
+                132,
+            ),
+            ("v41-decode-b64-64k", true, 32, 512, 64, 65536, 1, 68),
+        ];
+        for (name, fp4, h, k, b, s, next_n, bpt) in cases {
+            let w = workload(name).unwrap();
+            let d = w.decode.unwrap();
+            assert_eq!((w.fp4, w.heads, w.dim, w.topk), (fp4, h, 128, k), "{name}");
+            assert_eq!(
+                (d.requests, d.page_size, w.seq_len, w.rows),
+                (b, 64, s, next_n)
+            );
+            let batch = w.batch().unwrap();
+            assert_eq!(batch.requests().len(), b);
+            assert_eq!(batch.num_rows(), b * next_n);
+            assert_eq!(batch.num_keys(), b * s);
+            assert_eq!(
+                crate::paged::bytes_per_token(w.key_format(), w.dim),
+                bpt,
+                "{name}"
+            );
+            assert_eq!(kv_bytes_floor(&batch, 64, bpt), (b * s * bpt) as u64);
+        }
+        // Prefill workloads stay one request over flat keys.
+        assert!(WORKLOADS
+            .iter()
+            .filter(|w| !w.name.contains("decode"))
+            .all(|w| w.decode.is_none() && w.batch().unwrap().requests().len() == 1));
+    }
+
+    /// A partly filled last page counts whole: ceil(L_b / P) * P tokens per request.
+    #[test]
+    fn kv_floor_counts_whole_pages_per_request() {
+        let batch = Batch::contiguous(&[65, 64, 1], &[64, 63, 0], 1).unwrap();
+        assert_eq!(kv_bytes_floor(&batch, 64, 132), (128 + 64 + 64) * 132);
+        assert_eq!(kv_bytes_floor(&batch, 16, 68), (80 + 64 + 16) * 68);
+        let f = DecodeFigures::new(&batch, 64, 4, 132, 0.5);
+        assert_eq!((f.requests, f.next_n, f.pool_pages), (3, 1, 4));
+        let gbs = (256 * 132) as f64 / 0.5e-3 / 1e9;
+        assert!((f.kv_gbs - gbs).abs() < 1e-9 * gbs);
+        assert!((f.kv_ceiling_fraction - gbs / KV_COPY_CEILING_GBS).abs() < 1e-12);
+    }
+
+    /// A decode workload's JSON line adds its batch, pool and KV figures to the common
+    /// fields, flat, as the others are.
+    #[test]
+    fn decode_json_adds_the_kv_figures() {
+        let batch = Batch::contiguous(&[128, 100], &[127, 99], 1).unwrap();
+        let d = DecodeFigures::new(&batch, 64, 4, 132, 0.25);
+        let j = serde_json::json!({"requests": 2, "next_n": 1, "page_size": 64, "pool_pages": 4,
+            "bytes_per_token": 132, "kv_bytes": 4 * 64 * 132});
+        let r = BenchResult {
+            name: "v32-decode-b64-32k".into(),
+            device: "none".into(),
+            rows: 2,
+            valid_pairs: 228,
+            tiles: 1,
+            budget: 1,
+            median_ms: 0.25,
+            min_ms: 0.25,
+            logits_ms: 0.2,
+            select_ms: 0.05,
+            tflops: 1.0,
+            logits_tflops: 1.0,
+            topk_gbs: 1.0,
+            rows_per_s: 1.0,
+            counted_peak: 1,
+            planned_peak: 1,
+            driver: DriverMemory::default(),
+            reps: 5,
+            topk_paths: TopkPaths::default(),
+            fold_counts: FoldCounts::default(),
+            decode: Some(d),
+        };
+        let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        for (k, want) in j.as_object().unwrap() {
+            assert_eq!(&v[k], want, "{k}");
+        }
+        let gbs = (4 * 64 * 132) as f64 / 0.25e-3 / 1e9;
+        assert!((v["kv_gbs"].as_f64().unwrap() - gbs).abs() < 1e-9 * gbs);
+        assert_eq!(v["kv_ceiling_gbs"].as_f64(), Some(KV_COPY_CEILING_GBS));
+        assert!((v["kv_ceiling_fraction"].as_f64().unwrap() - gbs / 4300.0).abs() < 1e-12);
+        assert_eq!(v["select_ms"].as_f64(), Some(0.05));
+        assert_eq!(v["name"], "v32-decode-b64-32k");
     }
 }

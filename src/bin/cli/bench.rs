@@ -14,8 +14,9 @@ use crate::{checksum, parse_bytes, replay, Device, ShapeArgs};
 #[derive(Args)]
 pub struct BenchArgs {
     /// Named GPU workloads (v32-16k, v32-64k, v41-chunk, v41-chunk-source, v41-chunk-wide,
-    /// v41-1m, v41-1m-256m, or `all`), timed with CUDA events; needs `--device cuda`. Without
-    /// one, the preset runs.
+    /// v41-1m, v41-1m-256m; decode over paged keys: v32-decode-b64-32k,
+    /// v32-decode-b128-128k-mtp2, v41-decode-b64-64k; or `all`), timed with CUDA events;
+    /// needs `--device cuda`. Without one, the preset runs.
     workloads: Vec<String>,
     #[command(flatten)]
     shape: ShapeArgs,
@@ -109,7 +110,8 @@ fn bench_preset(a: &BenchArgs) -> Result<i32> {
 #[cfg(feature = "cuda")]
 mod gpu {
     use dsa_indexer::cuda::{bench, CudaBackend};
-    use dsa_indexer::problem::{Inputs, Keys, Queries};
+    use dsa_indexer::paged::PagedKeys;
+    use dsa_indexer::problem::{Format, Inputs, Keys, Queries};
     use ndarray::{Array1, Array2, Array3};
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -119,7 +121,8 @@ mod gpu {
 
     /// A workload's inputs, owned, from a fixed seed: fp4 queries and keys as the
     /// workload's [`bench::Fp4Draw`] says, fp8 codes uniform (away from NaN) with per-key
-    /// scales in [0.5, 2), weights in [-1, 1).
+    /// scales in [0.5, 2), weights in [-1, 1). A decode workload's keys are drawn request
+    /// by request into a page pool ([`workload::page_pool`]) instead of `k`.
     struct Data {
         weights: Array2<f32>,
         q: Array3<u8>,
@@ -131,10 +134,15 @@ mod gpu {
         /// E4M3 keys' f32 scales.
         kscale: Array1<f32>,
         fp4: bool,
+        /// A decode workload's keys.
+        pool: Option<workload::PagePool>,
     }
 
     impl Data {
         fn new(w: &bench::Workload, t: usize, l: usize) -> Result<Data> {
+            if let Some(d) = w.decode {
+                return Data::decode(w, &d, t);
+            }
             let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
             let (h, d) = (w.heads, w.dim);
             let g = d / 32;
@@ -174,6 +182,7 @@ mod gpu {
                     ks: Array2::from_shape_vec((l, g), ks).map_err(shape)?,
                     kscale: Array1::zeros(0),
                     fp4: true,
+                    pool: None,
                 })
             } else {
                 let q = Array3::from_shape_fn((t, h, d), |_| byte(&mut rng));
@@ -187,6 +196,98 @@ mod gpu {
                     ks: Array2::zeros((0, 0)),
                     kscale,
                     fp4: false,
+                    pool: None,
+                })
+            }
+        }
+
+        /// A decode workload's inputs: weights and queries of its `t` rows drawn as
+        /// [`Data::new`] draws them, then each request's `seq_len` keys (ratio 1) in the
+        /// same way, into a pool of `page_size` pages in random order.
+        fn decode(w: &bench::Workload, d: &bench::Decode, t: usize) -> Result<Data> {
+            let mut rng = ChaCha8Rng::seed_from_u64(0x5eed);
+            let (h, dim) = (w.heads, w.dim);
+            let g = dim / 32;
+            let lens = vec![w.seq_len; d.requests];
+            let shape = |e: ndarray::ShapeError| CliError::input(format!("bench inputs: {e}"));
+            let weights = Array2::from_shape_fn((t, h), |_| rng.gen_range(-1.0f32..1.0));
+            let mut pool_rng = ChaCha8Rng::seed_from_u64(0x7061_6765);
+            if w.fp4 {
+                let (q, qs, kc, seed) = match w.fp4_draw {
+                    bench::Fp4Draw::Quantized => {
+                        let qc = workload::channel_exponents(h * dim, &mut rng);
+                        let kc = workload::channel_exponents(dim, &mut rng);
+                        let seed: u64 = rng.gen();
+                        let (q, qs) = workload::engine_like_fp4(t * h, dim, &qc, seed)?;
+                        (q, qs, Some(kc), seed)
+                    }
+                    bench::Fp4Draw::UniformScales => {
+                        let (q, qs) =
+                            workload::uniform_scale_fp4(t * h * dim / 2, t * h * g, &mut rng);
+                        (q, qs, None, 0)
+                    }
+                };
+                let pool = workload::page_pool(
+                    w.key_format(),
+                    dim,
+                    d.page_size,
+                    &lens,
+                    &mut pool_rng,
+                    |b| {
+                        let (packed, scale) = match &kc {
+                            // Request b's keys from their own seed, stream i for key i.
+                            Some(kc) => workload::engine_like_fp4(
+                                lens[b],
+                                dim,
+                                kc,
+                                (seed ^ 0x6b65_7973).wrapping_add((b as u64 + 1) << 40),
+                            )?,
+                            None => workload::uniform_scale_fp4(
+                                lens[b] * dim / 2,
+                                lens[b] * g,
+                                &mut rng,
+                            ),
+                        };
+                        Ok(workload::FlatRun::E2m1 { packed, scale })
+                    },
+                )?;
+                Ok(Data {
+                    weights,
+                    q: Array3::from_shape_vec((t, h, dim / 2), q).map_err(shape)?,
+                    qs: Array3::from_shape_vec((t, h, g), qs).map_err(shape)?,
+                    k: Array2::zeros((0, dim / 2)),
+                    ks: Array2::zeros((0, g)),
+                    kscale: Array1::zeros(0),
+                    fp4: true,
+                    pool: Some(pool),
+                })
+            } else {
+                let byte = |r: &mut ChaCha8Rng| -> u8 {
+                    let b: u8 = r.gen();
+                    if b & 0x7F == 0x7F {
+                        b & 0xF7
+                    } else {
+                        b
+                    }
+                };
+                let q = Array3::from_shape_fn((t, h, dim), |_| byte(&mut rng));
+                let pool = workload::page_pool(
+                    w.key_format(),
+                    dim,
+                    d.page_size,
+                    &lens,
+                    &mut pool_rng,
+                    |b| Ok(workload::e4m3_keys(lens[b], dim, &mut rng)),
+                )?;
+                Ok(Data {
+                    weights,
+                    q,
+                    qs: Array3::zeros((0, 0, 0)),
+                    k: Array2::zeros((0, dim)),
+                    ks: Array2::zeros((0, 0)),
+                    kscale: Array1::zeros(0),
+                    fp4: false,
+                    pool: Some(pool),
                 })
             }
         }
@@ -211,6 +312,15 @@ mod gpu {
                         scale: self.kscale.view(),
                     },
                 )
+            };
+            let k = match &self.pool {
+                Some(pool) => Keys::Paged(PagedKeys {
+                    format: if self.fp4 { Format::E2m1 } else { Format::E4m3 },
+                    kv_cache: pool.kv_cache.view(),
+                    page_table: pool.page_table.view(),
+                    page_size: pool.page_size,
+                }),
+                None => k,
             };
             Inputs {
                 q,
@@ -272,6 +382,21 @@ mod gpu {
              selection {:.3} ms ({:.0} GB/s of logits)",
             r.median_ms, r.reps, r.min_ms, r.tflops, r.logits_ms, r.logits_tflops, r.select_ms, r.topk_gbs,
         );
+        if let Some(d) = &r.decode {
+            println!(
+                "  decode: {} requests x {} rows, pages of {} ({} in the pool, {} B a token); KV floor \
+                 {} B read at {:.0} GB/s end to end, {:.1} % of the {:.0} GB/s copy ceiling",
+                d.requests,
+                d.next_n,
+                d.page_size,
+                d.pool_pages,
+                d.bytes_per_token,
+                d.kv_bytes,
+                d.kv_gbs,
+                100.0 * d.kv_ceiling_fraction,
+                bench::KV_COPY_CEILING_GBS
+            );
+        }
         let m = &r.driver;
         println!(
             "  device memory: counted transient {} B (planned peak {} B); driver (cuMemGetInfo) \
@@ -293,6 +418,35 @@ mod gpu {
             f.query_blocks_plain, f.threads_one_multiply, f.threads_two_multiplies, f.tiles_int8,
             f.tiles_int8_fallback
         );
+    }
+
+    /// The decode inputs on the host (no GPU): a small decode workload of either format
+    /// gives a valid paged problem over a pool of exactly the pages used.
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn decode_inputs_make_a_valid_paged_problem() {
+            for name in ["v32-decode-b64-32k", "v41-decode-b64-64k"] {
+                let w = bench::Workload {
+                    seq_len: 130,
+                    rows: 2,
+                    decode: Some(bench::Decode {
+                        requests: 3,
+                        page_size: 64,
+                    }),
+                    ..bench::workload(name).unwrap()
+                };
+                let batch = w.batch().unwrap();
+                let data = Data::new(&w, batch.num_rows(), batch.num_keys()).unwrap();
+                let p = w.problem(&batch, data.inputs()).unwrap();
+                let pk = p.paged().expect("paged keys");
+                assert_eq!(pk.num_pages(), 3 * 3, "{name}");
+                assert_eq!(pk.format, w.key_format());
+                assert_eq!((p.heads, p.topk, batch.num_rows()), (w.heads, w.topk, 6));
+            }
+        }
     }
 }
 

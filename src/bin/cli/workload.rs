@@ -206,6 +206,112 @@ pub fn uniform_scale_fp4(bytes: usize, groups: usize, rng: &mut ChaCha8Rng) -> (
     (packed, scale)
 }
 
+/// A flat run of keys in either format: E4M3 codes `[n, D]` with `[n]` f32 scales, or
+/// packed E2M1 `[n, D/2]` with `[n, D/32]` UE8M0 bytes.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the GPU benchmark draws with it
+pub enum FlatRun {
+    E4m3 { codes: Vec<u8>, scale: Vec<f32> },
+    E2m1 { packed: Vec<u8>, scale: Vec<u8> },
+}
+
+/// `n` E4M3 keys as `dsa-indexer bench` draws them: uniform bytes with the NaN codes
+/// (`b & 0x7F == 0x7F`) mapped to `b & 0xF7`, per-key scales uniform in [0.5, 2).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the GPU benchmark draws with it
+pub fn e4m3_keys(n: usize, dim: usize, rng: &mut ChaCha8Rng) -> FlatRun {
+    let mut codes = vec![0u8; n * dim];
+    rng.fill(&mut codes[..]);
+    for b in codes.iter_mut() {
+        if *b & 0x7F == 0x7F {
+            *b &= 0xF7;
+        }
+    }
+    let scale = (0..n).map(|_| rng.gen_range(0.5f32..2.0)).collect();
+    FlatRun::E4m3 { codes, scale }
+}
+
+/// Keys in a page pool (SPEC 10) and its page table.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the GPU benchmark draws with it
+pub struct PagePool {
+    /// `u8 [pages, P * bytes_per_token]`.
+    pub kv_cache: Array2<u8>,
+    /// `i32 [B, max_b ceil(L_b / P)]`, -1 past a request's pages.
+    pub page_table: Array2<i32>,
+    pub page_size: usize,
+}
+
+/// Request `b`'s `lens[b]` keys, `draw(b)`, written into a pool of exactly the pages the
+/// requests use (`sum_b ceil(L_b / P)`), the pages handed out in a random order (a
+/// permutation of the pool from `rng`), so a request's pages are neither contiguous nor
+/// in order. The slots of a last page past `L_b` stay zero.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the GPU benchmark draws with it
+pub fn page_pool(
+    format: Format,
+    dim: usize,
+    page_size: usize,
+    lens: &[usize],
+    rng: &mut ChaCha8Rng,
+    mut draw: impl FnMut(usize) -> Result<FlatRun>,
+) -> Result<PagePool> {
+    use rand::seq::SliceRandom;
+    if !(page_size.is_power_of_two() && page_size <= dsa_indexer::paged::MAX_PAGE_SIZE) {
+        bail!("page_size = {page_size}: expected a power of two in 1..=256");
+    }
+    if dim == 0 || !dim.is_multiple_of(32) {
+        bail!("dim = {dim}: expected a positive multiple of 32");
+    }
+    let (p, g) = (page_size, dim / 32);
+    let used: Vec<usize> = lens.iter().map(|l| l.div_ceil(p)).collect();
+    let pages: usize = used.iter().sum();
+    let width = used.iter().copied().max().unwrap_or(0);
+    let bpt = dsa_indexer::paged::bytes_per_token(format, dim);
+    let mut ids: Vec<i32> = (0..pages as i32).collect();
+    ids.shuffle(rng);
+    let mut kv_cache = Array2::<u8>::zeros((pages, p * bpt));
+    let mut page_table = Array2::<i32>::from_elem((lens.len(), width), -1);
+    let mut next = 0;
+    for (b, &l) in lens.iter().enumerate() {
+        let run = draw(b)?;
+        let fits = match &run {
+            FlatRun::E4m3 { codes, scale } => codes.len() == l * dim && scale.len() == l,
+            FlatRun::E2m1 { packed, scale } => packed.len() == l * dim / 2 && scale.len() == l * g,
+        };
+        if !fits {
+            bail!("page pool: request {b}'s keys are not {l} keys of dim {dim}");
+        }
+        for e in 0..used[b] {
+            let id = ids[next];
+            next += 1;
+            page_table[[b, e]] = id;
+            let mut row = kv_cache.row_mut(id as usize);
+            let page = row
+                .as_slice_mut()
+                .ok_or_else(|| crate::errors::CliError::input("page pool: a strided page"))?;
+            let (j0, n) = (e * p, (l - e * p).min(p));
+            match (&run, format) {
+                (FlatRun::E4m3 { codes, scale }, Format::E4m3) => {
+                    page[..n * dim].copy_from_slice(&codes[j0 * dim..(j0 + n) * dim]);
+                    for t in 0..n {
+                        let at = p * dim + 4 * t;
+                        page[at..at + 4].copy_from_slice(&scale[j0 + t].to_le_bytes());
+                    }
+                }
+                (FlatRun::E2m1 { packed, scale }, Format::E2m1) => {
+                    let h = dim / 2;
+                    page[..n * h].copy_from_slice(&packed[j0 * h..(j0 + n) * h]);
+                    let at = p * h;
+                    page[at..at + n * g].copy_from_slice(&scale[j0 * g..(j0 + n) * g]);
+                }
+                _ => bail!("page pool of {format} keys: request {b}'s keys are in another format"),
+            }
+        }
+    }
+    Ok(PagePool {
+        kv_cache,
+        page_table,
+        page_size,
+    })
+}
+
 /// Random inputs for `shape` (no expected outputs yet). Values are normal with a
 /// per-vector magnitude spread, quantized with the crate's quantizers; an E4M3
 /// query's scale is folded into its weight (SPEC 4).
@@ -409,5 +515,109 @@ mod tests {
         assert_eq!(few.1[..], many.1[..7 * 2]);
         assert!(engine_like_fp4(1, 48, &ch, 9).is_err());
         assert!(engine_like_fp4(1, 64, &ch[..100], 9).is_err());
+    }
+
+    /// The decode benchmark's pool: read back through the page table (SPEC 10's
+    /// layout, as the library gathers it) it gives the keys drawn, in either format;
+    /// every pool page is used exactly once, the rest of the table is -1.
+    #[test]
+    fn page_pool_reads_back_the_keys_drawn() {
+        use dsa_indexer::paged::PagedKeys;
+        let (d, p) = (128, 16);
+        let lens = [130usize, 64, 1, 17];
+        let q0: Vec<usize> = lens.iter().map(|l| l - 1).collect();
+        let batch = Batch::contiguous(&lens, &q0, 1).unwrap();
+        for format in [Format::E4m3, Format::E2m1] {
+            let mut rng = ChaCha8Rng::seed_from_u64(9);
+            let mut drawn = Vec::new();
+            let pool = page_pool(format, d, p, &lens, &mut rng, |b| {
+                let mut r = ChaCha8Rng::seed_from_u64(100 + b as u64);
+                let run = match format {
+                    Format::E4m3 => e4m3_keys(lens[b], d, &mut r),
+                    Format::E2m1 => {
+                        let (packed, scale) =
+                            uniform_scale_fp4(lens[b] * d / 2, lens[b] * d / 32, &mut r);
+                        FlatRun::E2m1 { packed, scale }
+                    }
+                };
+                let copy = match &run {
+                    FlatRun::E4m3 { codes, scale } => FlatRun::E4m3 {
+                        codes: codes.clone(),
+                        scale: scale.clone(),
+                    },
+                    FlatRun::E2m1 { packed, scale } => FlatRun::E2m1 {
+                        packed: packed.clone(),
+                        scale: scale.clone(),
+                    },
+                };
+                drawn.push(copy);
+                Ok(run)
+            })
+            .unwrap();
+            let pages: usize = lens.iter().map(|l| l.div_ceil(p)).sum();
+            assert_eq!(pool.kv_cache.nrows(), pages);
+            let mut ids: Vec<i32> = pool
+                .page_table
+                .iter()
+                .copied()
+                .filter(|&x| x >= 0)
+                .collect();
+            assert_eq!(ids.len(), pages);
+            ids.sort_unstable();
+            assert_eq!(ids, (0..pages as i32).collect::<Vec<_>>());
+            // Random order: request 0's nine pages are not 0..9.
+            assert_ne!(
+                pool.page_table.row(0).to_vec(),
+                (0..9).collect::<Vec<i32>>()
+            );
+            for (b, l) in lens.iter().enumerate() {
+                let row = pool.page_table.row(b);
+                assert!(row.iter().skip(l.div_ceil(p)).all(|&x| x == -1));
+            }
+            let pk = PagedKeys {
+                format,
+                kv_cache: pool.kv_cache.view(),
+                page_table: pool.page_table.view(),
+                page_size: pool.page_size,
+            };
+            pk.validate(&batch, d).unwrap();
+            let flat = pk.gather(&batch, d);
+            let mut codes = Vec::new();
+            let (mut fs, mut us) = (Vec::new(), Vec::new());
+            for run in &drawn {
+                match run {
+                    FlatRun::E4m3 { codes: c, scale } => {
+                        codes.extend_from_slice(c);
+                        fs.extend_from_slice(scale);
+                    }
+                    FlatRun::E2m1 { packed, scale } => {
+                        codes.extend_from_slice(packed);
+                        us.extend_from_slice(scale);
+                    }
+                }
+            }
+            assert_eq!(flat.codes.as_slice().unwrap(), &codes[..], "{format}");
+            assert_eq!(flat.e4m3_scale.as_slice().unwrap(), &fs[..], "{format}");
+            assert_eq!(flat.e2m1_scale.as_slice().unwrap(), &us[..], "{format}");
+        }
+    }
+
+    /// A draw of the wrong length or format is an error naming the request, not a panic.
+    #[test]
+    fn page_pool_refuses_a_draw_that_does_not_fit() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let short = page_pool(Format::E4m3, 128, 64, &[10, 5], &mut rng, |b| {
+            Ok(e4m3_keys(
+                if b == 1 { 4 } else { 10 },
+                128,
+                &mut ChaCha8Rng::seed_from_u64(2),
+            ))
+        });
+        assert!(short.err().unwrap().msg.contains("request 1"));
+        let other = page_pool(Format::E2m1, 128, 64, &[10], &mut rng, |_| {
+            Ok(e4m3_keys(10, 128, &mut ChaCha8Rng::seed_from_u64(2)))
+        });
+        assert!(other.is_err());
+        assert!(page_pool(Format::E4m3, 128, 48, &[10], &mut rng, |_| unreachable!()).is_err());
     }
 }
