@@ -2139,6 +2139,20 @@ fn engine_api_takes_device_inputs_on_the_callers_stream() {
         .is_err());
 }
 
+/// How [`engine_paged`] hands over the pool: its view `lead` bytes into the upload, and
+/// the page size it states.
+#[derive(Clone, Copy)]
+struct PoolView {
+    lead: usize,
+    page_size: Option<usize>,
+}
+
+/// The pool as it is.
+const POOL: PoolView = PoolView {
+    lead: 0,
+    page_size: None,
+};
+
 /// Problem `p` (paged keys) through the engine API from device views of its pool and
 /// page table (`DeviceKeys::Paged`), the caller's stream; its raw and page copied back.
 fn engine_paged(
@@ -2147,9 +2161,12 @@ fn engine_paged(
     p: &Problem,
     kv_cache: &Array2<u8>,
     page_table: &Array2<i32>,
+    pool: PoolView,
 ) -> Result<(Vec<i32>, Vec<i32>), dsa_indexer::Error> {
     let pk = p.paged().unwrap();
-    let kv = stream.clone_htod(kv_cache.as_slice().unwrap()).unwrap();
+    let mut host = vec![0u8; pool.lead];
+    host.extend_from_slice(kv_cache.as_slice().unwrap());
+    let kv = stream.clone_htod(&host).unwrap();
     let pt = stream.clone_htod(page_table.as_slice().unwrap()).unwrap();
     let w = stream
         .clone_htod(p.inputs.weights.as_slice().unwrap())
@@ -2173,10 +2190,10 @@ fn engine_paged(
         },
         k: cuda::DeviceKeys::Paged {
             format: pk.format,
-            kv_cache: kv.as_view(),
+            kv_cache: kv.slice(pool.lead..host.len()),
             page_table: pt.as_view(),
             max_pages: page_table.ncols(),
-            page_size: pk.page_size,
+            page_size: pool.page_size.unwrap_or(pk.page_size),
         },
         weights: w.as_view(),
         k_slots: None,
@@ -2232,7 +2249,7 @@ fn engine_api_reads_paged_keys_from_device_views() {
             let (batch, published) = dump_problem(&d);
             let p = d.problem(&batch, published.as_ref()).unwrap();
             let (want, _) = run_backend(&mut b, &p, usize::MAX).unwrap();
-            let (raw, page) = engine_paged(&stream, &engine, &p, &kv, &pt).unwrap();
+            let (raw, page) = engine_paged(&stream, &engine, &p, &kv, &pt, POOL).unwrap();
             check_eq(&name, "engine raw", &raw, want.raw.as_slice().unwrap());
             check_eq(&name, "engine page", &page, want.page.as_slice().unwrap());
             if p.class() == Class::Exact {
@@ -2247,6 +2264,31 @@ fn engine_api_reads_paged_keys_from_device_views() {
                     "engine page vs golden",
                     &page,
                     d.expected.page.as_ref().unwrap().as_slice().unwrap(),
+                );
+            }
+            // A pool view off a 16-byte boundary, and pages the kernels cannot read
+            // (2 E4M3 tokens: 264 bytes), are errors naming the field, before any
+            // launch.
+            let field_of = |r: Result<(Vec<i32>, Vec<i32>), dsa_indexer::Error>| match r {
+                Err(dsa_indexer::Error::OutOfRange { field, .. }) => field,
+                other => panic!("{name}: {other:?}"),
+            };
+            let off = PoolView {
+                lead: 4,
+                page_size: None,
+            };
+            assert_eq!(
+                field_of(engine_paged(&stream, &engine, &p, &kv, &pt, off)),
+                "kv_cache"
+            );
+            if p.k_format() == Format::E4m3 {
+                let two = PoolView {
+                    lead: 0,
+                    page_size: Some(2),
+                };
+                assert_eq!(
+                    field_of(engine_paged(&stream, &engine, &p, &kv, &pt, two)),
+                    "page_size"
                 );
             }
         }
@@ -2309,7 +2351,7 @@ fn engine_api_reads_paged_keys_from_device_views() {
             let want = bad.problem(&batch, published.as_ref()).expect_err(&tag);
             // The same arrays with valid values, checked on the device.
             let p = d.problem(&batch, published.as_ref()).unwrap();
-            let got = engine_paged(&stream, &engine, &p, &kv, &pt).expect_err(&tag);
+            let got = engine_paged(&stream, &engine, &p, &kv, &pt, POOL).expect_err(&tag);
             assert!(
                 same_error(&got, &want),
                 "{tag}: device says {got:?}, Problem::new {want:?}"
@@ -2338,7 +2380,7 @@ fn engine_api_reads_paged_keys_from_device_views() {
                 let (kv, pt) = parts(&g);
                 let (batch, published) = dump_problem(&g);
                 let p = g.problem(&batch, published.as_ref()).unwrap();
-                engine_paged(&stream, &engine, &p, &kv, &pt)
+                engine_paged(&stream, &engine, &p, &kv, &pt, POOL)
                     .unwrap_or_else(|e| panic!("{name}: garbage in an unread slot: {e}"));
             }
         }

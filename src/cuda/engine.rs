@@ -201,7 +201,7 @@ impl Engine {
             }
             _ => validate(&self.dev, &values)?,
         }
-        check_alignment(&ptrs)?;
+        check_alignment(&ptrs, if paged.is_some() { "kv_cache" } else { "k" })?;
         if t == 0 {
             return empty_output(&self.dev, source_tail, plan);
         }
@@ -302,7 +302,7 @@ fn input_ptrs(
             page_size,
         } => {
             let pg = paged_shapes(
-                batch, d, *format, kv_cache, page_table, *max_pages, *page_size,
+                s, batch, d, *format, kv_cache, page_table, *max_pages, *page_size,
             )?;
             if inputs.k_slots.is_some() {
                 return Err(Error::range(
@@ -331,6 +331,7 @@ fn input_ptrs(
 /// read the pages ([`Paging::new`]).
 #[allow(clippy::too_many_arguments)]
 fn paged_shapes(
+    s: &CudaStream,
     batch: &Batch,
     dim: usize,
     format: Format,
@@ -340,6 +341,16 @@ fn paged_shapes(
     page_size: usize,
 ) -> Result<Paging> {
     let pg = Paging::new(format, dim, page_size, max_pages)?;
+    // Before the values, unlike the flat tensors' alignment: validate_slots reads the
+    // pages with word loads.
+    let addr = vptr(kv_cache, s);
+    if !addr.is_multiple_of(INPUT_ALIGN as u64) {
+        return Err(Error::range(
+            "kv_cache",
+            format!("device address {addr:#x}"),
+            "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
+        ));
+    }
     let page_bytes = page_size * crate::paged::bytes_per_token(format, dim);
     if !kv_cache.len().is_multiple_of(page_bytes) {
         return Err(Error::range(
@@ -442,8 +453,8 @@ fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> 
 /// their tensors must start on a 16-byte boundary (every cudarc allocation does;
 /// a view into one need not). Checked after the values, so that a bad value is
 /// reported as Problem::new reports it, wherever it sits.
-fn check_alignment(ptrs: &Ptrs) -> Result<()> {
-    for (field, addr) in [("q", ptrs.q), ("k", ptrs.k)] {
+fn check_alignment(ptrs: &Ptrs, keys: &'static str) -> Result<()> {
+    for (field, addr) in [("q", ptrs.q), (keys, ptrs.k)] {
         if addr % INPUT_ALIGN as u64 != 0 {
             return Err(Error::range(
                 field,
