@@ -139,6 +139,11 @@ impl Engine {
     /// again (outputs are ready in stream order). A bad value is the error
     /// [`Problem::new`](crate::problem::Problem::new) gives for the same host arrays (the first offender in its order
     /// of checks: q or q_scale, k, k_scale, weights, k_slots), and nothing runs.
+    ///
+    /// Paged keys ([`DeviceKeys::Paged`]) are read by the kernels through the page
+    /// table. Their shapes are checked on the host, then (between the queries' and the
+    /// weights' checks) the used page-table entries and the slots some request reads
+    /// on the device, two more launches and one more wait; `page` reports pool slots.
     #[allow(clippy::too_many_arguments)]
     pub fn run_device(
         &self,
