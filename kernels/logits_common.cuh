@@ -56,6 +56,45 @@
 static_assert(H == 8 || H == 16 || H == 32 || H == 64, "H must be a power of two in 8..=64");
 static_assert(G == 1 || G == 2 || G == 4, "D must be 32, 64 or 128");
 
+// Paged keys (SPEC 10; DSA_PAGED=1, set by the host, a variant of its own): `k` is the
+// pool, u8 [num_pages, P * bytes_per_token], and every kernel takes two more arguments
+// (LG_PAGED_PARAMS): the page table (i32, row b holds request b's pages) and log2(P).
+// row_ks is then the row's request's first page-table entry (b * max_pages), and key j
+// of the request sits at slot j % P of page page_table[ks + j / P] (paged_key); k_scale8
+// and k_scale32 are unused. The host ensures P * bytes_per_token % 16 == 0 (the 16-byte
+// key loads) and that every entry a row reads is a page of the pool. A tile's keys
+// j0 .. j0 + 63 (j0 a multiple of 64) share one entry when P >= 64: its lanes' lookups
+// of the table are one broadcast load.
+#ifndef DSA_PAGED
+#define DSA_PAGED 0
+#endif
+#if DSA_PAGED
+#define LG_PAGED_PARAMS , const int *__restrict__ page_table, const u32 page_log2
+// The same two, passed on and taken by the device functions that load keys.
+#define PG_PASS , page_table, page_log2
+#define PG_DECL , const int *__restrict__ page_table, const u32 page_log2
+// Bytes of one token's codes and of its scale (SPEC 10's page layout).
+#define PG_CODE_BYTES (KF == 1 ? D / 2 : D)
+#define PG_SCALE_BYTES (KF == 1 ? G : 4)
+struct PagedKey {
+  const u8 *code;   // PG_CODE_BYTES codes
+  const u8 *scale;  // E4M3: the f32 scale; E2M1: the G UE8M0 bytes
+};
+// Key j of the request whose page-table row starts at entry ks.
+__device__ __forceinline__ PagedKey paged_key(const u8 *pool, const int *page_table, const u32 ks,
+                                              const u32 j, const u32 page_log2) {
+  const u32 page = (u32)__ldg(page_table + (u64)ks + (j >> page_log2));
+  const u32 slot = j & ((1u << page_log2) - 1u);
+  const u8 *base = pool + (u64)page * ((u64)(PG_CODE_BYTES + PG_SCALE_BYTES) << page_log2);
+  return {base + (u64)slot * PG_CODE_BYTES,
+          base + ((u64)PG_CODE_BYTES << page_log2) + (u64)slot * PG_SCALE_BYTES};
+}
+#else
+#define LG_PAGED_PARAMS
+#define PG_PASS
+#define PG_DECL
+#endif
+
 // Scale folding for the exact class (see above); 0 forces the two-multiply epilogue
 // everywhere (the fallback's test hook).
 #ifndef SCALE_FOLD

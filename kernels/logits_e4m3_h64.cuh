@@ -81,17 +81,23 @@ __device__ __forceinline__ void h64_load(u32 (&x)[H64_WORDS], const u8 *row, con
 }
 
 // This thread's two keys of key tile c (16 warp + gid, + 8): their bytes (h64_load)
-// and scales, zeros past the group's nkeys keys.
+// and scales, zeros past the group's nkeys keys (paged keys: through the page table).
 __device__ __forceinline__ void h64_keys(u32 (&raw)[2][H64_WORDS], float (&ksc)[2], const u8 *k,
                                          const float *k_scale32, const u32 ks, const u32 nkeys,
                                          const u32 c, const int warp, const int gid,
-                                         const int tig) {
+                                         const int tig PG_DECL) {
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk) {
     const u32 j = c * H64_KEYS + 16 * warp + gid + 8 * kk;
     if (j < nkeys) {
+#if DSA_PAGED
+      const PagedKey pk = paged_key(k, page_table, ks, j, page_log2);
+      h64_load(raw[kk], pk.code, tig);
+      ksc[kk] = *reinterpret_cast<const float *>(pk.scale);
+#else
       h64_load(raw[kk], k + (u64)(ks + j) * D, tig);
       ksc[kk] = k_scale32[ks + j];
+#endif
     } else {
 #pragma unroll
       for (int s = 0; s < H64_WORDS; ++s) raw[kk][s] = 0u;

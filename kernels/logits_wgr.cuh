@@ -150,7 +150,8 @@ __device__ __forceinline__ void wgr_stage_queries(const u8 *q, const u8 *q_scale
 // A key past the group's: scale bytes 127 (2^0; see wgr_tile's one-multiply form).
 #define WGR_NONE_SC (G == 4 ? 0x7F7F7F7Fu : G == 2 ? 0x7F7Fu : 0x7Fu)
 
-// Loads this thread's keys of tile c (flat keys from ks, nkeys of them in the group).
+// Loads this thread's keys of tile c (flat keys from ks, nkeys of them in the group;
+// paged keys through the page table).
 // sc_word: the scale bytes of a key in one load (G = 4: u32, G = 2: u16), for k_scale8
 // G-byte aligned (a uniform branch: always for the host backend's uploads), else byte by
 // byte (the engine's device inputs may start anywhere).
@@ -158,28 +159,41 @@ __device__ __forceinline__ void wgr_prefetch(u32 (&raw)[2][G], u32 (&rsc)[2], bo
                                              const u8 *k, const u8 *k_scale8,
                                              const u32 ks, const u32 nkeys, const u32 c,
                                              const bool sc_word, const int warp, const int gid,
-                                             const int tig) {
+                                             const int tig PG_DECL) {
   const u32 j = c * WGR_KEYS + 16 * warp + gid;  // key kk = 0; kk = 1 is j + 8
+#if !DSA_PAGED
   const u8 *kp = k + (u64)(ks + j) * (D / 2) + 4 * tig;
   const u8 *sp = k_scale8 + (u64)(ks + j) * G;
+#endif
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk) {
     none[kk] = j + 8 * kk >= nkeys;
+#if DSA_PAGED
+    // Key j + 8 kk through the page table (key 0 of the group's request for a key past
+    // the group's, whose entry is a used one; nothing is loaded for it).
+    const PagedKey pk = paged_key(k, page_table, ks, none[kk] ? 0u : j + 8 * kk, page_log2);
+#define WGR_KP (pk.code + 4 * tig)
+#define WGR_SP (pk.scale)
+#else
+#define WGR_KP (kp + 8 * kk * (D / 2))
+#define WGR_SP (sp + 8 * kk * G)
+#endif
     rsc[kk] = WGR_NONE_SC;
     if (!none[kk]) {
       if (sc_word) {
-        rsc[kk] = G == 4 ? *reinterpret_cast<const u32 *>(sp + 8 * kk * G)
-                            : (u32)*reinterpret_cast<const unsigned short *>(sp + 8 * kk * G);
+        rsc[kk] = G == 4 ? *reinterpret_cast<const u32 *>(WGR_SP)
+                            : (u32)*reinterpret_cast<const unsigned short *>(WGR_SP);
       } else {
         rsc[kk] = 0u;
 #pragma unroll
-        for (int g = 0; g < G; ++g) rsc[kk] |= (u32)sp[8 * kk * G + g] << (8 * g);
+        for (int g = 0; g < G; ++g) rsc[kk] |= (u32)WGR_SP[g] << (8 * g);
       }
     }
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      raw[kk][g] =
-          none[kk] ? 0u : *reinterpret_cast<const u32 *>(kp + 8 * kk * (D / 2) + 16 * g);
+      raw[kk][g] = none[kk] ? 0u : *reinterpret_cast<const u32 *>(WGR_KP + 16 * g);
+#undef WGR_KP
+#undef WGR_SP
   }
 }
 

@@ -200,7 +200,8 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
     const u64 *__restrict__ row_off, // row's offset (floats) in the tile buffer
     const uint4 *__restrict__ groups,  // (row0, rows, nmax, 0) per row group
     u32 group0, float *__restrict__ logits,
-    u32 *__restrict__ paths) {  // exact-class folding counters (LG_PATH_*), or null
+    u32 *__restrict__ paths  // exact-class folding counters (LG_PATH_*), or null
+    LG_PAGED_PARAMS) {
   // E4M3 keys arrive by cp.async into two buffers (the next tile lands while this one
   // is computed); E2M1 keys are prefetched into registers and decoded into buffer 0.
   constexpr int NBUF = (KF == 1) ? 1 : 2;
@@ -315,18 +316,29 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
       const int kk = t / KV, p = t % KV;
       pre[i] = make_uint4(0, 0, 0, 0);
       if (t < LG_KEYS * KV && (u32)kk < nk)
+#if DSA_PAGED
+        pre[i] = *reinterpret_cast<const uint4 *>(
+            paged_key(k, page_table, ks, j0 + kk, page_log2).code + p * 16);
+#else
         pre[i] = *reinterpret_cast<const uint4 *>(k + (u64)(ks + j0 + kk) * (KV * 16) + p * 16);
+#endif
     }
 #pragma unroll
     for (int i = 0; i < PRE_S; ++i) {
       const int t = tid + i * LG_THREADS;
+#if DSA_PAGED
+#define MMA_KSC8(t) paged_key(k, page_table, ks, j0 + (t) / G, page_log2).scale[(t) % G]
+#else
+#define MMA_KSC8(t) k_scale8[(u64)(ks + j0) * G + (t)]
+#endif
 #if EXACT
       pre_s[i] = 256u;  // "none" for the window: a key past the group's
-      if (t < NS && (u32)(t / G) < nk) pre_s[i] = k_scale8[(u64)(ks + j0) * G + t];
+      if (t < NS && (u32)(t / G) < nk) pre_s[i] = MMA_KSC8(t);
 #else
       pre_s[i] = 0.0f;
-      if (t < NS && (u32)(t / G) < nk) pre_s[i] = ue8m0_pow2(k_scale8[(u64)(ks + j0) * G + t], 0);
+      if (t < NS && (u32)(t / G) < nk) pre_s[i] = ue8m0_pow2(MMA_KSC8(t), 0);
 #endif
+#undef MMA_KSC8
     }
   };
   // E4M3: global -> shared buffer `buf` directly, zero-filled past the group's keys.
@@ -336,12 +348,25 @@ extern "C" __global__ void __launch_bounds__(LG_THREADS, LG_MIN_BLOCKS) mqa_logi
     for (int t = tid; t < LG_KEYS * KV; t += LG_THREADS) {
       const int kk = t / KV, p = t % KV;
       const bool ok = (u32)kk < nk;
+#if DSA_PAGED
+      cp_async16(&skey[buf][kk * KSTRIDE + p * 16],
+                 paged_key(k, page_table, ks, j0 + (ok ? kk : 0), page_log2).code + p * 16,
+                 ok ? 16u : 0u);
+#else
       cp_async16(&skey[buf][kk * KSTRIDE + p * 16],
                  k + (u64)(ks + j0 + (ok ? kk : 0)) * (KV * 16) + p * 16, ok ? 16u : 0u);
+#endif
     }
     for (int t = tid; t < LG_KEYS; t += LG_THREADS) {
       const bool ok = (u32)t < nk;
+#if DSA_PAGED
+      cp_async4(&skscale[buf][t],
+                reinterpret_cast<const float *>(
+                    paged_key(k, page_table, ks, j0 + (ok ? t : 0), page_log2).scale),
+                ok ? 4u : 0u);
+#else
       cp_async4(&skscale[buf][t], k_scale32 + ks + j0 + (ok ? t : 0), ok ? 4u : 0u);
+#endif
     }
     cp_async_commit();
   };

@@ -46,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits, u32 *__restrict__ paths) {
+    float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS) {
   __shared__ __align__(128) u8 sB[H64_N * D];
   __shared__ __align__(8) float sw[H64_ROWS][H];
 
@@ -78,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][H64_WORDS];
   float ksc[2];
-  auto prefetch = [&](u32 c) { h64_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig); };
+  auto prefetch = [&](u32 c) { h64_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig PG_PASS); };
   prefetch(blockIdx.x);
   constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {

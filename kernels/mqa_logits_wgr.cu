@@ -27,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGR_MIN_BLOCKS) mqa_lo
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits, u32 *__restrict__ paths) {
+    float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS) {
   __shared__ __align__(128) u8 sB[WGR_N * D];
   __shared__ __align__(8) float sqs[WGR_ROWS][G * H];
   __shared__ __align__(8) float sw[WGR_ROWS][H];
@@ -59,14 +59,14 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGR_MIN_BLOCKS) mqa_lo
   bool none[2];
   const bool sc_word = (G == 4 || G == 2) &&
                        (reinterpret_cast<size_t>(k_scale8) & (size_t)(G - 1)) == 0;
-  wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, blockIdx.x, sc_word, warp, gid, tig);
+  wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, blockIdx.x, sc_word, warp, gid, tig PG_PASS);
   bool two_mul = false;  // some tile ran the two multiplies
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * WGR_KEYS;
     const float logit =
         wgr_tile(raw, rsc, sB, fold_q, qsafe, sqs, sw, stab, two_mul, tig, odd, hi, [&] {
           if (c + gridDim.x < nchunks)
-            wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c + gridDim.x, sc_word, warp, gid, tig);
+            wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c + gridDim.x, sc_word, warp, gid, tig PG_PASS);
         });
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, logit);
   }

@@ -23,7 +23,8 @@
 //
 // Kernels: topk_ragged_f32 and topk_short_f32 (one row per block, split by length),
 // topk_segments_f32 and topk_merge_f32 (a long row over several blocks), block_keys_f32
-// and kept_blocks_u32 (SPEC 6), decode_codes (the device codec check).
+// and kept_blocks_u32 (SPEC 6), paged_slots (index assembly over paged keys),
+// decode_codes (the device codec check).
 
 // ==== configuration ====
 
@@ -953,6 +954,27 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) kept_blocks_u32(
   const RowSrc src{bkeys + row_boff[row], 0u, nullptr, 1u, nb > 0 ? nb - 1 : ~0u, nullptr};
   topk_row<1>(src, nb, k > 0 ? k : 1u, published + (u64)p * num_blocks, num_blocks, nullptr, 0,
               nullptr, 0, nullptr, nullptr);
+}
+
+// Index assembly over paged keys (SPEC 10): page[row, c] is the pool slot of raw[row, c],
+// page_table[ks + j / P] * P + j % P (ks = row_ks[row], the row's request's first
+// page-table entry; P = 2^page_log2), -1 where raw is -1 and past K. The top-k kernels of
+// a paged run write raw only (page null, page_cols 0); this kernel follows them.
+// block: row row0 + blockIdx.x -> page[row, 0:page_cols]
+extern "C" __global__ void __launch_bounds__(TK_THREADS) paged_slots(
+    const i32 *__restrict__ raw, const u32 *__restrict__ row_ks, u32 row0, u32 K,
+    i32 *__restrict__ page, u32 page_cols, const i32 *__restrict__ page_table,
+    u32 page_log2) {
+  const u32 row = row0 + blockIdx.x;
+  const u32 ks = row_ks[row];
+  const i32 *r = raw + (u64)row * K;
+  i32 *out = page + (u64)row * page_cols;
+  for (u32 c = threadIdx.x; c < page_cols; c += blockDim.x) {
+    const i32 j = c < K ? r[c] : -1;
+    out[c] = j < 0 ? -1
+                   : (i32)(((u32)page_table[(u64)ks + ((u32)j >> page_log2)] << page_log2) |
+                           ((u32)j & ((1u << page_log2) - 1u)));
+  }
 }
 
 // Device codec check: decode every code of each format (SPEC 2).

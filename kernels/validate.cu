@@ -115,3 +115,74 @@ extern "C" __global__ void __launch_bounds__(VAL_THREADS)
     atomicMin(reinterpret_cast<unsigned long long *>(first), key);
   }
 }
+
+// ==== paged keys (SPEC 10) ====
+//
+// SPEC 8 over paged keys checks what some request reads and nothing else, in
+// Problem::new's order: the used page-table entries first (request b's entries
+// e < ceil(L_b / P)), then the slots read, page by page and slot by slot (a page's slots
+// 0 .. used[page] - 1, used[page] = the most any reader reads of it), the codes before
+// the scale. Two launches: validate_page_ids, then validate_slots, which reads what the
+// first wrote to `used` (zeros from the host). first[0] and first[1] start at ~0.
+
+// thread: page-table entry x = b * cols + e of the grid-stride -> first[0] = the least
+// bad x (an id outside [0, num_pages)); used[id] = max(used[id], slots read of it).
+extern "C" __global__ void __launch_bounds__(VAL_THREADS)
+    validate_page_ids(const i32 *__restrict__ page_table, u32 cols, u32 requests,
+                      const u32 *__restrict__ req_keys, u32 page_log2, u32 num_pages,
+                      u32 *__restrict__ used, u64 *__restrict__ first) {
+  const u64 n = (u64)requests * cols;
+  const u32 p = 1u << page_log2;
+  for (u64 x = (u64)blockIdx.x * blockDim.x + threadIdx.x; x < n;
+       x += (u64)gridDim.x * blockDim.x) {
+    const u32 b = (u32)(x / cols), e = (u32)(x % cols);
+    const u32 keys = req_keys[b];
+    if (e >= (keys + p - 1) >> page_log2) continue;  // an unused entry: not read
+    const i32 id = page_table[x];
+    if (id < 0 || (u32)id >= num_pages) {
+      atomicMin(reinterpret_cast<unsigned long long *>(first), (unsigned long long)x);
+      continue;
+    }
+    atomicMax(&used[id], min(keys - (e << page_log2), p));
+  }
+}
+
+// thread: pool slot s = page * P + t of the grid-stride, if t < used[page] -> first[1] =
+// the least s * (W + 1) + position of a bad value: E4M3 keys (W = D), position d < D for
+// a NaN code, D for a scale that is not finite and > 0; E2M1 keys (W = G), position g for
+// a UE8M0 255.
+extern "C" __global__ void __launch_bounds__(VAL_THREADS)
+    validate_slots(const u8 *__restrict__ pool, u32 page_log2, u32 num_pages, u32 e2m1,
+                   u32 dim, const u32 *__restrict__ used, u64 *__restrict__ first) {
+  const u32 p = 1u << page_log2;
+  const u32 g = dim / 32;
+  const u32 cw = e2m1 ? dim / 2 : dim;  // code bytes per token
+  const u32 sw = e2m1 ? g : 4u;         // scale bytes per token
+  const u64 page_bytes = (u64)(cw + sw) << page_log2;
+  const u64 w = e2m1 ? g : dim;
+  const u64 n = (u64)num_pages << page_log2;
+  for (u64 s = (u64)blockIdx.x * blockDim.x + threadIdx.x; s < n;
+       s += (u64)gridDim.x * blockDim.x) {
+    const u64 page = s >> page_log2;
+    const u32 t = (u32)(s & (p - 1));
+    if (t >= used[page]) continue;
+    const u8 *base = pool + page * page_bytes;
+    u64 pos = ~0ull;
+    if (e2m1) {
+      const u8 *sc = base + ((u64)cw << page_log2) + (u64)t * g;
+      for (u32 i = 0; i < g && pos == ~0ull; ++i)
+        if (sc[i] == 0xFFu) pos = i;
+    } else {
+      const u32 *codes = reinterpret_cast<const u32 *>(base + (u64)t * dim);
+      for (u32 i = 0; i < dim / 4 && pos == ~0ull; ++i) {
+        const u32 m = bad_bytes(__ldg(codes + i), VAL_E4M3);
+        if (m) pos = 4u * i + ((u32)(__ffs(m) - 1) >> 3);
+      }
+      const u32 sc = __ldg(reinterpret_cast<const u32 *>(base + ((u64)dim << page_log2) + 4u * t));
+      if (pos == ~0ull && bad_word(sc, VAL_POSITIVE)) pos = dim;
+    }
+    if (pos != ~0ull)
+      atomicMin(reinterpret_cast<unsigned long long *>(first) + 1,
+                (unsigned long long)(s * (w + 1) + pos));
+  }
+}

@@ -7,7 +7,7 @@ mod common;
 
 use approx::abs_diff_eq;
 use common::strategies::{build, shape_with};
-use common::{bits, first_diff, golden_files};
+use common::{bits, first_diff, golden_files, paged_golden_files};
 use cudarc::driver::{CudaSlice, CudaStream};
 use dsa_indexer::batch::Batch;
 use dsa_indexer::cuda::{self, kernels, CudaBackend, Hooks, Variant, TOLERANCE_LOG2};
@@ -405,6 +405,292 @@ fn golden_vectors() {
     }
 }
 
+/// Every paged golden file (SPEC 10) on the CUDA backend, its kernels reading the pages:
+/// the exact class bitwise the golden logits, raw and page (and the reference's at
+/// several budgets), the tolerance class within the stated bound with the reference's
+/// selection rule.
+#[test]
+fn paged_golden_vectors() {
+    let Some(mut b) = gpu() else { return };
+    let files = paged_golden_files();
+    assert!(files.len() >= 7, "paged golden files: {}", files.len());
+    for path in files {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let d = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
+        let (batch, published) = dump_problem(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
+        assert!(p.paged().is_some(), "{name}: paged keys");
+        assert!(
+            cuda::reads_pages(&p),
+            "{name}: the kernels read its pages (no host gather)"
+        );
+        let e = &d.expected;
+        if p.class() == Class::Exact {
+            let got = b.logits(&p, usize::MAX).unwrap();
+            check_eq(
+                &name,
+                "logits (bits) vs golden",
+                &bits(&got),
+                &bits(e.logits.as_ref().unwrap()),
+            );
+            check_exact(&mut b, &name, &p);
+            let (out, _) = run_backend(&mut b, &p, usize::MAX).unwrap();
+            check_eq(
+                &name,
+                "raw vs golden",
+                out.raw.as_slice().unwrap(),
+                e.raw.as_ref().unwrap().as_slice().unwrap(),
+            );
+            check_eq(
+                &name,
+                "page vs golden",
+                out.page.as_slice().unwrap(),
+                e.page.as_ref().unwrap().as_slice().unwrap(),
+            );
+            eprintln!("{name}: exact class, bitwise");
+        } else {
+            let worst = check_tolerance(&mut b, &name, &p);
+            eprintln!("{name}: tolerance class, worst |diff| / M = {worst:e}");
+        }
+    }
+}
+
+/// A flat dump's keys laid out in pages of `page_size` (SPEC 10): pages in a random
+/// order among unused ones full of NaN codes and reserved scales, the slots of a page
+/// past a request's keys filled likewise, a page-table column of -1 past every
+/// request's pages, and with `share`, every request's leading whole pages shared with
+/// request 0 (their keys first made request 0's, in `flat` too, so that both layouts
+/// hold the same problem). `flat` loses its `k_slots` (paged keys have none).
+fn paged_from_flat(flat: &mut Dump, page_size: usize, share: bool, seed: u64) -> Dump {
+    use rand::seq::SliceRandom;
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    flat.k_slots = None;
+    let batch = flat.batch().unwrap();
+    let reqs = batch.requests().to_vec();
+    let dim = flat.meta.dim;
+    let p = page_size;
+    // Request b's first shared[b] keys are request 0's (whole pages).
+    let shared: Vec<usize> = reqs
+        .iter()
+        .map(|r| {
+            if share {
+                (r.keys.min(reqs[0].keys) / p) * p
+            } else {
+                0
+            }
+        })
+        .collect();
+    let (codes_w, bpt) = match flat.meta.k_format {
+        Format::E4m3 => (dim, dim + 4),
+        Format::E2m1 => (dim / 2, dim / 2 + dim / 32),
+    };
+    {
+        let l0 = reqs[0].key_offset;
+        let copy_keys = |codes: &mut Array2<u8>, b: usize| {
+            for j in 0..shared[b] {
+                let src = codes.row(l0 + j).to_owned();
+                codes.row_mut(reqs[b].key_offset + j).assign(&src);
+            }
+        };
+        for b in 1..reqs.len() {
+            match &mut flat.k {
+                dsa_indexer::dump::KData::E4m3 { codes, scale } => {
+                    copy_keys(codes, b);
+                    for j in 0..shared[b] {
+                        scale[reqs[b].key_offset + j] = scale[l0 + j];
+                    }
+                }
+                dsa_indexer::dump::KData::E2m1 { packed, scale } => {
+                    copy_keys(packed, b);
+                    copy_keys(scale, b);
+                }
+                dsa_indexer::dump::KData::Paged { .. } => panic!("flat keys expected"),
+            }
+        }
+    }
+    // Logical pages: (request, first key) of each page some request owns.
+    let mut owned: Vec<(usize, usize)> = Vec::new();
+    let mut table_logical: Vec<Vec<usize>> = Vec::new();
+    for (b, r) in reqs.iter().enumerate() {
+        let mut row = Vec::new();
+        for e in 0..r.keys.div_ceil(p) {
+            if b > 0 && (e + 1) * p <= shared[b] {
+                let first: &Vec<usize> = &table_logical[0];
+                row.push(first[e]);
+            } else {
+                row.push(owned.len());
+                owned.push((b, e * p));
+            }
+        }
+        table_logical.push(row);
+    }
+    // Physical ids: a random order, with unused pages among them.
+    let unused = rng.gen_range(0..4usize);
+    let mut ids: Vec<usize> = (0..owned.len() + unused).collect();
+    ids.shuffle(&mut rng);
+    let garbage = match flat.meta.k_format {
+        Format::E4m3 => 0x7Fu8,
+        Format::E2m1 => 0xFFu8,
+    };
+    let mut kv = Array2::<u8>::from_elem((owned.len() + unused, p * bpt), garbage);
+    for (lp, &(b, j0)) in owned.iter().enumerate() {
+        let page = ids[lp];
+        for t in 0..p.min(reqs[b].keys - j0) {
+            let x = reqs[b].key_offset + j0 + t;
+            let mut row = kv.row_mut(page);
+            let row = row.as_slice_mut().unwrap();
+            match &flat.k {
+                dsa_indexer::dump::KData::E4m3 { codes, scale } => {
+                    row[t * dim..(t + 1) * dim].copy_from_slice(codes.row(x).as_slice().unwrap());
+                    row[p * dim + 4 * t..p * dim + 4 * t + 4]
+                        .copy_from_slice(&scale[x].to_le_bytes());
+                }
+                dsa_indexer::dump::KData::E2m1 { packed, scale } => {
+                    let (w, g) = (dim / 2, dim / 32);
+                    row[t * w..(t + 1) * w].copy_from_slice(packed.row(x).as_slice().unwrap());
+                    row[p * w + t * g..p * w + (t + 1) * g]
+                        .copy_from_slice(scale.row(x).as_slice().unwrap());
+                }
+                dsa_indexer::dump::KData::Paged { .. } => unreachable!(),
+            }
+        }
+    }
+    let _ = codes_w;
+    let cols = table_logical.iter().map(Vec::len).max().unwrap_or(0) + 1;
+    let mut table = Array2::<i32>::from_elem((reqs.len(), cols), -1);
+    for (b, row) in table_logical.iter().enumerate() {
+        for (e, &lp) in row.iter().enumerate() {
+            table[[b, e]] = ids[lp] as i32;
+        }
+    }
+    let mut paged = flat.clone();
+    paged.k = dsa_indexer::dump::KData::Paged {
+        kv_cache: kv,
+        page_table: table,
+        page_size: p,
+    };
+    paged
+}
+
+/// The pool slot of every raw id (`-1` stays `-1`, as do the columns past `K`).
+fn slots_of_raw(p: &Problem, raw: &Array2<i32>) -> Vec<i32> {
+    let pk = p.paged().unwrap();
+    let k = raw.ncols();
+    let mut page = vec![-1i32; p.batch.num_rows() * p.page_cols];
+    for (i, row) in p.batch.rows().iter().enumerate() {
+        for c in 0..k {
+            let j = raw[[i, c]];
+            if j >= 0 {
+                page[i * p.page_cols + c] = pk.slot(row.request, j as usize) as i32;
+            }
+        }
+    }
+    page
+}
+
+/// Page sizes the paged cross-check draws from: the engines' 64, 16 (a tile over four
+/// pages), the smallest and largest, and the ones this backend gathers on the host
+/// (pages not a multiple of 16 bytes).
+fn page_size() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        2 => Just(64usize),
+        3 => Just(16usize),
+        1 => Just(1usize),
+        1 => Just(2usize),
+        2 => Just(4usize),
+        2 => Just(8usize),
+        1 => Just(32usize),
+        1 => Just(128usize),
+        1 => Just(256usize),
+    ]
+}
+
+proptest! {
+    #![proptest_config(common::config(24))]
+
+    /// The cross-check's layouts hold one problem (on the CPU, no GPU needed): the
+    /// reference gives the paged and the flat dump bitwise the same logits, raw and
+    /// published blocks, and page = the pool slots of raw; the paged dump is valid
+    /// although its unused pages and unread slots hold NaN codes or reserved scales.
+    #[test]
+    fn paged_from_flat_lays_out_the_same_problem(
+        s in shape_with(60, vec![8, 32]),
+        ps in page_size(),
+        share in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let mut fd = build(&s);
+        let pd = paged_from_flat(&mut fd, ps, share, seed);
+        let (batch, published) = dump_problem(&fd);
+        let fp = fd.problem(&batch, published.as_ref()).unwrap();
+        let pp = pd.problem(&batch, published.as_ref()).unwrap();
+        let tag = format!("{s:?} P = {ps} share {share} seed {seed}");
+        check_eq(&tag, "reference logits (bits)", &bits(&reference::logits(&pp)), &bits(&reference::logits(&fp)));
+        let (po, fo) = (reference::run(&pp), reference::run(&fp));
+        check_eq(&tag, "reference raw", po.raw.as_slice().unwrap(), fo.raw.as_slice().unwrap());
+        prop_assert_eq!(&po.published, &fo.published, "{}", tag);
+        check_eq(&tag, "reference page", po.page.as_slice().unwrap(), &slots_of_raw(&pp, &po.raw));
+        if share && batch.requests().len() > 1 && batch.requests()[1].keys >= ps && batch.requests()[0].keys >= ps {
+            if let dsa_indexer::dump::KData::Paged { page_table, .. } = &pd.k {
+                prop_assert_eq!(page_table[[1, 0]], page_table[[0, 0]], "{}: a shared first page", tag);
+            }
+        }
+    }
+
+    /// A random problem laid out flat and paged (random P, page order, shared pages)
+    /// gives on CUDA bitwise the same logits, raw, published blocks and path counters,
+    /// at budgets that tile it differently; page is the pool slot of each raw id, and
+    /// the exact class is bitwise the reference's over the pages.
+    #[test]
+    fn paged_and_flat_layouts_agree_bitwise_on_cuda(
+        s in shape_with(100, vec![8, 16, 32, 64]),
+        ps in page_size(),
+        share in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let Some(mut b) = gpu() else { return Ok(()) };
+        let mut fd = build(&s);
+        let pd = paged_from_flat(&mut fd, ps, share, seed);
+        let (batch, published) = dump_problem(&fd);
+        let fp = fd.problem(&batch, published.as_ref()).unwrap();
+        let pp = pd.problem(&batch, published.as_ref()).unwrap();
+        let tag = format!("{s:?} P = {ps} share {share} seed {seed}");
+        // Pages of a multiple of 16 bytes are read by the kernels, others gathered.
+        let bpt = dsa_indexer::paged::bytes_per_token(s.k_format, s.dim);
+        prop_assert_eq!(cuda::reads_pages(&pp), (ps * bpt).is_multiple_of(16), "{}", tag);
+        check_eq(
+            &tag,
+            "logits (bits), paged vs flat",
+            &bits(&b.logits(&pp, usize::MAX).unwrap()),
+            &bits(&b.logits(&fp, usize::MAX).unwrap()),
+        );
+        for budget in [1usize, 1 << 16, usize::MAX] {
+            let tag = format!("{tag} at budget {budget}");
+            let (fo, _) = run_backend(&mut b, &fp, budget).unwrap();
+            let (fpaths, ffolds) = (b.topk_paths(), b.fold_counts());
+            let (po, _) = run_backend(&mut b, &pp, budget).unwrap();
+            check_eq(&tag, "raw, paged vs flat", po.raw.as_slice().unwrap(), fo.raw.as_slice().unwrap());
+            match (&po.published, &fo.published) {
+                (Some(x), Some(y)) => check_eq(
+                    &tag,
+                    "published, paged vs flat",
+                    x.blocks.as_slice().unwrap(),
+                    y.blocks.as_slice().unwrap(),
+                ),
+                (None, None) => {}
+                _ => panic!("{tag}: published on one side only"),
+            }
+            check_eq(&tag, "page = pool slots of raw", po.page.as_slice().unwrap(), &slots_of_raw(&pp, &po.raw));
+            prop_assert_eq!(b.topk_paths(), fpaths, "{}: top-k paths", tag);
+            prop_assert_eq!(b.fold_counts(), ffolds, "{}: fold counters", tag);
+            if pp.class() == Class::Exact {
+                check_outputs(&format!("{tag}: paged vs reference"), &po, &reference::run(&pp));
+            }
+        }
+    }
+}
+
 fn exact_shape() -> impl Strategy<Value = common::strategies::Shape> {
     shape_with(150, vec![8, 16, 32, 64]).prop_map(|mut s| {
         s.q_format = Format::E2m1;
@@ -499,6 +785,7 @@ fn boundary_sizes_from_the_kernel_constants() {
                 groups: 2,
                 q: Format::E2m1,
                 k: Format::E2m1,
+                paged: false,
             },
             b.device().hooks(),
         )
@@ -819,6 +1106,7 @@ fn exact_class_scale_folding_edges_are_bitwise() {
                 groups: d / 32,
                 q: Format::E2m1,
                 k: Format::E2m1,
+                paged: false,
             },
             b.device().hooks(),
         );
@@ -1196,6 +1484,7 @@ fn int8_exact_path_is_bitwise_on_both_sides_of_its_guard() {
             groups: d / 32,
             q: Format::E2m1,
             k: Format::E2m1,
+            paged: false,
         };
         let kernel = kernels::logits_kernel(v, h8).0;
         // mma_sync_only in $DSA_CUDA_HOOKS: mqa_logits, which counts no int8 tiles.
@@ -1516,6 +1805,7 @@ fn each_hook_takes_its_fallback_and_both_sides_match_the_reference() {
         groups: 4,
         q: Format::E2m1,
         k: Format::E2m1,
+        paged: false,
     };
     let production = Hooks::default();
     assert_eq!(kernels::logits_kernel(v, production).0, "mqa_logits_wgr");
@@ -1897,6 +2187,254 @@ fn engine_api_takes_device_inputs_on_the_callers_stream() {
     assert!(engine
         .run_device(&c.batch, &bad, Params::new(8), None, None, 1 << 12)
         .is_err());
+}
+
+/// How [`engine_paged`] hands over the pool: its view `lead` bytes into the upload, and
+/// the page size it states.
+#[derive(Clone, Copy)]
+struct PoolView {
+    lead: usize,
+    page_size: Option<usize>,
+}
+
+/// The pool as it is.
+const POOL: PoolView = PoolView {
+    lead: 0,
+    page_size: None,
+};
+
+/// Problem `p` (paged keys) through the engine API from device views of its pool and
+/// page table (`DeviceKeys::Paged`), the caller's stream; its raw and page copied back.
+fn engine_paged(
+    stream: &Arc<CudaStream>,
+    engine: &cuda::Engine,
+    p: &Problem,
+    kv_cache: &Array2<u8>,
+    page_table: &Array2<i32>,
+    pool: PoolView,
+) -> Result<(Vec<i32>, Vec<i32>), dsa_indexer::Error> {
+    let pk = p.paged().unwrap();
+    let mut host = vec![0u8; pool.lead];
+    host.extend_from_slice(kv_cache.as_slice().unwrap());
+    let kv = stream.clone_htod(&host).unwrap();
+    let pt = stream.clone_htod(page_table.as_slice().unwrap()).unwrap();
+    let w = stream
+        .clone_htod(p.inputs.weights.as_slice().unwrap())
+        .unwrap();
+    let (q, qs) = match p.inputs.q {
+        Queries::E4m3(q) => (stream.clone_htod(q.as_slice().unwrap()).unwrap(), None),
+        Queries::E2m1 { packed, scale } => (
+            stream.clone_htod(packed.as_slice().unwrap()).unwrap(),
+            Some(stream.clone_htod(scale.as_slice().unwrap()).unwrap()),
+        ),
+    };
+    let inputs = cuda::DeviceInputs {
+        heads: p.heads,
+        dim: p.dim,
+        q: match &qs {
+            None => cuda::DeviceQueries::E4m3(q.as_view()),
+            Some(s) => cuda::DeviceQueries::E2m1 {
+                packed: q.as_view(),
+                scale: s.as_view(),
+            },
+        },
+        k: cuda::DeviceKeys::Paged {
+            format: pk.format,
+            kv_cache: kv.slice(pool.lead..host.len()),
+            page_table: pt.as_view(),
+            max_pages: page_table.ncols(),
+            page_size: pool.page_size.unwrap_or(pk.page_size),
+        },
+        weights: w.as_view(),
+        k_slots: None,
+    };
+    let params = Params {
+        topk: p.topk,
+        page_cols: Some(p.page_cols),
+        block_size: p.block_size,
+        num_blocks: p.num_blocks,
+    };
+    let (tail, cand) = match p.role {
+        Role::Plain => (None, None),
+        Role::Source { tail } => (Some(tail), None),
+        Role::Consumer(c) => (
+            None,
+            Some(stream.clone_htod(c.blocks.as_slice().unwrap()).unwrap()),
+        ),
+    };
+    let cview = cand.as_ref().map(|c| c.as_view());
+    let out = engine.run_device(p.batch, &inputs, params, tail, cview.as_ref(), 1 << 16)?;
+    Ok((
+        stream.clone_dtoh(&out.raw).unwrap(),
+        stream.clone_dtoh(&out.page).unwrap(),
+    ))
+}
+
+/// A change to a paged dump's pool and page table.
+type PagedEdit = dyn Fn(&mut Array2<u8>, &mut Array2<i32>);
+
+/// The engine API over paged keys on the device (`DeviceKeys::Paged`): every paged
+/// golden file gives the host backend's raw and page bitwise (the golden ones in the
+/// exact class); a bad page id in a used entry and a NaN code or bad scale in a read
+/// slot are the errors Problem::new gives for the same host arrays; garbage in unread
+/// slots is not read.
+#[test]
+fn engine_api_reads_paged_keys_from_device_views() {
+    let Some(mut b) = gpu() else { return };
+    let stream = b.device().context().new_stream().unwrap();
+    let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
+    for path in paged_golden_files() {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let d = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
+        let parts = |d: &Dump| match &d.k {
+            dsa_indexer::dump::KData::Paged {
+                kv_cache,
+                page_table,
+                ..
+            } => (kv_cache.clone(), page_table.clone()),
+            _ => panic!("{name}: paged keys expected"),
+        };
+        let (kv, pt) = parts(&d);
+        {
+            let (batch, published) = dump_problem(&d);
+            let p = d.problem(&batch, published.as_ref()).unwrap();
+            let (want, _) = run_backend(&mut b, &p, usize::MAX).unwrap();
+            let (raw, page) = engine_paged(&stream, &engine, &p, &kv, &pt, POOL).unwrap();
+            check_eq(&name, "engine raw", &raw, want.raw.as_slice().unwrap());
+            check_eq(&name, "engine page", &page, want.page.as_slice().unwrap());
+            if p.class() == Class::Exact {
+                check_eq(
+                    &name,
+                    "engine raw vs golden",
+                    &raw,
+                    d.expected.raw.as_ref().unwrap().as_slice().unwrap(),
+                );
+                check_eq(
+                    &name,
+                    "engine page vs golden",
+                    &page,
+                    d.expected.page.as_ref().unwrap().as_slice().unwrap(),
+                );
+            }
+            // A pool view off a 16-byte boundary, and pages the kernels cannot read
+            // (2 E4M3 tokens: 264 bytes), are errors naming the field, before any
+            // launch.
+            let field_of = |r: Result<(Vec<i32>, Vec<i32>), dsa_indexer::Error>| match r {
+                Err(dsa_indexer::Error::OutOfRange { field, .. }) => field,
+                other => panic!("{name}: {other:?}"),
+            };
+            let off = PoolView {
+                lead: 4,
+                page_size: None,
+            };
+            assert_eq!(
+                field_of(engine_paged(&stream, &engine, &p, &kv, &pt, off)),
+                "kv_cache"
+            );
+            if p.k_format() == Format::E4m3 {
+                let two = PoolView {
+                    lead: 0,
+                    page_size: Some(2),
+                };
+                assert_eq!(
+                    field_of(engine_paged(&stream, &engine, &p, &kv, &pt, two)),
+                    "page_size"
+                );
+            }
+        }
+        // Bad values: the host's error for the same arrays, on the device.
+        let batch = d.batch().unwrap();
+        let reqs = batch.requests().to_vec();
+        let Some((bq, rq)) = reqs.iter().enumerate().rev().find(|(_, r)| r.keys > 0) else {
+            continue;
+        };
+        let ps = match &d.k {
+            dsa_indexer::dump::KData::Paged { page_size, .. } => *page_size,
+            _ => unreachable!(),
+        };
+        let e4m3 = d.meta.k_format == Format::E4m3;
+        let dim = d.meta.dim;
+        // The last read slot of the last request with keys.
+        let j = rq.keys - 1;
+        let (page, t) = (pt[[bq, j / ps]] as usize, j % ps);
+        let set = |d: &mut Dump, f: &PagedEdit| {
+            if let dsa_indexer::dump::KData::Paged {
+                kv_cache,
+                page_table,
+                ..
+            } = &mut d.k
+            {
+                f(kv_cache, page_table);
+            }
+        };
+        let mut cases: Vec<(String, Box<PagedEdit>)> = vec![(
+            "page id past the pool".into(),
+            Box::new(move |kv, pt| pt[[bq, j / ps]] = kv.nrows() as i32),
+        )];
+        if e4m3 {
+            cases.push((
+                "NaN code in a read slot".into(),
+                Box::new(move |kv, _| kv[[page, t * dim + 5 % dim]] = 0xFF),
+            ));
+            cases.push((
+                "zero scale in a read slot".into(),
+                Box::new(move |kv, _| {
+                    for i in 0..4 {
+                        kv[[page, ps * dim + 4 * t + i]] = 0;
+                    }
+                }),
+            ));
+        } else {
+            cases.push((
+                "UE8M0 255 in a read slot".into(),
+                Box::new(move |kv, _| {
+                    kv[[page, ps * dim / 2 + t * (dim / 32) + dim / 32 - 1]] = 255
+                }),
+            ));
+        }
+        for (what, f) in &cases {
+            let tag = format!("{name}: {what}");
+            let mut bad = d.clone();
+            set(&mut bad, f.as_ref());
+            let (kv, pt) = parts(&bad);
+            let (batch, published) = dump_problem(&bad);
+            let want = bad.problem(&batch, published.as_ref()).expect_err(&tag);
+            // The same arrays with valid values, checked on the device.
+            let p = d.problem(&batch, published.as_ref()).unwrap();
+            let got = engine_paged(&stream, &engine, &p, &kv, &pt, POOL).expect_err(&tag);
+            assert!(
+                same_error(&got, &want),
+                "{tag}: device says {got:?}, Problem::new {want:?}"
+            );
+        }
+        // Garbage where no request reads (a slot of the page past its readers' keys)
+        // runs as before.
+        if j % ps + 1 < ps {
+            let t2 = ps - 1;
+            let garbage = move |kv: &mut Array2<u8>, _: &mut Array2<i32>| {
+                if e4m3 {
+                    kv[[page, t2 * dim]] = 0x7F;
+                } else {
+                    kv[[page, ps * dim / 2 + t2 * (dim / 32)]] = 255;
+                }
+            };
+            // No request reads slot t2 of the page: every entry naming it is one whose
+            // request's keys end before the slot.
+            let unread = reqs.iter().enumerate().all(|(b, r)| {
+                (0..r.keys.div_ceil(ps))
+                    .all(|e| pt[[b, e]] as usize != page || r.keys <= e * ps + t2)
+            });
+            if unread {
+                let mut g = d.clone();
+                set(&mut g, &garbage);
+                let (kv, pt) = parts(&g);
+                let (batch, published) = dump_problem(&g);
+                let p = g.problem(&batch, published.as_ref()).unwrap();
+                engine_paged(&stream, &engine, &p, &kv, &pt, POOL)
+                    .unwrap_or_else(|e| panic!("{name}: garbage in an unread slot: {e}"));
+            }
+        }
+    }
 }
 
 #[test]

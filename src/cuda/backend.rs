@@ -8,7 +8,7 @@ use cudarc::driver::CudaSlice;
 
 use super::alloc::Fill;
 use super::device::{backend_err, drv, ptr, Device};
-use super::geometry::{check_shape, footprint, Shape, MAX_TOPK};
+use super::geometry::{check_shape, footprint, Paging, Shape, MAX_TOPK};
 use super::kernels;
 use super::paths::{FoldCounts, TopkPaths};
 use super::run::{OwnedBuf, Ptrs, Run};
@@ -153,9 +153,13 @@ impl CudaBackend {
 }
 
 impl CudaBackend {
-    /// [`Backend::begin`] on flat keys.
-    fn begin_flat(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
-        let shape = shape_of(p);
+    /// [`Backend::begin`] on flat keys, or on paged keys whose pages the kernels read
+    /// (`paging`: [`paging_of`]).
+    fn begin_inputs(&mut self, p: &Problem, plan: &Plan, paging: Option<Paging>) -> Result<()> {
+        let shape = Shape {
+            paged: paging,
+            ..shape_of(p)
+        };
         check_shape(&shape, p.batch)?;
         self.run = None;
         self.peak = 0;
@@ -206,7 +210,16 @@ impl CudaBackend {
                     &mut owned,
                 );
             }
-            Keys::Paged(_) => unreachable!("paged keys are gathered above"),
+            Keys::Paged(pk) => {
+                // The pool as it is and the page table: the kernels read the pages.
+                ptrs.k = keep_u8(
+                    upload(&self.dev, pk.kv_cache.into_dyn(), "upload kv_cache")?,
+                    &mut owned,
+                );
+                let v = upload(&self.dev, pk.page_table.into_dyn(), "upload page_table")?;
+                ptrs.page_table = ptr(&v, &s);
+                owned.push(OwnedBuf::I32(v));
+            }
         }
         let w = upload(&self.dev, p.inputs.weights.into_dyn(), "upload weights")?;
         ptrs.w = ptr(&w, &s);
@@ -260,7 +273,24 @@ fn shape_of(p: &Problem) -> Shape {
             _ => None,
         },
         consumer: matches!(p.role, Role::Consumer(_)),
+        paged: None,
     }
+}
+
+/// Whether the CUDA backend's kernels read problem `p`'s pages straight through its page
+/// table (SPEC 10): paged keys whose pages take a multiple of 16 bytes. Other paged
+/// problems the backend gathers flat on the host first (the same outputs).
+pub fn reads_pages(p: &Problem) -> bool {
+    paging_of(p).is_some()
+}
+
+/// How the kernels read `p`'s pages, if its keys are paged and its pages take a multiple
+/// of 16 bytes ([`Paging::new`]); `None` otherwise: flat keys, or pages this backend
+/// gathers on the host (`P <= 2` for E4M3 keys and for E2M1 keys of `D = 128`, `P <= 4`
+/// for E2M1 at `D = 64`, `P <= 8` at `D = 32`).
+pub(super) fn paging_of(p: &Problem) -> Option<Paging> {
+    let pk = p.paged()?;
+    Paging::new(pk.format, p.dim, pk.page_size, pk.page_table.ncols()).ok()
 }
 
 impl Backend for CudaBackend {
@@ -274,11 +304,19 @@ impl Backend for CudaBackend {
         footprint(p.batch.num_rows(), p.topk, self.dev.sm_count())
     }
     fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
-        // Paged keys (SPEC 10) through this entry: gathered flat on the host and uploaded
-        // with their pool slots as k_slots; the outputs are the paged problem's.
-        match p.gather_keys() {
-            Some(flat) => self.begin_flat(&p.with_flat_keys(&flat), plan),
-            None => self.begin_flat(p, plan),
+        // Paged keys (SPEC 10): the pool and the page table uploaded as they are, the
+        // kernels read the pages. Pages the kernels cannot read (paging_of) are gathered
+        // flat on the host and uploaded with their pool slots as k_slots: the same
+        // outputs.
+        match (p.paged(), paging_of(p)) {
+            (Some(_), Some(pg)) => self.begin_inputs(p, plan, Some(pg)),
+            (Some(_), None) => {
+                let flat = p
+                    .gather_keys()
+                    .ok_or_else(|| backend_err("paged keys without pages"))?;
+                self.begin_inputs(&p.with_flat_keys(&flat), plan, None)
+            }
+            (None, _) => self.begin_inputs(p, plan, None),
         }
     }
     fn tile(&mut self, _p: &Problem, _plan: &Plan, t: usize, _out: &mut Output) -> Result<()> {

@@ -8,10 +8,10 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 
 use super::alloc::Fill;
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
-use super::geometry::{check_shape, footprint, Shape};
+use super::geometry::{check_shape, footprint, Paging, Shape};
 use super::kernels::{self, Hooks};
 use super::run::{Ptrs, Run};
-use super::validate::{validate, Checked};
+use super::validate::{validate, validate_paged, Checked, PagedView};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::plan::Plan;
@@ -37,6 +37,22 @@ pub enum DeviceKeys<'a> {
         packed: CudaView<'a, u8>,
         /// Group scales.
         scale: CudaView<'a, u8>,
+    },
+    /// Keys in a page pool (SPEC 10), read by the kernels through the page table.
+    Paged {
+        /// Element format.
+        format: Format,
+        /// The pool, `u8 [num_pages, P * bytes_per_token]` row-major, on a 16-byte
+        /// boundary; `P * bytes_per_token` must be a multiple of 16 (the kernels' key
+        /// loads; `P >= 4` for E4M3 keys).
+        kv_cache: CudaView<'a, u8>,
+        /// `i32 [B, max_pages]`, row-major: key `j` of request `b` is at slot `j % P`
+        /// of page `page_table[b, j / P]`.
+        page_table: CudaView<'a, i32>,
+        /// `max_pages`: page-table entries per request.
+        max_pages: usize,
+        /// `P`: tokens per page, a power of two in 1..=256.
+        page_size: usize,
     },
 }
 
@@ -123,6 +139,11 @@ impl Engine {
     /// again (outputs are ready in stream order). A bad value is the error
     /// [`Problem::new`](crate::problem::Problem::new) gives for the same host arrays (the first offender in its order
     /// of checks: q or q_scale, k, k_scale, weights, k_slots), and nothing runs.
+    ///
+    /// Paged keys ([`DeviceKeys::Paged`]) are read by the kernels through the page
+    /// table. Their shapes are checked on the host, then (between the queries' and the
+    /// weights' checks) the used page-table entries and the slots some request reads
+    /// on the device, two more launches and one more wait; `page` reports pool slots.
     #[allow(clippy::too_many_arguments)]
     pub fn run_device(
         &self,
@@ -135,7 +156,7 @@ impl Engine {
     ) -> Result<DeviceOutput> {
         let s = self.dev.stream.clone();
         let t = batch.num_rows();
-        let (mut ptrs, qf, kf) = input_ptrs(&s, batch, inputs)?;
+        let (mut ptrs, qf, kf, paged) = input_ptrs(&s, batch, inputs)?;
         let page_cols = check_params(&params, source_tail)?;
         if let Some(c) = candidates {
             check_len("candidates", c.len(), t * params.num_blocks)?;
@@ -152,11 +173,40 @@ impl Engine {
             num_blocks: params.num_blocks,
             tail: source_tail,
             consumer: candidates.is_some(),
+            paged,
         };
         check_shape(&shape, batch)?;
         let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;
-        validate(&self.dev, &checked_values(inputs))?;
-        check_alignment(&ptrs)?;
+        let values = checked_values(inputs);
+        match (&inputs.k, paged) {
+            (
+                DeviceKeys::Paged {
+                    format,
+                    kv_cache,
+                    page_table,
+                    max_pages,
+                    ..
+                },
+                Some(pg),
+            ) => {
+                // Problem::new's order: queries, keys, weights.
+                validate(&self.dev, &values[..1])?;
+                let view = PagedView {
+                    format: *format,
+                    dim: inputs.dim,
+                    kv_cache,
+                    page_table,
+                    cols: *max_pages,
+                    page_log2: pg.page_log2,
+                    num_pages: kv_cache.len()
+                        / (crate::paged::bytes_per_token(*format, inputs.dim) << pg.page_log2),
+                };
+                validate_paged(&self.dev, batch, &view)?;
+                validate(&self.dev, &values[1..])?;
+            }
+            _ => validate(&self.dev, &values)?,
+        }
+        check_alignment(&ptrs, if paged.is_some() { "kv_cache" } else { "k" })?;
         if t == 0 {
             return empty_output(&self.dev, source_tail, plan);
         }
@@ -201,13 +251,14 @@ fn check_len(field: &str, got: usize, want: usize) -> Result<()> {
     Ok(())
 }
 
-/// The device addresses and formats of `inputs` (`Ptrs::cblocks` left 0), after
-/// checking `H`, `D` and every tensor's length against `batch`.
+/// The device addresses and formats of `inputs` (`Ptrs::cblocks` left 0) and how the
+/// kernels read paged keys, after checking `H`, `D` and every tensor's length against
+/// `batch`.
 fn input_ptrs(
     s: &CudaStream,
     batch: &Batch,
     inputs: &DeviceInputs<'_>,
-) -> Result<(Ptrs, Format, Format)> {
+) -> Result<(Ptrs, Format, Format, Option<Paging>)> {
     let (t, l) = (batch.num_rows(), batch.num_keys());
     let (h, d) = (inputs.heads, inputs.dim);
     if !(h.is_power_of_two() && (8..=64).contains(&h)) {
@@ -218,6 +269,7 @@ fn input_ptrs(
     }
     let g = d / 32;
     let mut ptrs = Ptrs::default();
+    let mut paged = None;
     let qf = match &inputs.q {
         DeviceQueries::E4m3(q) => {
             check_len("q", q.len(), t * h * d)?;
@@ -247,6 +299,28 @@ fn input_ptrs(
             ptrs.k_scale8 = vptr(scale, s);
             Format::E2m1
         }
+        DeviceKeys::Paged {
+            format,
+            kv_cache,
+            page_table,
+            max_pages,
+            page_size,
+        } => {
+            let pg = paged_shapes(
+                s, batch, d, *format, kv_cache, page_table, *max_pages, *page_size,
+            )?;
+            if inputs.k_slots.is_some() {
+                return Err(Error::range(
+                    "k_slots",
+                    "given",
+                    "none with paged keys: page reports pool slots (SPEC 10)",
+                ));
+            }
+            paged = Some(pg);
+            ptrs.k = vptr(kv_cache, s);
+            ptrs.page_table = vptr(page_table, s);
+            *format
+        }
     };
     check_len("weights", inputs.weights.len(), t * h)?;
     ptrs.w = vptr(&inputs.weights, s);
@@ -254,7 +328,62 @@ fn input_ptrs(
         check_len("k_slots", slots.len(), l)?;
         ptrs.k_slots = vptr(slots, s);
     }
-    Ok((ptrs, qf, kf))
+    Ok((ptrs, qf, kf, paged))
+}
+
+/// SPEC 8's shape checks of paged keys on the device (those of
+/// [`crate::paged::PagedKeys::validate`] before its values), and that the kernels can
+/// read the pages ([`Paging::new`]).
+#[allow(clippy::too_many_arguments)]
+fn paged_shapes(
+    s: &CudaStream,
+    batch: &Batch,
+    dim: usize,
+    format: Format,
+    kv_cache: &CudaView<'_, u8>,
+    page_table: &CudaView<'_, i32>,
+    max_pages: usize,
+    page_size: usize,
+) -> Result<Paging> {
+    let pg = Paging::new(format, dim, page_size, max_pages)?;
+    // Before the values, unlike the flat tensors' alignment: validate_slots reads the
+    // pages with word loads.
+    let addr = vptr(kv_cache, s);
+    if !addr.is_multiple_of(INPUT_ALIGN as u64) {
+        return Err(Error::range(
+            "kv_cache",
+            format!("device address {addr:#x}"),
+            "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
+        ));
+    }
+    let page_bytes = page_size * crate::paged::bytes_per_token(format, dim);
+    if !kv_cache.len().is_multiple_of(page_bytes) {
+        return Err(Error::range(
+            "kv_cache",
+            format!("{} bytes", kv_cache.len()),
+            "a whole number of pages of P * bytes_per_token bytes",
+        ));
+    }
+    let slots = kv_cache.len() / page_bytes * page_size;
+    if slots > i32::MAX as usize {
+        return Err(Error::range(
+            "kv_cache slots",
+            slots,
+            "num_pages * page_size <= 2^31 - 1 (page is i32)",
+        ));
+    }
+    let reqs = batch.requests();
+    check_len("page_table", page_table.len(), reqs.len() * max_pages)?;
+    for (b, r) in reqs.iter().enumerate() {
+        if r.keys.div_ceil(page_size) > max_pages {
+            return Err(Error::range(
+                format!("page_table[{b}]"),
+                format!("{max_pages} entries"),
+                "at least ceil(L_b / page_size) entries for every request",
+            ));
+        }
+    }
+    Ok(pg)
 }
 
 /// Check `params` and the source layer's tail; the page width (`page_cols`, or `K`
@@ -315,6 +444,8 @@ fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> 
             checked.push(Checked::KeyScale(scale));
         }
         DeviceKeys::E2m1 { scale, .. } => checked.push(Checked::Ue8m0("k_scale", scale)),
+        // Checked by validate_paged, between the queries and the weights.
+        DeviceKeys::Paged { .. } => {}
     }
     checked.push(Checked::Weights(&inputs.weights));
     if let Some(slots) = &inputs.k_slots {
@@ -327,8 +458,8 @@ fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> 
 /// their tensors must start on a 16-byte boundary (every cudarc allocation does;
 /// a view into one need not). Checked after the values, so that a bad value is
 /// reported as Problem::new reports it, wherever it sits.
-fn check_alignment(ptrs: &Ptrs) -> Result<()> {
-    for (field, addr) in [("q", ptrs.q), ("k", ptrs.k)] {
+fn check_alignment(ptrs: &Ptrs, keys: &'static str) -> Result<()> {
+    for (field, addr) in [("q", ptrs.q), (keys, ptrs.k)] {
         if addr % INPUT_ALIGN as u64 != 0 {
             return Err(Error::range(
                 field,

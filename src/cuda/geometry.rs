@@ -42,6 +42,52 @@ pub(super) struct Shape {
     pub(super) num_blocks: usize,
     pub(super) tail: Option<Option<usize>>, // Some(tail) for a source
     pub(super) consumer: bool,
+    /// Keys read from a page pool through a page table (SPEC 10).
+    pub(super) paged: Option<Paging>,
+}
+
+/// Paged keys as the kernels see them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Paging {
+    /// `log2(P)`.
+    pub(super) page_log2: u32,
+    /// Page-table entries per request (`max_pages`): request `b`'s row starts at entry
+    /// `b * table_cols`.
+    pub(super) table_cols: usize,
+}
+
+impl Paging {
+    /// The kernels' view of pages of `page_size` tokens of `format` keys of `dim`
+    /// dimensions, `table_cols` page-table entries per request. The kernels load a key's
+    /// codes with 16-byte loads, so a page must take a multiple of 16 bytes
+    /// (`page_size * bytes_per_token`, e.g. `page_size` a multiple of 4 for E4M3 keys);
+    /// an error naming `page_size` otherwise.
+    pub(super) fn new(
+        format: Format,
+        dim: usize,
+        page_size: usize,
+        table_cols: usize,
+    ) -> Result<Paging> {
+        if !(page_size.is_power_of_two() && page_size <= crate::paged::MAX_PAGE_SIZE) {
+            return Err(Error::range(
+                "page_size",
+                page_size,
+                "a power of two in 1..=256",
+            ));
+        }
+        let page_bytes = page_size * crate::paged::bytes_per_token(format, dim);
+        if !page_bytes.is_multiple_of(16) {
+            return Err(Error::range(
+                "page_size",
+                format!("{page_size} ({page_bytes}-byte pages of {format} keys, D = {dim})"),
+                "pages of a multiple of 16 bytes on the CUDA backend (its kernels load keys 16 bytes at a time)",
+            ));
+        }
+        Ok(Paging {
+            page_log2: page_size.trailing_zeros(),
+            table_cols,
+        })
+    }
 }
 
 impl Shape {
@@ -52,6 +98,7 @@ impl Shape {
             groups: self.dim / 32,
             q: self.q,
             k: self.k,
+            paged: self.paged.is_some(),
         }
     }
 }
@@ -165,6 +212,16 @@ pub(super) fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
             "fewer than 2^31 rows on the CUDA backend",
         ));
     }
+    if let Some(pg) = s.paged {
+        let entries = batch.requests().len().saturating_mul(pg.table_cols);
+        if entries > u32::MAX as usize {
+            return Err(Error::range(
+                "page_table",
+                format!("{entries} entries"),
+                "fewer than 2^32 entries on the CUDA backend",
+            ));
+        }
+    }
     if s.consumer {
         let max_n = batch.rows().iter().map(|r| r.n).max().unwrap_or(0);
         let bytes = max_n.div_ceil(s.block_size).div_ceil(32) * 4;
@@ -185,7 +242,8 @@ pub(super) fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
 pub(super) struct RowMeta {
     /// Visible keys per row.
     pub(super) row_n: Vec<u32>,
-    /// Flat key offset per row.
+    /// Flat key offset per row; over paged keys, the row's request's first page-table
+    /// entry.
     pub(super) row_ks: Vec<u32>,
     /// Each row's offset (floats) in its tile's logits buffer.
     pub(super) row_off: Vec<u64>,
@@ -247,7 +305,10 @@ impl RowMeta {
         let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant(), hooks);
         for r in rows {
             m.row_n.push(r.n as u32);
-            m.row_ks.push(r.ks as u32);
+            m.row_ks.push(match shape.paged {
+                Some(pg) => (r.request * pg.table_cols) as u32,
+                None => r.ks as u32,
+            });
         }
         // A consumer row's bitmap of kept blocks, then (from a 16-byte boundary) the
         // shared-memory row: the top-k launch's dynamic shared memory.
@@ -429,5 +490,45 @@ mod tests {
             1000 * META_BYTES_PER_ROW + 2 * H200_SMS * 512 * 4 + PATHS_BYTES
         );
         assert_eq!(fp.row_bytes(17), 32 * 4);
+    }
+
+    /// The kernels read pages of a multiple of 16 bytes; other page sizes are errors
+    /// naming page_size (the backend gathers those pages on the host instead).
+    #[test]
+    fn paging_takes_pages_of_whole_16_byte_chunks() {
+        for (f, d, ok) in [
+            (Format::E4m3, 128, 4usize),
+            (Format::E4m3, 32, 4),
+            (Format::E2m1, 128, 4),
+            (Format::E2m1, 64, 8),
+            (Format::E2m1, 32, 16),
+        ] {
+            for p in (0..=8).map(|e| 1usize << e) {
+                match Paging::new(f, d, p, 3) {
+                    Ok(pg) => {
+                        assert!(p >= ok, "{f} D = {d} P = {p}");
+                        assert_eq!(
+                            pg,
+                            Paging {
+                                page_log2: p.trailing_zeros(),
+                                table_cols: 3
+                            }
+                        );
+                    }
+                    Err(Error::OutOfRange { field, value, .. }) => {
+                        assert!(p < ok, "{f} D = {d} P = {p}");
+                        assert_eq!(field, "page_size");
+                        assert!(value.starts_with(&format!("{p} (")), "{value}");
+                    }
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+        }
+        for p in [0, 3, 512] {
+            assert!(matches!(
+                Paging::new(Format::E4m3, 128, p, 1),
+                Err(Error::OutOfRange { field, .. }) if field == "page_size"
+            ));
+        }
     }
 }

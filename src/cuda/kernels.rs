@@ -89,6 +89,7 @@ fn wgmma_family(v: Variant) -> Option<&'static [&'static str]> {
             groups,
             q: Format::E2m1,
             k: Format::E2m1,
+            ..
         } if groups >= 2 => Some(&["mqa_logits_wgr", "mqa_logits_wgi8"]),
         Variant::Logits {
             heads: 64,
@@ -359,6 +360,8 @@ pub const TOPK_PATHS: [&str; 6] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL", 
 /// Exact-class path counters of the logits kernels (scale folding, and
 /// `mqa_logits_wgi8`'s tiles), in `logits_common.cuh`'s `LG_PATH_*` order.
 pub const LOGITS_PATHS: [&str; 6] = ["QFOLD", "QPLAIN", "ONE", "TWO", "I8", "I8_FALLBACK"];
+/// Threads of a `paged_slots` block (at most `TK_THREADS`, its launch bound).
+pub const PAGED_SLOTS_THREADS: usize = 256;
 /// Threads of a `block_keys_f32` block (`BK_THREADS` in `topk.cu`).
 pub const BLOCK_KEYS_THREADS: usize = 256;
 /// Threads of a `validate_inputs` block (`VAL_THREADS`, prepended to `validate.cu`).
@@ -381,9 +384,12 @@ pub enum Variant {
         q: Format,
         /// Key format.
         k: Format,
+        /// Keys from a page pool through a page table (SPEC 10; `DSA_PAGED=1`): the
+        /// kernels take the table and `log2(P)` as two more arguments.
+        paged: bool,
     },
     /// `topk_ragged_f32`, `topk_short_f32`, `topk_segments_f32`, `topk_merge_f32`,
-    /// `block_keys_f32`, `kept_blocks_u32`, `decode_codes`.
+    /// `block_keys_f32`, `kept_blocks_u32`, `paged_slots`, `decode_codes`.
     Topk,
     /// `validate_inputs`: SPEC 8's value checks of device inputs.
     Validate,
@@ -397,20 +403,23 @@ fn fmt_code(f: Format) -> u32 {
 }
 
 impl Variant {
-    /// Every variant the backend can load: 4 head counts x 3 dims x 4 format pairs,
-    /// top-k and validation.
+    /// Every variant the backend can load: 4 head counts x 3 dims x 4 format pairs x
+    /// flat or paged keys, top-k and validation.
     pub fn all() -> Vec<Variant> {
         let mut v = vec![Variant::Topk, Variant::Validate];
-        for heads in [8, 16, 32, 64] {
-            for groups in [1, 2, 4] {
-                for q in [Format::E4m3, Format::E2m1] {
-                    for k in [Format::E4m3, Format::E2m1] {
-                        v.push(Variant::Logits {
-                            heads,
-                            groups,
-                            q,
-                            k,
-                        });
+        for paged in [false, true] {
+            for heads in [8, 16, 32, 64] {
+                for groups in [1, 2, 4] {
+                    for q in [Format::E4m3, Format::E2m1] {
+                        for k in [Format::E4m3, Format::E2m1] {
+                            v.push(Variant::Logits {
+                                heads,
+                                groups,
+                                q,
+                                k,
+                                paged,
+                            });
+                        }
                     }
                 }
             }
@@ -418,7 +427,8 @@ impl Variant {
         v
     }
 
-    /// A short name (`logits_h32_g4_e2m1_e2m1`, `topk`, `validate`).
+    /// A short name (`logits_h32_g4_e2m1_e2m1`, `logits_h64_g4_e4m3_e4m3_paged`, `topk`,
+    /// `validate`).
     pub fn name(&self) -> String {
         match *self {
             Variant::Logits {
@@ -426,7 +436,11 @@ impl Variant {
                 groups,
                 q,
                 k,
-            } => format!("logits_h{heads}_g{groups}_{q}_{k}"),
+                paged,
+            } => format!(
+                "logits_h{heads}_g{groups}_{q}_{k}{}",
+                if paged { "_paged" } else { "" }
+            ),
             Variant::Topk => "topk".into(),
             Variant::Validate => "validate".into(),
         }
@@ -469,6 +483,7 @@ pub fn logits_source(v: Variant, kernel: &str, hooks: Hooks) -> Option<String> {
         groups,
         q,
         k,
+        paged,
     } = v
     else {
         return None;
@@ -485,9 +500,10 @@ pub fn logits_source(v: Variant, kernel: &str, hooks: Hooks) -> Option<String> {
         return None;
     }
     Some(hooks.logits_defines(q, k).to_string() + &with_defines(&format!(
-        "#define DSA_H {heads}\n#define DSA_G {groups}\n#define DSA_QF {}\n#define DSA_KF {}\n{COMMON}\n{LOGITS_COMMON}\n{family}",
+        "#define DSA_H {heads}\n#define DSA_G {groups}\n#define DSA_QF {}\n#define DSA_KF {}\n{}{COMMON}\n{LOGITS_COMMON}\n{family}",
         fmt_code(q),
-        fmt_code(k)
+        fmt_code(k),
+        if paged { "#define DSA_PAGED 1\n" } else { "" }
     )))
 }
 
@@ -750,7 +766,8 @@ mod tests {
                 heads: 32,
                 groups: 4,
                 q: Format::E2m1,
-                k: Format::E2m1
+                k: Format::E2m1,
+                paged: false,
             },
             "mqa_logits_w16",
             Hooks::default()

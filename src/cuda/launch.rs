@@ -58,6 +58,10 @@ pub(super) struct LogitsArgs {
     pub logits: u64,
     /// The exact-class folding counters (`LG_PATH_*`).
     pub paths: u64,
+    /// Paged keys (a `_paged` variant): the page table and `log2(P)`, the kernel's two
+    /// last parameters; `k` is then the pool and `row_ks` each row's first page-table
+    /// entry.
+    pub paged: Option<(u64, u32)>,
 }
 
 /// Launch logits kernel `f` (`threads` per block) over row groups `groups`, `gx` blocks
@@ -91,6 +95,10 @@ pub(super) fn logits(
             .arg(&a.group0)
             .arg(&a.logits)
             .arg(&a.paths);
+        let (page_table, page_log2) = a.paged.unwrap_or((0, 0));
+        if a.paged.is_some() {
+            l.arg(&page_table).arg(&page_log2);
+        }
         // SAFETY: every pointer addresses a live device buffer of the shape the
         // kernel reads (validated problem); writes stay inside each row's
         // footprint in the logits tile, which the plan sized.
@@ -217,6 +225,58 @@ pub(super) fn kept_blocks(
         })
     }
     .map_err(drv("launch kept_blocks_u32"))?;
+    Ok(())
+}
+
+/// The parameters of `paged_slots`: index assembly over paged keys, `page` from `raw`
+/// through the page table.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PagedSlotsArgs {
+    /// `raw [T, K]`.
+    pub raw: u64,
+    /// Each row's first page-table entry.
+    pub row_ks: u64,
+    /// The launch's first row (grid x counts from it).
+    pub row0: u32,
+    /// `K`.
+    pub k: u32,
+    /// `page [T, page_cols]` (written).
+    pub page: u64,
+    /// Columns of `page`.
+    pub page_cols: u32,
+    /// The page table.
+    pub page_table: u64,
+    /// `log2(P)`.
+    pub page_log2: u32,
+}
+
+/// Launch `paged_slots` (`f`) over `rows` rows from `args.row0`, one block per row.
+pub(super) fn paged_slots(
+    s: &CudaStream,
+    f: &CudaFunction,
+    a: &PagedSlotsArgs,
+    rows: u32,
+) -> Result<()> {
+    let mut l = s.launch_builder(f);
+    l.arg(&a.raw)
+        .arg(&a.row_ks)
+        .arg(&a.row0)
+        .arg(&a.k)
+        .arg(&a.page)
+        .arg(&a.page_cols)
+        .arg(&a.page_table)
+        .arg(&a.page_log2);
+    // SAFETY: each row reads its K raw ids and, for each id, the page-table entry of a
+    // key its request has (the top-k selected it), and writes its page_cols-wide page
+    // row.
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: (rows, 1, 1),
+            block_dim: (kernels::PAGED_SLOTS_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .map_err(drv("launch paged_slots"))?;
     Ok(())
 }
 
@@ -451,6 +511,7 @@ mod tests {
                 groups,
                 q,
                 k,
+                ..
             } = v
             else {
                 continue;

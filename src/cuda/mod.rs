@@ -63,7 +63,7 @@ mod run;
 mod tolerance;
 mod validate;
 
-pub use backend::{run_cuda, CudaBackend};
+pub use backend::{reads_pages, run_cuda, CudaBackend};
 use device::{backend_err, drv};
 pub use device::{libraries_present, DecodedCodes, Device};
 pub use engine::{DeviceInputs, DeviceKeys, DeviceOutput, DeviceQueries, Engine, INPUT_ALIGN};

@@ -10,8 +10,8 @@ use super::device::{drv, ptr, Device};
 use super::geometry::{footprint, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES};
 use super::kernels::{self, Variant};
 use super::launch::{
-    self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, TopkMergeArgs,
-    TopkRowsArgs, TopkSegmentsArgs,
+    self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, PagedSlotsArgs,
+    TopkMergeArgs, TopkRowsArgs, TopkSegmentsArgs,
 };
 use crate::batch::Batch;
 use crate::error::Result;
@@ -28,6 +28,8 @@ pub(super) struct Ptrs {
     pub(super) w: u64,
     pub(super) k_slots: u64,
     pub(super) cblocks: u64,
+    /// Paged keys: the page table (`k` is then the pool).
+    pub(super) page_table: u64,
 }
 
 /// One run's device state.
@@ -329,6 +331,7 @@ impl Run {
                 group0: g.groups.start as u32,
                 logits: a.logits,
                 paths: lpaths,
+                paged: sh.paged.map(|pg| (p.page_table, pg.page_log2)),
             };
             launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?;
         }
@@ -347,11 +350,43 @@ impl Run {
         if a.published != 0 && self.shape.tail.is_some() {
             self.candidate_blocks_step(dev, &g, &a)?;
         }
-        // 3. Top-k and index assembly.
+        // 3. Top-k and index assembly (over paged keys, page from raw after the top-k).
         if g.segments > 1 && a.split != 0 {
-            return self.split_topk_step(dev, &g, &a);
+            self.split_topk_step(dev, &g, &a)?;
+        } else {
+            self.row_topk_step(dev, &g, &a)?;
         }
-        self.row_topk_step(dev, &g, &a)
+        self.paged_slots_step(dev, &g, &a)
+    }
+
+    /// Over paged keys, `page` of tile geometry `g`'s rows from their `raw` through the
+    /// page table (the top-k kernels wrote `raw` only); nothing over flat keys.
+    fn paged_slots_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+        let Some(pg) = self.shape.paged else {
+            return Ok(());
+        };
+        let f = dev.function(Variant::Topk, "paged_slots")?;
+        let args = PagedSlotsArgs {
+            raw: a.raw,
+            row_ks: a.row_ks,
+            row0: g.rows.start as u32,
+            k: self.shape.topk as u32,
+            page: a.page,
+            page_cols: self.shape.page_cols as u32,
+            page_table: self.ptrs.page_table,
+            page_log2: pg.page_log2,
+        };
+        launch::paged_slots(&dev.stream, &f, &args, g.rows.len() as u32)
+    }
+
+    /// The `page` output and its columns as the top-k kernels take them: none over
+    /// paged keys (`paged_slots` writes it), else the run's.
+    fn topk_page(&self, a: &RunAddrs) -> (u64, u32) {
+        if self.shape.paged.is_some() {
+            (0, 0)
+        } else {
+            (a.page, self.shape.page_cols as u32)
+        }
     }
 
     /// A source layer's block keys and kept blocks of tile geometry `g`'s rows.
@@ -429,6 +464,7 @@ impl Run {
         };
         launch::topk_segments(s, &fs, &args, segs, rows, smem)?;
         let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
+        let page = self.topk_page(a);
         let args = TopkMergeArgs {
             logits: a.logits,
             row_off: a.row_off,
@@ -438,8 +474,8 @@ impl Run {
             segments: segs,
             scratch: a.split,
             raw: a.raw,
-            page: a.page,
-            page_cols: sh.page_cols as u32,
+            page: page.0,
+            page_cols: page.1,
             k_slots: p.k_slots,
             paths: a.paths,
         };
@@ -463,6 +499,7 @@ impl Run {
             ("topk_short_f32", row_cap, bytes)
         });
         let long = (g.max_n >= n_min as usize).then_some(("topk_ragged_f32", n_min, smem));
+        let page = self.topk_page(a);
         for (name, bound, dyn_smem) in [short, long].into_iter().flatten() {
             let f = dev.function(Variant::Topk, name)?;
             allow_dynamic_smem(&f, dyn_smem)?;
@@ -474,8 +511,8 @@ impl Run {
                 row0: g.rows.start as u32,
                 k: sh.topk as u32,
                 raw: a.raw,
-                page: a.page,
-                page_cols: sh.page_cols as u32,
+                page: page.0,
+                page_cols: page.1,
                 k_slots: p.k_slots,
                 cblocks: p.cblocks,
                 num_blocks: sh.num_blocks as u32,

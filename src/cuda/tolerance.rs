@@ -75,6 +75,7 @@ pub fn tolerance_log2(p: &Problem, hooks: Hooks) -> i32 {
         groups: p.dim / 32,
         q: p.q_format(),
         k: p.k_format(),
+        paged: false,
     };
     if kernels::logits_on_fp8_accumulator(v, hooks) {
         FP8_WGMMA_TOLERANCE_LOG2

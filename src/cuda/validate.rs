@@ -208,6 +208,158 @@ pub(super) fn validate(dev: &Device, tensors: &[Checked<'_, '_>]) -> Result<()> 
     Err(c.error(s, index)?)
 }
 
+/// Paged keys on the device as [`validate_paged`] checks them.
+pub(super) struct PagedView<'v, 'a> {
+    /// Element format.
+    pub(super) format: crate::problem::Format,
+    /// `D`.
+    pub(super) dim: usize,
+    /// The pool.
+    pub(super) kv_cache: &'v CudaView<'a, u8>,
+    /// `i32 [B, cols]`.
+    pub(super) page_table: &'v CudaView<'a, i32>,
+    /// Page-table entries per request.
+    pub(super) cols: usize,
+    /// `log2(P)`.
+    pub(super) page_log2: u32,
+    /// Pages in the pool.
+    pub(super) num_pages: usize,
+}
+
+/// SPEC 8's value checks of paged keys (SPEC 10) on the device, what
+/// [`crate::paged::PagedKeys::validate`] checks after its shapes, with its errors: every
+/// used page-table entry of `batch`'s requests a page of the pool
+/// (`validate_page_ids`), then every slot some request reads (`validate_slots`: codes
+/// not NaN, scales finite and > 0 or not UE8M0 255). Unused entries and pages, and the
+/// slots of a page past its readers' keys, are not read. One copy back of the two
+/// verdict words (which waits for the stream), one more for an offending value.
+pub(super) fn validate_paged(
+    dev: &Device,
+    batch: &crate::batch::Batch,
+    v: &PagedView<'_, '_>,
+) -> Result<()> {
+    let s = &dev.stream;
+    let reqs = batch.requests();
+    if reqs.is_empty() || v.cols == 0 {
+        return Ok(());
+    }
+    let keys: Vec<u32> = reqs.iter().map(|r| r.keys as u32).collect();
+    let req_keys = dev
+        .allocate(Fill::Host(&keys))
+        .map_err(drv("upload request keys"))?;
+    let mut used = dev
+        .allocate::<u32>(if v.num_pages > 0 {
+            Fill::Zeros(v.num_pages)
+        } else {
+            Fill::OneUnread
+        })
+        .map_err(drv("alloc used slots"))?;
+    let mut first = dev
+        .allocate(Fill::Host(&[u64::MAX, u64::MAX]))
+        .map_err(drv("upload validation words"))?;
+    let threads = kernels::VALIDATE_THREADS as u64;
+    let grid = |n: u64| n.div_ceil(threads).clamp(1, 1024) as u32;
+    let cfg = |gx: u32| LaunchConfig {
+        grid_dim: (gx, 1, 1),
+        block_dim: (kernels::VALIDATE_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (cols, requests, num_pages) = (v.cols as u32, reqs.len() as u32, v.num_pages as u32);
+    let pt = vptr(v.page_table, s);
+    let pool = vptr(v.kv_cache, s);
+    let f = dev.function(Variant::Validate, "validate_page_ids")?;
+    let mut l = s.launch_builder(&f);
+    l.arg(&pt)
+        .arg(&cols)
+        .arg(&requests)
+        .arg(&req_keys)
+        .arg(&v.page_log2)
+        .arg(&num_pages)
+        .arg(&mut used)
+        .arg(&mut first);
+    // SAFETY: reads the B x cols page table (checked length) and B request key counts;
+    // writes `used` only at ids in [0, num_pages) and the two words of `first`.
+    unsafe { l.launch(cfg(grid(reqs.len() as u64 * v.cols as u64))) }
+        .map_err(drv("launch validate_page_ids"))?;
+    if v.num_pages > 0 {
+        let e2m1 = u32::from(v.format == crate::problem::Format::E2m1);
+        let dim = v.dim as u32;
+        let f = dev.function(Variant::Validate, "validate_slots")?;
+        let mut l = s.launch_builder(&f);
+        l.arg(&pool)
+            .arg(&v.page_log2)
+            .arg(&num_pages)
+            .arg(&e2m1)
+            .arg(&dim)
+            .arg(&used)
+            .arg(&mut first);
+        // SAFETY: reads slots t < used[page] of pages of the pool (checked length, a
+        // whole number of pages, 16-byte aligned pages) and writes the second word.
+        unsafe { l.launch(cfg(grid((v.num_pages as u64) << v.page_log2))) }
+            .map_err(drv("launch validate_slots"))?;
+    }
+    let words = s
+        .clone_dtoh(&first)
+        .map_err(drv("copy validation words back"))?;
+    s.synchronize().map_err(drv("synchronize"))?;
+    let one = |view: CudaView<'_, u8>, what: &str| -> Result<Vec<u8>> {
+        s.clone_dtoh(&view).map_err(drv(what))
+    };
+    if words[0] != u64::MAX {
+        let x = words[0] as usize;
+        let cell = v
+            .page_table
+            .try_slice(x..x + 1)
+            .ok_or_else(|| backend_err(format!("page-table entry {x} out of range")))?;
+        let id = s
+            .clone_dtoh(&cell)
+            .map_err(drv("copy offending page id back"))?[0];
+        return Err(Error::range(
+            format!("page_table[{}, {}]", x / v.cols, x % v.cols),
+            id,
+            "a page id in [0, num_pages) for every used entry",
+        ));
+    }
+    if words[1] == u64::MAX {
+        return Ok(());
+    }
+    let g = v.dim / 32;
+    let p = 1usize << v.page_log2;
+    let w = match v.format {
+        crate::problem::Format::E4m3 => v.dim,
+        crate::problem::Format::E2m1 => g,
+    };
+    let key = words[1] as usize;
+    let (slot, pos) = (key / (w + 1), key % (w + 1));
+    let (page, t) = (slot / p, slot % p);
+    let field = |what: &str| format!("kv_cache[page {page}, slot {t}].{what}");
+    let bpt = crate::paged::bytes_per_token(v.format, v.dim);
+    let base = page * p * bpt;
+    let bytes = |at: usize, n: usize| -> Result<Vec<u8>> {
+        let view = v
+            .kv_cache
+            .try_slice(at..at + n)
+            .ok_or_else(|| backend_err(format!("kv_cache byte {at} out of range")))?;
+        one(view, "copy offending value back")
+    };
+    Err(match v.format {
+        crate::problem::Format::E4m3 if pos < v.dim => {
+            let b = bytes(base + t * v.dim + pos, 1)?;
+            Error::nan_e4m3(&field("k"), pos, b[0])
+        }
+        crate::problem::Format::E4m3 => {
+            let b = bytes(base + p * v.dim + 4 * t, 4)?;
+            Error::BadFloat {
+                field: field("scale"),
+                index: 0,
+                value: f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                expected: "finite and > 0",
+            }
+        }
+        crate::problem::Format::E2m1 => Error::reserved_scale(&field("k_scale"), pos),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
