@@ -82,10 +82,7 @@ fn a_moved_pool_slot_is_different_and_a_reordered_row_is_equal_up_to_ties() {
         assert_eq!(part(&v, "page"), (Status::Different, Some(i)), "{name}");
         assert_eq!(v.status, Status::Different, "{name}");
         // The same without raw: the moved slot names no key of the row, or another one.
-        let page_only = Expected {
-            raw: None,
-            ..moved
-        };
+        let page_only = Expected { raw: None, ..moved };
         let v = judge(&dump, &page_only);
         assert_eq!(part(&v, "page").0, Status::Different, "{name}: page alone");
         // Row i's slots in another order: the same slots, equal up to ties.
