@@ -236,3 +236,11 @@ def test_garbage_in_unused_pages_is_not_read():
     kv[unused] = 0x7F  # NaN codes, NaN scales
     out = di.reference(**{**args, "kv_cache": kv})
     assert_bitwise(out.page, t["expected_page"], "page")
+
+
+def test_the_plan_of_paged_keys_is_the_plan_of_the_same_keys_flat():
+    meta, t, args = paged("paged_prefill_shared")
+    k, k_scale, slots = gather(meta, t)
+    flat = {n: v for n, v in args.items() if n not in ("kv_cache", "page_table", "page_size")}
+    for budget in (1, 4096, 1 << 30):
+        assert di.plan(budget=budget, **args) == di.plan(budget=budget, **flat, k=k, k_scale=k_scale, k_slots=slots)
