@@ -714,6 +714,11 @@ fn gen_paged_decode_then_replay() {
     let (code, so, se) = replay(&f);
     assert_eq!(code, 0, "{so}{se}");
     assert!(so.contains("verdict: identical"), "{so}");
+    let pages = kv_cache.nrows();
+    assert!(
+        so.contains(&format!("495 keys (paged: {pages} pages of 64), H=64")),
+        "{so}"
+    );
     // The same seed without --paged: the same keys laid out flat, so the same raw and
     // logits (SPEC 10), and page differs only by the slot mapping.
     let flat_args: Vec<&str> = args
