@@ -120,3 +120,62 @@ fn request_local_ids_where_pool_slots_belong_are_different() {
     assert_eq!(part(&v, "page").0, Status::Different);
     assert_eq!(part(&v, "raw").0, Status::Identical);
 }
+
+/// A page listed twice in one request's page table (SPEC 10 allows it): two keys share
+/// each of its pool slots, and a `page` naming such a slot twice is still the selection
+/// of both keys.
+#[test]
+fn a_page_listed_twice_in_a_request_names_two_keys_per_slot() {
+    use dsa_indexer::dump::KData;
+    let path = paged_golden_files()
+        .into_iter()
+        .find(|p| p.ends_with("paged_decode_mtp.safetensors"))
+        .unwrap();
+    let (_, mut dump) = load(&path);
+    let KData::Paged { page_table, .. } = &mut dump.k else {
+        panic!("not paged");
+    };
+    // Every request of two or more used pages reads its first page again as its second.
+    let mut doubled = 0;
+    for (b, &s) in dump.seq_lens.clone().iter().enumerate() {
+        if s > 16 {
+            page_table[[b, 1]] = page_table[[b, 0]];
+            doubled += 1;
+        }
+    }
+    assert!(doubled > 0);
+    let batch = dump.batch().unwrap();
+    let p = dump.problem(&batch, None).unwrap();
+    let out = reference::run(&p);
+    let dup = out.page.rows().into_iter().any(|r| {
+        let mut v: Vec<i32> = r.iter().copied().filter(|&x| x >= 0).collect();
+        v.sort_unstable();
+        v.windows(2).any(|w| w[0] == w[1])
+    });
+    assert!(dup, "no row selects two keys of one slot");
+    let page_only = Expected {
+        page: Some(out.page.clone()),
+        ..Expected::default()
+    };
+    let v = judge(&dump, &page_only);
+    assert_eq!(part(&v, "page").0, Status::Identical, "{v:?}");
+    // Each row's slots reversed: not the reference's form, so `page` is read back to ids
+    // through the slots, and a slot named twice is two keys.
+    let mut reversed = out.page.clone();
+    for mut r in reversed.rows_mut() {
+        let mut v: Vec<i32> = r.iter().copied().filter(|&x| x >= 0).collect();
+        v.reverse();
+        for (c, x) in v.into_iter().enumerate() {
+            r[c] = x;
+        }
+    }
+    assert_ne!(reversed, out.page);
+    let v = judge(
+        &dump,
+        &Expected {
+            page: Some(reversed),
+            ..Expected::default()
+        },
+    );
+    assert_eq!(part(&v, "page").0, Status::Ties, "{v:?}");
+}
