@@ -633,3 +633,202 @@ fn v41_replay_within_60_seconds() {
     assert!(secs <= 60.0, "replay took {secs:.1} s\n{so}");
     eprintln!("v41-replay: replay in {secs:.1} s");
 }
+
+#[test]
+fn replay_of_every_paged_golden_file_is_identical_whole_and_by_rows() {
+    let files = common::paged_golden_files();
+    assert!(files.len() >= 7, "found {} paged golden files", files.len());
+    for f in files {
+        let path = f.to_str().unwrap();
+        for extra in [&[][..], &["--rows", "1..3"], &["--request", "1"]] {
+            let mut args = vec!["replay", "--json"];
+            args.extend_from_slice(extra);
+            args.push(path);
+            let (code, so, se) = run(&args);
+            assert_eq!(code, 0, "{path} {extra:?}: exit {code}\n{so}{se}");
+            let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+            assert_eq!(v["verdict"], "identical", "{path} {extra:?}: {v}");
+            assert_eq!(
+                v["tensors"]["page"]["status"], "identical",
+                "{path} {extra:?}"
+            );
+            if extra.first() == Some(&"--rows") {
+                assert_eq!(v["rows"], 2, "{path} {extra:?}: {v}");
+            }
+        }
+    }
+}
+
+/// `gen --paged --page-size 64 --next-n 2`: a decode batch over a page pool in random
+/// order, garbage in the pages no request uses, that replays identical; and a moved
+/// pool slot in it that replays different.
+#[test]
+fn gen_paged_decode_then_replay() {
+    use dsa_indexer::dump::{KData, Layout};
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--preset",
+        "v32",
+        "--topk",
+        "64",
+        "--seq-lens",
+        "300,129,64,2",
+        "--paged",
+        "--page-size",
+        "64",
+        "--next-n",
+        "2",
+    ];
+    let f = gen(dir.path(), "decode.safetensors", &args);
+    let bytes = std::fs::read(&f).unwrap();
+    let d = Dump::from_bytes(&bytes).unwrap();
+    assert_eq!(d.meta.next_n, Some(2));
+    assert_eq!(d.layout, Layout::Contiguous(vec![298, 127, 62, 0]));
+    assert!(d.expected.ks.is_none() && d.expected.ke.is_none());
+    let KData::Paged {
+        kv_cache,
+        page_table,
+        page_size,
+    } = &d.k
+    else {
+        panic!("gen --paged wrote flat keys");
+    };
+    assert_eq!((*page_size, kv_cache.ncols()), (64, 64 * 132));
+    // Pages used: 5, 3, 1, 1 (ceil(S / 64)); -1 past them; pages in random order.
+    let used: Vec<i32> = [5, 3, 1, 1]
+        .iter()
+        .enumerate()
+        .flat_map(|(b, &u)| {
+            assert!(page_table.row(b).iter().skip(u).all(|&x| x == -1));
+            page_table
+                .row(b)
+                .iter()
+                .take(u)
+                .copied()
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(used.len(), 10);
+    assert!(kv_cache.nrows() > 10, "no unused page");
+    assert_ne!(used, (0..10).collect::<Vec<i32>>(), "pages in order");
+    let (code, so, se) = replay(&f);
+    assert_eq!(code, 0, "{so}{se}");
+    assert!(so.contains("verdict: identical"), "{so}");
+    let pages = kv_cache.nrows();
+    assert!(
+        so.contains(&format!("495 keys (paged: {pages} pages of 64), H=64")),
+        "{so}"
+    );
+    // The same seed without --paged: the same keys laid out flat, so the same raw and
+    // logits (SPEC 10), and page differs only by the slot mapping.
+    let flat_args: Vec<&str> = args
+        .iter()
+        .copied()
+        .filter(|&a| a != "--paged" && a != "--page-size")
+        .enumerate()
+        .filter(|&(i, _)| i != 6) // the page size's value
+        .map(|(_, a)| a)
+        .collect();
+    assert_eq!(flat_args.len(), args.len() - 3, "{flat_args:?}");
+    let flat =
+        Dump::from_bytes(&std::fs::read(gen(dir.path(), "flat.safetensors", &flat_args)).unwrap())
+            .unwrap();
+    assert!(!matches!(flat.k, KData::Paged { .. }));
+    assert_eq!(flat.expected.raw, d.expected.raw);
+    let bits = |l: &Option<Vec<f32>>| {
+        l.as_ref()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(bits(&flat.expected.logits), bits(&d.expected.logits));
+    assert_ne!(flat.expected.page, d.expected.page);
+    let again = gen(dir.path(), "again.safetensors", &args);
+    assert_eq!(
+        std::fs::read(again).unwrap(),
+        bytes,
+        "gen --paged is not reproducible"
+    );
+    // A pool slot moved off row 0's keys.
+    let mut moved = d.clone();
+    let page = moved.expected.page.as_mut().unwrap();
+    page[[0, 0]] = (kv_cache.nrows() * 64 - 1) as i32;
+    let m = dir.path().join("moved.safetensors");
+    std::fs::write(&m, moved.to_bytes().unwrap()).unwrap();
+    let (code, so, se) = run(&["replay", "--json", m.to_str().unwrap()]);
+    assert_eq!(code, 1, "{so}{se}");
+    let v: serde_json::Value = serde_json::from_str(&so).unwrap();
+    assert_eq!(v["tensors"]["page"]["status"], "different", "{v}");
+    assert_eq!(v["tensors"]["page"]["first_different_row"], 0, "{v}");
+    assert_eq!(v["tensors"]["raw"]["status"], "identical", "{v}");
+}
+
+#[test]
+fn gen_run_and_bench_take_paged_keys_of_every_role() {
+    let dir = tempfile::tempdir().unwrap();
+    for extra in [
+        &["--preset", "small", "--paged", "--page-size", "4"][..],
+        &[
+            "--preset",
+            "small",
+            "--paged",
+            "--page-size",
+            "1",
+            "--role",
+            "source",
+            "--tail",
+            "1",
+            "--next-n",
+            "3",
+        ],
+        &[
+            "--preset",
+            "small",
+            "--paged",
+            "--role",
+            "consumer",
+            "--k-format",
+            "e4m3",
+        ],
+    ] {
+        let f = gen(dir.path(), "small.safetensors", extra);
+        let (code, so, se) = replay(&f);
+        assert_eq!(code, 0, "{extra:?}: {so}{se}");
+        assert!(so.contains("verdict: identical"), "{extra:?}: {so}");
+        let mut args = vec!["run", "--json"];
+        args.extend_from_slice(extra);
+        let (code, so, se) = run(&args);
+        assert_eq!(code, 0, "{extra:?}: {so}{se}");
+        args[0] = "bench";
+        args.extend_from_slice(&["--reps", "1"]);
+        let (code, so, se) = run(&args);
+        assert_eq!(code, 0, "{extra:?}: {so}{se}");
+    }
+}
+
+#[test]
+fn bad_paged_and_decode_options_exit_2() {
+    for (args, words) in [
+        (&["--page-size", "8"][..], "--paged"),
+        (&["--paged", "--page-size", "48"], "page_size = 48"),
+        (&["--paged", "--page-size", "512"], "page_size = 512"),
+        (&["--next-n", "0"], "next_n = 0"),
+        (
+            &["--next-n", "2", "--query-starts", "0,0"],
+            "--query-starts",
+        ),
+    ] {
+        let mut a = vec![
+            "gen",
+            "--out",
+            "/nonexistent/x.safetensors",
+            "--preset",
+            "small",
+        ];
+        a.extend_from_slice(args);
+        let (code, _, se) = run(&a);
+        assert_eq!(code, 2, "{args:?}: {se}");
+        assert!(se.contains(words), "{args:?}: {se}");
+    }
+}

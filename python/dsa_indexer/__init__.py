@@ -118,9 +118,9 @@ def _tensor(x: Any) -> Any:
 def _layer(
     q,
     q_scale,
-    k,
-    k_scale,
-    weights,
+    k=None,
+    k_scale=None,
+    weights=None,
     *,
     seq_lens,
     topk,
@@ -135,6 +135,9 @@ def _layer(
     candidates=None,
     page_cols=None,
     k_slots=None,
+    kv_cache=None,
+    page_table=None,
+    page_size=None,
 ) -> dict:
     """The arguments dict of the native functions (one layer-forward)."""
     t = _tensor
@@ -157,6 +160,9 @@ def _layer(
         "candidates": t(candidates),
         "page_cols": page_cols,
         "k_slots": t(k_slots),
+        "kv_cache": t(kv_cache),
+        "page_table": t(page_table),
+        "page_size": page_size,
     }
 
 
@@ -180,7 +186,7 @@ class Output:
     """A layer's outputs (SPEC 5 and 6), numpy arrays.
 
     ``raw`` int32 [T, K]: each row's selected request-local key positions, ascending,
-    then -1. ``page`` int32 [T, page_cols]: their pool slots (``k_slots``), then -1.
+    then -1. ``page`` int32 [T, page_cols]: their pool slots (``k_slots``, or the page table's for paged keys), then -1.
     ``published`` int32 [P, NB] and ``published_rows`` int32 [P]: a source layer's kept
     blocks and the rows that published them (``None`` for other roles). ``ks``, ``ke``
     int32 [T]: each row's visible keys ``[ks, ke)`` in the flat key buffer (SPEC 3).
@@ -200,9 +206,9 @@ class Output:
 def reference(
     q,
     q_scale,
-    k,
-    k_scale,
-    weights,
+    k=None,
+    k_scale=None,
+    weights=None,
     *,
     seq_lens,
     topk,
@@ -217,6 +223,9 @@ def reference(
     candidates=None,
     page_cols=None,
     k_slots=None,
+    kv_cache=None,
+    page_table=None,
+    page_size=None,
     budget=DEFAULT_BUDGET,
     logits=False,
 ) -> Output:
@@ -232,6 +241,15 @@ def reference(
     - ``k``: E4M3 ``[L, D]`` with ``k_scale`` float32 ``[L]``, or packed fp4 ``[L, D/2]``
       with UE8M0 ``k_scale`` ``[L, D/32]`` or int32 words ``[L]``; requests
       concatenated. The dtype of ``k_scale`` decides: float32 means E4M3 keys.
+    - Or paged keys (SPEC 10), the engines' KV cache, instead of ``k`` and ``k_scale``:
+      ``kv_cache`` uint8 ``[num_pages, page_size * bytes_per_token]`` (or
+      ``[num_pages, page_size, 1, bytes_per_token]``, DeepGEMM's view of the same
+      bytes), ``page_table`` int32 ``[B, max_pages]`` and ``page_size`` (a power of two
+      up to 256; engines use 64). A page holds its tokens' codes, then their scales:
+      ``bytes_per_token`` is ``D + 4`` for E4M3 keys (f32 scales), ``D/2 + D/32`` for
+      packed fp4 (UE8M0 scales), which tells the two apart. ``page`` then holds pool
+      slots ``page_table[b, j // page_size] * page_size + j % page_size``; ``k_slots``
+      is not given. Flat and paged keys together, or neither, raise ``ValueError``.
     - ``weights``: float32 or bfloat16 ``[T, H]``.
     - ``seq_lens`` int32 ``[B]``, and either ``query_starts`` int32 ``[B]`` (request
       ``b``'s rows are positions ``query_starts[b] .. seq_lens[b]-1``) or
@@ -270,6 +288,9 @@ def reference(
         candidates=candidates,
         page_cols=page_cols,
         k_slots=k_slots,
+        kv_cache=kv_cache,
+        page_table=page_table,
+        page_size=page_size,
     )
     d = _native.reference(args, budget, logits)
     return Output(**{name: _numpy(a) for name, a in d.items()})
@@ -380,7 +401,8 @@ def check(
     ``engine_ke`` [T]: the visible ranges it used. ``engine_logits`` float [T, L]: its
     logits over the flat key buffer (only ``[ks, ke)`` of each row is read).
     ``inputs``: the layer, as the keyword arguments of :func:`reference` (``q=``,
-    ``q_scale=``, ``k=``, ``k_scale=``, ``weights=``, ``seq_lens=``, ``topk=``, ...).
+    ``q_scale=``, ``k=``, ``k_scale=`` or ``kv_cache=``, ``page_table=``,
+    ``page_size=``, ``weights=``, ``seq_lens=``, ``topk=``, ...).
 
     A row of the same ids as the reference's in another order, or swapping keys of
     exactly the K-th score, is *equal up to ties*. Otherwise it is *equal within
@@ -416,9 +438,10 @@ class Dump:
     """A dump read by the crate's reader (:func:`load_dump`).
 
     ``meta``: ``heads``, ``dim``, ``topk``, ``ratio``, ``q_format``, ``k_format``,
-    ``role``, ``block_size``, ``num_blocks``, ``page_cols``, ``tail``, ``description``.
-    ``tensors``: numpy arrays by the schema's names (codes and packed fp4 uint8, scale
-    bytes uint8, key scales and weights float32, indices int32).
+    ``role``, ``block_size``, ``num_blocks``, ``page_cols``, ``tail``, ``page_size``
+    (``None`` for flat keys), ``next_n``, ``description``. ``tensors``: numpy arrays by
+    the schema's names (codes, packed fp4 and the page pool ``kv_cache`` uint8, scale
+    bytes uint8, key scales and weights float32, indices and ``page_table`` int32).
     """
 
     path: str
@@ -430,11 +453,18 @@ class Dump:
         """The layer as the keyword arguments of :func:`reference` (and of
         :func:`check`, :func:`plan`, :func:`save_dump`)."""
         t, m = self.tensors, self.meta
+        if "kv_cache" in t:
+            keys = {
+                "kv_cache": t["kv_cache"],
+                "page_table": t["page_table"],
+                "page_size": m["page_size"],
+            }
+        else:
+            keys = {"k": t["k"], "k_scale": t["k_scale"]}
         return {
             "q": t["q"],
             "q_scale": t.get("q_scale"),
-            "k": t["k"],
-            "k_scale": t["k_scale"],
+            **keys,
             "weights": t["weights"],
             "seq_lens": t["seq_lens"],
             "query_starts": t.get("query_starts"),

@@ -70,7 +70,8 @@ impl DumpFile {
     }
 
     /// The metadata, typed: `heads`, `dim`, `topk`, `ratio`, `q_format`, `k_format`,
-    /// `role`, `block_size`, `num_blocks`, `page_cols`, `tail`, `description`.
+    /// `role`, `block_size`, `num_blocks`, `page_cols`, `tail`, `page_size` (paged keys,
+    /// else `None`), `next_n`, `description`.
     fn meta<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let m = &self.dump.meta;
         let d = PyDict::new(py);
@@ -85,12 +86,18 @@ impl DumpFile {
         d.set_item("num_blocks", m.num_blocks)?;
         d.set_item("page_cols", m.page_cols)?;
         d.set_item("tail", m.tail)?;
+        let page_size = match &self.dump.k {
+            KData::Paged { page_size, .. } => Some(*page_size),
+            _ => None,
+        };
+        d.set_item("page_size", page_size)?;
+        d.set_item("next_n", m.next_n)?;
         d.set_item("description", m.description.clone())?;
         Ok(d)
     }
 
-    /// The tensors by the schema's names, as the reader holds them: E4M3 codes and
-    /// packed fp4 as `uint8`, scales as `uint8` bytes or `float32`, weights `float32`,
+    /// The tensors by the schema's names, as the reader holds them: E4M3 codes, packed
+    /// fp4 and the page pool as `uint8`, page tables `int32`, scales as `uint8` bytes or `float32`, weights `float32`,
     /// indices `int32`.
     fn tensors(&self) -> Vec<(&'static str, Array)> {
         let d = &self.dump;
@@ -130,6 +137,14 @@ impl DumpFile {
             KData::E2m1 { packed, scale } => {
                 t.push(("k", Array::from_nd(packed.clone())));
                 t.push(("k_scale", Array::from_nd(scale.clone())));
+            }
+            KData::Paged {
+                kv_cache,
+                page_table,
+                ..
+            } => {
+                t.push(("kv_cache", Array::from_nd(kv_cache.clone())));
+                t.push(("page_table", Array::from_nd(page_table.clone())));
             }
         }
         t.push(("weights", Array::from_nd(d.weights.clone())));

@@ -4,13 +4,16 @@
 //! The formats follow from the arguments: queries with no `q_scale` are E4M3 (their
 //! scale is folded into the weights, SPEC 4), with one packed fp4; keys whose
 //! `k_scale` is `float32` are E4M3, any other `k_scale` (UE8M0 bytes or `int32` words)
-//! makes them packed fp4. Codes, packed fp4, UE8M0 bytes, `float32` weights and key
-//! scales and `int32` slots are borrowed from the caller's buffers; `bfloat16` weights,
-//! `int32` scale words of `D < 128`, `int64` indices and the small index tensors are
-//! converted.
+//! makes them packed fp4. Paged keys (SPEC 10: `kv_cache`, `page_table` and
+//! `page_size` instead of `k` and `k_scale`) take their format from the page width.
+//! Codes, packed fp4, UE8M0 bytes, `float32` weights and key scales, the `uint8` page
+//! pool, `int32` slots and page tables are borrowed from the caller's buffers;
+//! `bfloat16` weights, `int32` scale words of `D < 128`, `int64` indices and the small
+//! index tensors are converted.
 
 use dsa_indexer::batch::Batch;
 use dsa_indexer::dump::{Dump, Expected, KData, Layout, Meta, QData, RoleKind};
+use dsa_indexer::paged::{bytes_per_token, PagedKeys, MAX_PAGE_SIZE};
 use dsa_indexer::problem::{Format, Inputs, Keys, Params, Problem, Published, Queries, Role};
 use dsa_indexer::{Error, Result};
 use ndarray::{Array2, ArrayView1, ArrayView2, ArrayView3};
@@ -97,6 +100,13 @@ enum K {
         packed: Shaped,
         scale: Shaped,
     },
+    /// SPEC 10: the pool as `[num_pages, page bytes]` and the table `[B, max_pages]`.
+    Paged {
+        kv_cache: Shaped,
+        page_table: Ints,
+        table_shape: [usize; 2],
+        page_size: usize,
+    },
 }
 
 /// One layer-forward's arguments, checked and ready to view.
@@ -127,7 +137,7 @@ struct Args<'a, 'py> {
     d: &'a Bound<'py, PyDict>,
 }
 
-const KEYS: [&str; 18] = [
+const KEYS: [&str; 21] = [
     "q",
     "q_scale",
     "k",
@@ -146,6 +156,9 @@ const KEYS: [&str; 18] = [
     "candidates",
     "page_cols",
     "k_slots",
+    "kv_cache",
+    "page_table",
+    "page_size",
 ];
 
 impl<'py> Args<'_, 'py> {
@@ -349,6 +362,107 @@ fn keys(k: Tensor, k_scale: Tensor, dim: usize) -> Result<(K, Format)> {
     }
 }
 
+/// Paged keys (SPEC 10): `kv_cache` `uint8 [num_pages, P * bytes_per_token]` (or
+/// `[num_pages, ..]`, the trailing dimensions one page, as DeepGEMM's
+/// `[num_pages, P, 1, bytes_per_token]`), `page_table` `int32 [B, max_pages]` and
+/// `page_size` `P`. The key format follows from the page width: `P * (D + 4)` bytes are
+/// E4M3 keys with f32 scales, `P * (D/2 + D/32)` packed fp4 with UE8M0 scales.
+fn paged_keys(
+    kv_cache: Tensor,
+    page_table: Tensor,
+    page_size: usize,
+    dim: usize,
+) -> Result<(K, Format)> {
+    if kv_cache.dtype != Dt::U8 || kv_cache.shape.len() < 2 {
+        return Err(kv_cache.error("uint8 [num_pages, page_size * bytes_per_token]"));
+    }
+    let pages = kv_cache.shape[0];
+    let width = kv_cache.shape[1..]
+        .iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .ok_or_else(|| bad("kv_cache", "the page width overflows usize"))?;
+    let e4m3 = page_size.saturating_mul(bytes_per_token(Format::E4m3, dim));
+    let e2m1 = page_size.saturating_mul(bytes_per_token(Format::E2m1, dim));
+    let format = if width == e4m3 {
+        Format::E4m3
+    } else if width == e2m1 {
+        Format::E2m1
+    } else if !(page_size.is_power_of_two() && page_size <= MAX_PAGE_SIZE) {
+        // The library names the page size.
+        Format::E4m3
+    } else {
+        return Err(kv_cache.error(format!(
+            "uint8 [num_pages, {e4m3}] (E4M3 keys: page_size {page_size} x (D + 4) bytes) or \
+             [num_pages, {e2m1}] (fp4 keys: page_size {page_size} x (D/2 + D/32) bytes), \
+             D = {dim} from q"
+        )));
+    };
+    if page_table.shape.len() != 2 {
+        return Err(page_table.error("int32 [B, max_pages] page ids"));
+    }
+    let table_shape = [page_table.shape[0], page_table.shape[1]];
+    let page_table = Ints::of(page_table)?;
+    Ok((
+        K::Paged {
+            kv_cache: Shaped {
+                bytes: Bytes::View(kv_cache),
+                shape: vec![pages, width],
+            },
+            page_table,
+            table_shape,
+            page_size,
+        },
+        format,
+    ))
+}
+
+/// The keys, flat (`k`, `k_scale`) or paged (`kv_cache`, `page_table`, `page_size`):
+/// one of the two sets, whole.
+fn any_keys(a: &Args, dim: usize) -> PyResult<(K, Format)> {
+    let ve = crate::to_py;
+    let flat = [a.tensor("k")?, a.tensor("k_scale")?];
+    let paged = [a.tensor("kv_cache")?, a.tensor("page_table")?];
+    let page_size = a.count("page_size")?;
+    let any_flat = flat.iter().any(Option::is_some);
+    let any_paged = paged.iter().any(Option::is_some) || page_size.is_some();
+    match (any_flat, any_paged) {
+        (true, true) => {
+            let f = if flat[0].is_some() { "k" } else { "k_scale" };
+            let p = match (&paged[0], &paged[1]) {
+                (Some(_), _) => "kv_cache",
+                (None, Some(_)) => "page_table",
+                (None, None) => "page_size",
+            };
+            Err(ve(bad(
+                p,
+                format!(
+                    "given with {f}: keys are flat (k, k_scale) or paged (kv_cache, \
+                     page_table, page_size), not both"
+                ),
+            )))
+        }
+        (false, false) => Err(ve(bad(
+            "k",
+            "missing: give flat keys (k, k_scale) or paged keys (kv_cache, page_table, \
+             page_size)",
+        ))),
+        (true, false) => {
+            let [k, k_scale] = flat;
+            let k = k.ok_or_else(|| ve(bad("k", "missing (k_scale is given)")))?;
+            let k_scale = k_scale.ok_or_else(|| ve(bad("k_scale", "missing (k is given)")))?;
+            keys(k, k_scale, dim).map_err(ve)
+        }
+        (false, true) => {
+            let [kv, table] = paged;
+            let why = "missing (paged keys take kv_cache, page_table and page_size)";
+            let kv = kv.ok_or_else(|| ve(bad("kv_cache", why)))?;
+            let table = table.ok_or_else(|| ve(bad("page_table", why)))?;
+            let p = page_size.ok_or_else(|| ve(bad("page_size", why)))?;
+            paged_keys(kv, table, p, dim).map_err(ve)
+        }
+    }
+}
+
 fn view3<'a>(name: &str, s: &'a Shaped) -> Result<ArrayView3<'a, u8>> {
     let b = s.bytes.get()?;
     ArrayView3::from_shape((s.shape[0], s.shape[1], s.shape[2]), b)
@@ -425,7 +539,7 @@ impl Layer {
         let a = Args { d };
         let ve = crate::to_py;
         let (q, qfmt, heads, dim) = queries(a.need("q")?, a.tensor("q_scale")?).map_err(ve)?;
-        let (k, kfmt) = keys(a.need("k")?, a.need("k_scale")?, dim).map_err(ve)?;
+        let (k, kfmt) = any_keys(&a, dim)?;
         let w = a.need("weights")?;
         if w.shape.len() != 2 {
             return Err(ve(w.error("float32 or bfloat16 [T, H]")));
@@ -520,6 +634,21 @@ impl Layer {
                 packed: view2("k", packed)?,
                 scale: view2("k_scale", scale)?,
             },
+            K::Paged {
+                kv_cache,
+                page_table,
+                table_shape,
+                page_size,
+            } => Keys::Paged(PagedKeys {
+                format: self.meta.k_format,
+                kv_cache: view2("kv_cache", kv_cache)?,
+                page_table: ArrayView2::from_shape(
+                    (table_shape[0], table_shape[1]),
+                    page_table.get()?,
+                )
+                .map_err(|e| bad("page_table", e.to_string()))?,
+                page_size: *page_size,
+            }),
         };
         let [t, h] = self.weights_shape;
         let weights = ArrayView2::from_shape((t, h), self.weights.get()?)
@@ -595,6 +724,11 @@ impl Layer {
             Keys::E2m1 { packed, scale } => KData::E2m1 {
                 packed: packed.to_owned(),
                 scale: scale.to_owned(),
+            },
+            Keys::Paged(pk) => KData::Paged {
+                kv_cache: pk.kv_cache.to_owned(),
+                page_table: pk.page_table.to_owned(),
+                page_size: pk.page_size,
             },
         };
         Ok(Dump {

@@ -332,6 +332,10 @@ fn _input_pointers(args: &Bound<'_, PyDict>) -> PyResult<Vec<(&'static str, usiz
                 v.push(("k", packed.as_ptr() as usize));
                 v.push(("k_scale", scale.as_ptr() as usize));
             }
+            Keys::Paged(pk) => {
+                v.push(("kv_cache", pk.kv_cache.as_ptr() as usize));
+                v.push(("page_table", pk.page_table.as_ptr() as usize));
+            }
         }
         v.push(("weights", i.weights.as_ptr() as usize));
         if let Some(s) = i.k_slots {

@@ -13,8 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
-# Every layer-forward file (the quantizers' file is not one; paged keys are not read yet).
+# Every layer-forward file over flat keys (the quantizers' file is not one).
 GOLDEN_FILES = sorted(p for p in GOLDEN.glob("*.safetensors") if p.name != "quantizers.safetensors")
+# The files over paged keys (SPEC 10): tests/golden/README.md, "Paged keys".
+PAGED_FILES = sorted((GOLDEN / "paged").glob("*.safetensors"))
 
 _DTYPES = {"U8": np.uint8, "I8": np.int8, "I32": "<i4", "F32": "<f4"}
 
@@ -38,12 +40,20 @@ def read_safetensors(path: Path):
 def golden_inputs(meta: dict, t: dict) -> dict:
     """A golden file's layer as the keyword arguments of ``dsa_indexer.reference``
     (tests/golden/README.md: E4M3 queries carry no ``q_scale``; E4M3 keys' ``k_scale``
-    is float32, fp4 keys' UE8M0 bytes)."""
+    is float32, fp4 keys' UE8M0 bytes; paged files give ``kv_cache``, ``page_table`` and
+    the metadata ``page_size`` instead of ``k`` and ``k_scale``)."""
+    if meta.get("layout") == "paged":
+        keys = {
+            "kv_cache": t["kv_cache"],
+            "page_table": t["page_table"],
+            "page_size": int(meta["page_size"]),
+        }
+    else:
+        keys = {"k": t["k"], "k_scale": t["k_scale"]}
     args = {
         "q": t["q"],
         "q_scale": t["q_scale"] if meta["q_format"] == "e2m1" else None,
-        "k": t["k"],
-        "k_scale": t["k_scale"],
+        **keys,
         "weights": t["weights"],
         "seq_lens": t["seq_lens"],
         "topk": int(meta["topk"]),

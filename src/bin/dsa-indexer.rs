@@ -167,6 +167,17 @@ pub struct ShapeArgs {
     /// First query position of each request (q0_b), comma separated; default 0.
     #[arg(long, value_delimiter = ',')]
     query_starts: Option<Vec<usize>>,
+    /// Decode rows: each request's `next_n` newest positions (q0_b = S_b - next_n;
+    /// 1 plain, 2..4 speculative), recorded as the dump's `next_n`.
+    #[arg(long, conflicts_with = "query_starts")]
+    next_n: Option<usize>,
+    /// Paged keys (SPEC 10): the keys in a page pool through a page table, pages in
+    /// random order, garbage in the unused pages and slots.
+    #[arg(long)]
+    paged: bool,
+    /// Tokens per page of `--paged` keys (a power of two in 1..=256).
+    #[arg(long, default_value_t = 64, requires = "paged")]
+    page_size: usize,
 }
 
 impl ShapeArgs {
@@ -215,6 +226,16 @@ impl ShapeArgs {
         }
         if let Some(v) = &self.query_starts {
             s.query_starts = v.clone();
+        }
+        if let Some(n) = self.next_n {
+            if n == 0 {
+                bail!("next_n = 0: expected at least one row per request");
+            }
+            s.query_starts = s.seq_lens.iter().map(|&l| l.saturating_sub(n)).collect();
+            s.next_n = Some(n);
+        }
+        if self.paged {
+            s.page_size = Some(self.page_size);
         }
         if s.query_starts.len() != s.seq_lens.len() {
             bail!(

@@ -37,7 +37,7 @@ use crate::error::{Error, Result};
 use crate::problem::{Problem, Role};
 use crate::reference::{candidates, Output};
 
-pub use report::{class_name, human_bytes, Layer, ReplayReport, RowReport, Seconds};
+pub use report::{class_name, human_bytes, Layer, PagedPool, ReplayReport, RowReport, Seconds};
 pub use tolerance::{
     Applied, MarginSummary, RowError, RowMargin, Tolerance, DEFAULT_TOLERANCE_LOG2,
 };

@@ -62,12 +62,17 @@ pub(crate) fn page_vs_raw(ctx: &Rows, ids: &[Ids], page: &Array2<i32>) -> Tally 
     d
 }
 
-/// Expected request-local ids per row from `page` through the inverse slot map.
+/// Expected request-local ids per row from `page` through the inverse slot map. A slot
+/// can name several keys of one request (a page listed twice in its page table, SPEC 10
+/// allows it): each occurrence takes the next of them, ascending.
 pub fn ids_from_page(p: &Problem, page: &Array2<i32>) -> Vec<Ids> {
     (0..p.batch.num_rows())
         .map(|i| {
             let r = p.batch.rows()[i];
-            let inv: HashMap<i32, usize> = (0..r.n).map(|j| (p.slot(&r, j), j)).collect();
+            let mut inv: HashMap<i32, Vec<usize>> = HashMap::new();
+            for j in (0..r.n).rev() {
+                inv.entry(p.slot(&r, j)).or_default().push(j);
+            }
             let row = page.row(i);
             let slots = row.as_slice().unwrap_or(&[]);
             if let Some(c) = slots.iter().position(|&x| x < -1) {
@@ -78,15 +83,15 @@ pub fn ids_from_page(p: &Problem, page: &Array2<i32>) -> Vec<Ids> {
             }
             let mut js = Vec::new();
             for &s in slots.iter().filter(|&&x| x >= 0) {
-                match inv.get(&s) {
-                    Some(&j) => js.push(j),
+                match inv.get_mut(&s).map(|v| v.pop()) {
+                    Some(Some(j)) => js.push(j),
+                    Some(None) => {
+                        return Err(format!("slot {s} appears more often than keys have it"))
+                    }
                     None => return Err(format!("slot {s} is not a visible key's slot")),
                 }
             }
             js.sort_unstable();
-            if let Some(w) = js.windows(2).find(|w| w[0] == w[1]) {
-                return Err(format!("key {} appears twice", w[0]));
-            }
             Ok(js)
         })
         .collect()

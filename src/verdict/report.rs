@@ -38,6 +38,19 @@ pub struct Layer {
     pub class: &'static str,
     /// `plain`, `source` or `consumer`.
     pub role: &'static str,
+    /// Paged keys (SPEC 10): the pool's shape; `None` (and absent from the JSON) for
+    /// flat keys.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub paged: Option<PagedPool>,
+}
+
+/// A paged layer's pool, as a report states it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct PagedPool {
+    /// `P`: tokens per page.
+    pub page_size: usize,
+    /// Pages in the pool (used or not).
+    pub pages: usize,
 }
 
 impl Layer {
@@ -54,6 +67,10 @@ impl Layer {
             k_format: p.k_format().to_string(),
             class: class_name(p.class()),
             role: p.role.name(),
+            paged: p.paged().map(|pk| PagedPool {
+                page_size: pk.page_size,
+                pages: pk.num_pages(),
+            }),
         }
     }
 }
@@ -119,11 +136,15 @@ impl fmt::Display for ReplayReport {
         let l = &self.layer;
         writeln!(
             f,
-            "replay {}: {} rows{}, {} keys, H={} D={} K={} ratio {}, {} x {} ({} class), {}",
+            "replay {}: {} rows{}, {} keys{}, H={} D={} K={} ratio {}, {} x {} ({} class), {}",
             self.file,
             l.rows,
             if self.partial { " (selected)" } else { "" },
             l.keys,
+            match l.paged {
+                Some(pp) => format!(" (paged: {} pages of {})", pp.pages, pp.page_size),
+                None => String::new(),
+            },
             l.heads,
             l.dim,
             l.topk,

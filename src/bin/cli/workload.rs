@@ -27,6 +27,10 @@ pub struct Shape {
     pub num_blocks: usize,
     pub seq_lens: Vec<usize>,
     pub query_starts: Vec<usize>,
+    /// Paged keys (SPEC 10) in pages of this many tokens; `None`: flat keys.
+    pub page_size: Option<usize>,
+    /// Decode rows: `q0_b = S_b - next_n`, recorded in the dump's metadata.
+    pub next_n: Option<usize>,
     pub description: String,
 }
 
@@ -71,6 +75,8 @@ impl Shape {
             num_blocks: 2048,
             seq_lens,
             query_starts,
+            page_size: None,
+            next_n: None,
             description: String::new(),
         };
         let mut s = match name {
@@ -121,7 +127,7 @@ impl Shape {
             num_blocks: self.num_blocks,
             page_cols: None,
             tail: self.tail,
-            next_n: None,
+            next_n: self.next_n,
             description: self.description.clone(),
         }
     }
@@ -389,6 +395,10 @@ pub fn synth(shape: &Shape, seed: u64) -> Result<Dump> {
             KData::E4m3 { codes, scale }
         }
     };
+    let k = match shape.page_size {
+        Some(p) => page_keys(&batch, &k, shape.k_format, d, p, seed)?,
+        None => k,
+    };
     let mut dump = Dump {
         meta: shape.meta(),
         seq_lens: shape.seq_lens.clone(),
@@ -415,12 +425,82 @@ pub fn synth(shape: &Shape, seed: u64) -> Result<Dump> {
     Ok(dump)
 }
 
+/// The flat keys `k` of `batch` in a page pool of `p` tokens a page (SPEC 10), as an
+/// engine leaves it: each request's pages at random page ids, a quarter more pages than
+/// the requests use holding random bytes (NaN codes, bad scales, UE8M0 255), random
+/// bytes in the slots past each request's last key, and `-1` past its used entries of
+/// the page table. The draws come from their own stream, so the flat keys, and a flat
+/// dump, do not depend on them.
+fn page_keys(
+    batch: &Batch,
+    k: &KData,
+    format: Format,
+    dim: usize,
+    p: usize,
+    seed: u64,
+) -> Result<KData> {
+    use dsa_indexer::paged::{bytes_per_token, MAX_PAGE_SIZE};
+    use rand::seq::SliceRandom;
+    if !(p.is_power_of_two() && p <= MAX_PAGE_SIZE) {
+        bail!("page_size = {p}: expected a power of two in 1..=256");
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(1);
+    let reqs = batch.requests();
+    let used: Vec<usize> = reqs.iter().map(|r| r.keys.div_ceil(p)).collect();
+    let total: usize = used.iter().sum();
+    let pages = total + total.div_ceil(4).max(1);
+    let mut ids: Vec<i32> = (0..pages as i32).collect();
+    ids.shuffle(&mut rng);
+    let width = p * bytes_per_token(format, dim);
+    let mut kv_cache = Array2::<u8>::zeros((pages, width));
+    kv_cache.iter_mut().for_each(|b| *b = rng.gen());
+    let mut page_table = Array2::from_elem(
+        (reqs.len(), used.iter().copied().max().unwrap_or(0).max(1)),
+        -1,
+    );
+    let mut next = ids.iter();
+    for (b, r) in reqs.iter().enumerate() {
+        for e in 0..used[b] {
+            page_table[[b, e]] = *next.next().unwrap_or(&0);
+        }
+        for j in 0..r.keys {
+            let x = r.key_offset + j;
+            let mut page = kv_cache.row_mut(page_table[[b, j / p]] as usize);
+            let page = page.as_slice_mut().unwrap_or_default();
+            let t = j % p;
+            match k {
+                KData::E4m3 { codes, scale } => {
+                    page[t * dim..(t + 1) * dim]
+                        .copy_from_slice(codes.row(x).as_slice().unwrap_or_default());
+                    page[p * dim + 4 * t..][..4].copy_from_slice(&scale[x].to_le_bytes());
+                }
+                KData::E2m1 { packed, scale } => {
+                    let (w, g) = (dim / 2, dim / 32);
+                    page[t * w..(t + 1) * w]
+                        .copy_from_slice(packed.row(x).as_slice().unwrap_or_default());
+                    page[p * w + t * g..][..g]
+                        .copy_from_slice(scale.row(x).as_slice().unwrap_or_default());
+                }
+                KData::Paged { .. } => bail!("page_keys: the keys are paged already"),
+            }
+        }
+    }
+    Ok(KData::Paged {
+        kv_cache,
+        page_table,
+        page_size: p,
+    })
+}
+
 /// Fill `dump.expected` from the outputs `out` of its problem (and, when `logits` is
-/// given, the concatenated visible logits).
+/// given, the concatenated visible logits). A paged dump carries no `expected_ks` /
+/// `expected_ke`: they index a flat key buffer, which it does not have.
 pub fn set_expected(dump: &mut Dump, batch: &Batch, out: &Output, logits: Option<Vec<f32>>) {
+    let flat = !matches!(dump.k, KData::Paged { .. });
     let e = &mut dump.expected;
-    e.ks = Some(batch.rows().iter().map(|r| r.ks as i32).collect());
-    e.ke = Some(batch.rows().iter().map(|r| r.ke() as i32).collect());
+    e.ks = flat.then(|| batch.rows().iter().map(|r| r.ks as i32).collect());
+    e.ke = flat.then(|| batch.rows().iter().map(|r| r.ke() as i32).collect());
     e.raw = Some(out.raw.clone());
     e.page = Some(out.page.clone());
     if let Some(pb) = &out.published {
