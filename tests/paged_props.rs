@@ -149,6 +149,43 @@ proptest! {
         let pg = paged_from(&d, seed, p64.then_some(64));
         check(&pg, budget)?;
     }
+    /// SPEC 8 on random paged layouts: a bad value in a slot some request reads, or a
+    /// used table entry out of range, is an error naming that slot or entry (the
+    /// garbage everywhere else is not).
+    #[test]
+    fn bad_read_slots_and_used_entries_are_errors(s in shape(), seed in any::<u64>(), pick in any::<u64>(), what in 0usize..3) {
+        let mut pg = paged_from(&build(&s), seed, None);
+        let batch = pg.flat.batch().unwrap();
+        let keyed: Vec<usize> = (0..batch.requests().len()).filter(|&b| batch.requests()[b].keys > 0).collect();
+        prop_assume!(!keyed.is_empty());
+        let b = keyed[pick as usize % keyed.len()];
+        let j = (pick >> 8) as usize % batch.requests()[b].keys;
+        let dim = pg.flat.meta.dim;
+        let format = pg.flat.meta.k_format;
+        let KData::Paged { kv_cache, page_table, page_size } = &mut pg.paged.k else {
+            panic!("not paged")
+        };
+        let p = *page_size;
+        let (page, t) = (page_table[[b, j / p]] as usize, j % p);
+        let expect = if what == 0 {
+            page_table[[b, j / p]] = [-1, kv_cache.nrows() as i32, i32::MAX][(pick >> 20) as usize % 3];
+            format!("page_table[{b}, {}] = ", j / p)
+        } else {
+            let row = kv_cache.row_mut(page).into_slice().unwrap();
+            match (format, what) {
+                (dsa_indexer::problem::Format::E4m3, 1) => row[t * dim + (pick >> 20) as usize % dim] = 0x7F,
+                (dsa_indexer::problem::Format::E4m3, _) => row[p * dim + 4 * t..p * dim + 4 * t + 4]
+                    .copy_from_slice(&[f32::NAN, 0.0, -2.0][(pick >> 20) as usize % 3].to_le_bytes()),
+                (dsa_indexer::problem::Format::E2m1, _) => row[p * dim / 2 + t * (dim / 32) + (pick >> 20) as usize % (dim / 32)] = 255,
+            }
+            format!("kv_cache[page {page}, slot {t}].")
+        };
+        let published = pg.paged.published_input(&batch);
+        match pg.paged.problem(&batch, published.as_ref()) {
+            Ok(_) => return Err(TestCaseError::fail(format!("accepted; expected an error starting {expect:?}"))),
+            Err(e) => prop_assert!(e.to_string().starts_with(&expect), "{} (expected it to start {:?})", e, expect),
+        }
+    }
 }
 
 /// The layouts the properties run on are the ones they claim: over a few hundred
