@@ -4,6 +4,9 @@
 
 pub mod case;
 pub mod dump_file;
+/// Flat keys laid out paged (SPEC 10): the property tests' helper, shared.
+#[path = "../../tests/common/paging.rs"]
+pub mod paging;
 #[cfg(test)]
 mod seeds;
 pub mod verdict_case;

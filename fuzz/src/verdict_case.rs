@@ -429,10 +429,7 @@ pub fn check(b: &Built) -> Verdict {
                 if x[j].to_bits() == r[j].to_bits() {
                     continue;
                 }
-                let kscale = match p.inputs.k {
-                    Keys::E4m3 { scale, .. } => scale[p.batch.rows()[i].ks + j] as f64,
-                    Keys::E2m1 { .. } => 1.0,
-                };
+                let kscale = p.key(&p.batch.rows()[i], j).kscale() as f64;
                 let bound = if exact {
                     0.0
                 } else {

@@ -1,6 +1,7 @@
 //! Shared helpers and proptest strategies.
 #![allow(dead_code)]
 
+pub mod paging;
 pub mod strategies;
 
 use std::path::PathBuf;

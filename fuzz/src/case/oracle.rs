@@ -7,7 +7,7 @@ use approx::abs_diff_eq;
 
 use dsa_indexer::batch::Batch;
 use dsa_indexer::plan::Plan;
-use dsa_indexer::problem::{Keys, Problem, Queries, Role};
+use dsa_indexer::problem::{KeyRef, Problem, Queries, Role};
 use dsa_indexer::reference::{self, Output};
 
 use super::subject::LogitBound;
@@ -267,29 +267,20 @@ fn check_kept_blocks(p: &Problem, i: usize, ids: &[i32], s: &[f32], b: &[f64]) {
 /// `kscale_j * sum_h |w_h| * sum_g c_g * sum_{d in g} |q_d * k_d|`.
 pub fn magnitude(p: &Problem, i: usize, j: usize) -> f64 {
     use dsa_indexer::formats::{e2m1, e4m3, ue8m0};
-    let x = p.batch.rows()[i].ks + j;
     let (d, g) = (p.dim, p.dim / 32);
-    let (kv, kc, ks): (Vec<f64>, Vec<f64>, f64) = match p.inputs.k {
-        Keys::E4m3 { codes, scale } => (
-            codes
-                .row(x)
-                .iter()
-                .map(|&b| e4m3::decode(b) as f64)
-                .collect(),
+    let (kv, kc, ks): (Vec<f64>, Vec<f64>, f64) = match p.key(&p.batch.rows()[i], j) {
+        KeyRef::E4m3 { codes, scale } => (
+            codes.iter().map(|&b| e4m3::decode(b) as f64).collect(),
             vec![1.0; g],
-            scale[x] as f64,
+            scale as f64,
         ),
-        Keys::E2m1 { packed, scale } => {
-            let row = packed.row(x).to_vec();
+        KeyRef::E2m1 { packed, scale } => {
+            let row = packed.to_vec();
             (
                 (0..d)
                     .map(|e| e2m1::decode(e2m1::unpack(&row, e)) as f64)
                     .collect(),
-                scale
-                    .row(x)
-                    .iter()
-                    .map(|&e| ue8m0::decode(e) as f64)
-                    .collect(),
+                scale.iter().map(|&e| ue8m0::decode(e) as f64).collect(),
                 1.0,
             )
         }
@@ -343,7 +334,7 @@ pub fn check_output(p: &Problem, out: &Output) {
             assert_eq!(sel.len(), row.n.min(p.topk), "raw count");
         }
         for (c, &g) in out.page.row(i).iter().enumerate() {
-            let want = sel.get(c).map_or(-1, |&j| p.slot(row.ks + j as usize));
+            let want = sel.get(c).map_or(-1, |&j| p.slot(row, j as usize));
             assert_eq!(g, want, "page[{i}, {c}]");
         }
     }
