@@ -498,7 +498,12 @@ pub fn check(b: &Built) -> Verdict {
 
 /// Whether both sides are E2M1 (the exact class), decided from the inputs.
 fn q_and_k_fp4(p: &Problem) -> bool {
-    matches!(p.inputs.q, Queries::E2m1 { .. }) && matches!(p.inputs.k, Keys::E2m1 { .. })
+    let k_fp4 = match p.inputs.k {
+        Keys::E2m1 { .. } => true,
+        Keys::Paged(pk) => pk.format == dsa_indexer::problem::Format::E2m1,
+        Keys::E4m3 { .. } => false,
+    };
+    matches!(p.inputs.q, Queries::E2m1 { .. }) && k_fp4
 }
 
 /// One selection part against the model's rows (with each row's `M`); the part's status.
