@@ -60,7 +60,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader >
 
 if has tests; then
   log "GPU tests"
-  DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
+  DSA_REQUIRE_GPU=1 timeout 420 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
   echo "rc=$?" >> "$OUT/tests.txt"
   grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
   # Test filters again on the other side of each forced fallback: the mma.sync kernel
@@ -72,13 +72,13 @@ if has tests; then
     DSA_CUDA_HOOKS="$hooks" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/hooks $hooks: /" | tee -a "$OUT/summary.txt"
   }
-  hook_tests mma_sync_only exact_class boundary special golden
+  hook_tests mma_sync_only exact_class boundary special golden paged decode_step
   hook_tests no_scale_fold exact_class boundary special golden same_bits
   hook_tests no_short_rows boundary topk_ special golden same_bits
-  hook_tests no_sampled_threshold boundary topk_ golden same_bits
+  hook_tests no_sampled_threshold boundary topk_ golden same_bits decode_step
   # The int8 exact path (mqa_logits_wgi8) on every exact-class test, and its fallback tile
   # unfolded.
-  hook_tests int8_exact int8_exact exact_class boundary special golden same_bits engine_api
+  hook_tests int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
   hook_tests int8_exact,no_scale_fold int8_exact exact_class special golden
   # Tuning defines (the `tuning` feature).
   knob_tests() {

@@ -126,7 +126,10 @@ def decode_table(o, peers):
         "| part | median ms | KV GB/s | of 4.3 TB/s | peer / ours |",
         "|---|---|---|---|---|",
     ]
-    for label, t in (("ours, end to end", e2e), ("ours, logits", lg)):
+    step = o.get("step_ms")
+    for label, t in (("ours, end to end", e2e), ("ours, the engine's decode step", step), ("ours, logits", lg)):
+        if label.endswith("step") and step is None:
+            continue
         g, pct = kv_cells(kv, t)
         lines.append(f"| {label} | {ms(t)} | {g} | {pct} | |")
     lines.append(f"| ours, selection | {ms(sel)} | | | |")

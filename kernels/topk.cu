@@ -977,6 +977,40 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) paged_slots(
   }
 }
 
+// Decode rows (SPEC 10) from the device's context lengths, for launches whose shapes
+// depend on host scalars only (src/cuda/decode.rs): request b = i / next_n has
+// S_b = context_lens[b] tokens and rows at positions S_b - next_n + t (t < next_n), each
+// seeing n = (p + 1) / ratio keys, cut to max_keys (0 at negative positions); its
+// page-table row starts at entry b * table_cols, its logits at i * stride floats. Row
+// groups of at most lg_rows rows of one request: (first row, rows, keys of its last row,
+// 0). Thread i also zeroes path counter i (i < npaths).
+extern "C" __global__ void decode_rows(const i32 *__restrict__ context_lens, u32 B, u32 next_n,
+                                       u32 ratio, u32 max_keys, u32 table_cols, u32 stride,
+                                       u32 lg_rows, u32 *__restrict__ row_n,
+                                       u32 *__restrict__ row_ks, u64 *__restrict__ row_off,
+                                       uint4 *__restrict__ groups, u32 *__restrict__ paths,
+                                       u32 npaths) {
+  const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+  const u32 gpr = (next_n + lg_rows - 1) / lg_rows;
+  auto visible = [&](u32 b, u32 t) -> u32 {
+    const long long p = (long long)context_lens[b] - (long long)next_n + (long long)t;
+    if (p < 0) return 0u;
+    return (u32)min((unsigned long long)(p + 1) / ratio, (unsigned long long)max_keys);
+  };
+  if (i < npaths) paths[i] = 0u;
+  if (i < B * next_n) {
+    const u32 b = i / next_n, t = i % next_n;
+    row_n[i] = visible(b, t);
+    row_ks[i] = b * table_cols;
+    row_off[i] = (u64)i * stride;
+  }
+  if (i < B * gpr) {
+    const u32 b = i / gpr, r0 = (i % gpr) * lg_rows;
+    const u32 rows = min(lg_rows, next_n - r0);
+    groups[i] = make_uint4(b * next_n + r0, rows, visible(b, r0 + rows - 1), 0u);
+  }
+}
+
 // Device codec check: decode every code of each format (SPEC 2).
 // out: [256] e4m3 as f32 bits, [16] e2m1 (e4m3 bytes of twice the value, and of the
 // value), [256] ue8m0.

@@ -3400,3 +3400,471 @@ fn published_rule_accepts_the_reference_and_rejects_a_swapped_block() {
         "a kept block swapped for the worst one passed the rule"
     );
 }
+
+// ---- the decode step (SPEC 10): device-built rows, capturable in a CUDA graph ----
+
+/// A decode problem on the host: a pool of `pages` pages of `P` random (valid) keys,
+/// `B` requests whose page tables name distinct random pages (some shared between
+/// requests), random queries and weights for `next_n` rows each.
+struct DecodeCase {
+    shape: cuda::DecodeShape,
+    pool: Array2<u8>,
+    table: Array2<i32>,
+    ctx: Vec<i32>,
+    q: Vec<u8>,
+    qs: Vec<u8>,
+    w: Vec<f32>,
+}
+
+impl DecodeCase {
+    fn new(shape: cuda::DecodeShape, pages: usize, seed: u64) -> DecodeCase {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let (p, d) = (shape.page_size, shape.dim);
+        let bpt = dsa_indexer::paged::bytes_per_token(shape.k, d);
+        let mut pool = Array2::<u8>::zeros((pages, p * bpt));
+        for mut page in pool.rows_mut() {
+            let page = page.as_slice_mut().unwrap();
+            match shape.k {
+                Format::E4m3 => {
+                    for t in 0..p {
+                        for e in 0..d {
+                            page[t * d + e] = loop {
+                                let b: u8 = rng.gen();
+                                if b & 0x7F != 0x7F {
+                                    break b;
+                                }
+                            };
+                        }
+                        let sc: f32 = rng.gen_range(0.01f32..2.0);
+                        page[p * d + 4 * t..p * d + 4 * t + 4].copy_from_slice(&sc.to_le_bytes());
+                    }
+                }
+                Format::E2m1 => {
+                    for x in page[..p * d / 2].iter_mut() {
+                        *x = rng.gen();
+                    }
+                    for x in page[p * d / 2..].iter_mut() {
+                        *x = rng.gen_range(118..=136);
+                    }
+                }
+            }
+        }
+        let (r, h) = (shape.rows(), shape.heads);
+        let q: Vec<u8> = match shape.q {
+            Format::E4m3 => (0..r * h * d)
+                .map(|_| loop {
+                    let b: u8 = rng.gen();
+                    if b & 0x7F != 0x7F {
+                        break b;
+                    }
+                })
+                .collect(),
+            Format::E2m1 => (0..r * h * d / 2).map(|_| rng.gen()).collect(),
+        };
+        let qs: Vec<u8> = match shape.q {
+            Format::E4m3 => vec![],
+            Format::E2m1 => (0..r * h * d / 32)
+                .map(|_| rng.gen_range(118..=136))
+                .collect(),
+        };
+        let w: Vec<f32> = (0..r * h).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let mut c = DecodeCase {
+            shape,
+            pool,
+            table: Array2::from_elem((shape.batch, shape.max_pages), -1),
+            ctx: vec![],
+            q,
+            qs,
+            w,
+        };
+        c.redraw(&mut rng, pages);
+        c
+    }
+
+    /// New context lengths (next_n ..= max_context, some at the ends) and page tables
+    /// (random pages, request 1 sharing request 0's first page), garbage past the used
+    /// entries.
+    fn redraw(&mut self, rng: &mut rand_chacha::ChaCha8Rng, pages: usize) {
+        use rand::seq::SliceRandom;
+        use rand::Rng;
+        let sh = self.shape;
+        self.ctx = (0..sh.batch)
+            .map(|b| match b % 4 {
+                0 => sh.max_context,
+                1 => sh.next_n,
+                _ => rng.gen_range(sh.next_n..=sh.max_context),
+            } as i32)
+            .collect();
+        let mut ids: Vec<i32> = (0..pages as i32).collect();
+        for b in 0..sh.batch {
+            ids.shuffle(rng);
+            for e in 0..sh.max_pages {
+                self.table[[b, e]] = if e < ids.len() { ids[e] } else { -1 };
+            }
+            let used = (self.ctx[b] as usize / sh.ratio).div_ceil(sh.page_size);
+            for e in used..sh.max_pages {
+                self.table[[b, e]] = if e % 2 == 0 { -1 } else { i32::MAX };
+            }
+        }
+        if sh.batch > 1 {
+            self.table[[1, 0]] = self.table[[0, 0]];
+        }
+    }
+
+    /// The host problem's outputs on the reference (exact class) or the CUDA backend
+    /// (tolerance class: the same kernels, so bitwise the step's).
+    fn expected(&self, b: &mut CudaBackend) -> Output {
+        let sh = self.shape;
+        let seq: Vec<usize> = self.ctx.iter().map(|&c| c as usize).collect();
+        let q0: Vec<usize> = seq.iter().map(|&s| s - sh.next_n).collect();
+        let batch = Batch::contiguous(&seq, &q0, sh.ratio).unwrap();
+        let (r, h, d) = (sh.rows(), sh.heads, sh.dim);
+        let qv = ndarray::ArrayView3::from_shape(
+            (r, h, if sh.q == Format::E2m1 { d / 2 } else { d }),
+            &self.q,
+        )
+        .unwrap();
+        let queries = match sh.q {
+            Format::E4m3 => Queries::E4m3(qv),
+            Format::E2m1 => Queries::E2m1 {
+                packed: qv,
+                scale: ndarray::ArrayView3::from_shape((r, h, d / 32), &self.qs).unwrap(),
+            },
+        };
+        let inputs = Inputs {
+            q: queries,
+            k: Keys::Paged(dsa_indexer::paged::PagedKeys {
+                format: sh.k,
+                kv_cache: self.pool.view(),
+                page_table: self.table.view(),
+                page_size: sh.page_size,
+            }),
+            weights: ndarray::ArrayView2::from_shape((r, h), &self.w).unwrap(),
+            k_slots: None,
+        };
+        let mut params = Params::new(sh.topk);
+        params.page_cols = sh.page_cols;
+        let p = Problem::new(&batch, inputs, params, Role::Plain).unwrap();
+        if p.class() == Class::Exact {
+            reference::run(&p)
+        } else {
+            run_backend(b, &p, usize::MAX).unwrap().0
+        }
+    }
+}
+
+/// Device inputs of a decode case.
+struct DecodeIn {
+    q: CudaSlice<u8>,
+    qs: CudaSlice<u8>,
+    w: CudaSlice<f32>,
+    kv: CudaSlice<u8>,
+    table: CudaSlice<i32>,
+    ctx: CudaSlice<i32>,
+}
+
+/// A decode step's outputs and workspace on the device.
+struct DecodeOut {
+    raw: CudaSlice<i32>,
+    page: CudaSlice<i32>,
+    ws: CudaSlice<u8>,
+}
+
+impl DecodeIn {
+    fn new(s: &Arc<CudaStream>, c: &DecodeCase) -> DecodeIn {
+        let qs = if c.qs.is_empty() {
+            vec![0u8; 16]
+        } else {
+            c.qs.clone()
+        };
+        DecodeIn {
+            q: s.clone_htod(&c.q).unwrap(),
+            qs: s.clone_htod(&qs).unwrap(),
+            w: s.clone_htod(&c.w).unwrap(),
+            kv: s.clone_htod(c.pool.as_slice().unwrap()).unwrap(),
+            table: s.clone_htod(c.table.as_slice().unwrap()).unwrap(),
+            ctx: s.clone_htod(&c.ctx).unwrap(),
+        }
+    }
+
+    fn inputs(&self, sh: &cuda::DecodeShape) -> cuda::DecodeInputs<'_> {
+        cuda::DecodeInputs {
+            q: match sh.q {
+                Format::E4m3 => cuda::DeviceQueries::E4m3(self.q.as_view()),
+                Format::E2m1 => cuda::DeviceQueries::E2m1 {
+                    packed: self.q.as_view(),
+                    scale: self.qs.as_view(),
+                },
+            },
+            weights: self.w.as_view(),
+            kv_cache: self.kv.as_view(),
+            page_table: self.table.as_view(),
+            context_lens: self.ctx.as_view(),
+        }
+    }
+}
+
+impl DecodeOut {
+    fn new(s: &Arc<CudaStream>, sh: &cuda::DecodeShape, ws_bytes: usize) -> DecodeOut {
+        DecodeOut {
+            raw: s.alloc_zeros(sh.rows() * sh.topk).unwrap(),
+            page: s.alloc_zeros(sh.rows() * sh.page_width()).unwrap(),
+            ws: s.alloc_zeros(ws_bytes).unwrap(),
+        }
+    }
+}
+
+fn check_decode(tag: &str, s: &Arc<CudaStream>, out: &DecodeOut, want: &Output) {
+    let raw = s.clone_dtoh(&out.raw).unwrap();
+    let page = s.clone_dtoh(&out.page).unwrap();
+    let (wr, wp) = (want.raw.as_slice().unwrap(), want.page.as_slice().unwrap());
+    if let Some(i) = first_diff(&raw, wr) {
+        panic!("{tag}: raw differs first at {i}: {} vs {}", raw[i], wr[i]);
+    }
+    if let Some(i) = first_diff(&page, wp) {
+        panic!("{tag}: page differs first at {i}: {} vs {}", page[i], wp[i]);
+    }
+}
+
+fn decode_shapes() -> Vec<(cuda::DecodeShape, usize)> {
+    let base = cuda::DecodeShape {
+        batch: 6,
+        next_n: 1,
+        max_context: 700,
+        heads: 64,
+        dim: 128,
+        q: Format::E4m3,
+        k: Format::E4m3,
+        topk: 64,
+        page_cols: None,
+        page_size: 64,
+        max_pages: 16,
+        ratio: 1,
+    };
+    vec![
+        // V3.2 decode, next_n 1, 2 and 4 (MTP).
+        (base, 80),
+        (
+            cuda::DecodeShape {
+                next_n: 2,
+                batch: 5,
+                ..base
+            },
+            80,
+        ),
+        (
+            cuda::DecodeShape {
+                next_n: 4,
+                heads: 16,
+                dim: 64,
+                topk: 32,
+                page_size: 16,
+                max_pages: 48,
+                ..base
+            },
+            120,
+        ),
+        // The exact class, ratio 4 (V4), page_cols past K.
+        (
+            cuda::DecodeShape {
+                q: Format::E2m1,
+                k: Format::E2m1,
+                heads: 32,
+                topk: 32,
+                page_cols: Some(96),
+                ratio: 4,
+                max_context: 2000,
+                page_size: 16,
+                max_pages: 32,
+                next_n: 2,
+                ..base
+            },
+            64,
+        ),
+        // Long contexts, K = 2048, few rows: the split top-k and the shared-memory row.
+        (
+            cuda::DecodeShape {
+                batch: 3,
+                topk: 2048,
+                max_context: 40_000,
+                max_pages: 640,
+                ..base
+            },
+            1400,
+        ),
+        // Many requests: the one-block-per-row top-k, rows longer than the short cap.
+        (
+            cuda::DecodeShape {
+                batch: 140,
+                heads: 8,
+                dim: 32,
+                topk: 512,
+                max_context: 20_000,
+                max_pages: 320,
+                ..base
+            },
+            700,
+        ),
+    ]
+}
+
+#[test]
+fn decode_step_equals_the_reference_and_the_backend() {
+    let Some(mut b) = gpu() else { return };
+    let stream = b.device().context().new_stream().unwrap();
+    let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
+    for (i, (sh, pages)) in decode_shapes().into_iter().enumerate() {
+        let c = DecodeCase::new(sh, pages, 40 + i as u64);
+        let want = c.expected(&mut b);
+        let din = DecodeIn::new(&stream, &c);
+        let mut out = DecodeOut::new(&stream, &sh, engine.decode_workspace_bytes(&sh));
+        let inputs = din.inputs(&sh);
+        engine.decode_check(&sh, &inputs).unwrap();
+        {
+            let DecodeOut { raw, page, ws } = &mut out;
+            let (mut rv, mut pv, mut wv) =
+                (raw.as_view_mut(), page.as_view_mut(), ws.as_view_mut());
+            let step = engine
+                .decode_step(&sh, &inputs, &mut rv, &mut pv, &mut wv)
+                .unwrap();
+            step.launch().unwrap();
+        }
+        stream.synchronize().unwrap();
+        check_decode(&format!("decode shape {i} {sh:?}"), &stream, &out, &want);
+    }
+}
+
+/// The decode step captured once in a CUDA graph and replayed ten times, each with other
+/// context lengths and page tables written into the same buffers: every replay equals
+/// the reference (exact class) or the backend (tolerance class).
+#[test]
+fn decode_step_replays_in_a_cuda_graph_with_new_lengths_and_tables() {
+    use cudarc::driver::sys;
+    use rand::SeedableRng;
+    let Some(mut b) = gpu() else { return };
+    let stream = b.device().context().new_stream().unwrap();
+    let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
+    let shapes = decode_shapes();
+    for (i, &(sh, pages)) in [&shapes[1], &shapes[3], &shapes[4]].into_iter().enumerate() {
+        let mut c = DecodeCase::new(sh, pages, 90 + i as u64);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(190 + i as u64);
+        let mut din = DecodeIn::new(&stream, &c);
+        let mut out = DecodeOut::new(&stream, &sh, engine.decode_workspace_bytes(&sh));
+        let graph = {
+            let inputs = din.inputs(&sh);
+            let DecodeOut { raw, page, ws } = &mut out;
+            let (mut rv, mut pv, mut wv) =
+                (raw.as_view_mut(), page.as_view_mut(), ws.as_view_mut());
+            let step = engine
+                .decode_step(&sh, &inputs, &mut rv, &mut pv, &mut wv)
+                .unwrap();
+            step.launch().unwrap(); // warm-up, outside the capture
+            stream.synchronize().unwrap();
+            stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+                .unwrap();
+            step.launch().unwrap();
+            stream
+                .end_capture(sys::CUgraphInstantiate_flags(0))
+                .unwrap()
+                .expect("a captured graph")
+        };
+        // The step bound the buffers' addresses: new tables and lengths go into them.
+        for replay in 0..10 {
+            c.redraw(&mut rng, pages);
+            stream
+                .memcpy_htod(c.table.as_slice().unwrap(), &mut din.table)
+                .unwrap();
+            stream.memcpy_htod(&c.ctx, &mut din.ctx).unwrap();
+            stream.memset_zeros(&mut out.raw).unwrap();
+            graph.launch().unwrap();
+            stream.synchronize().unwrap();
+            let want = c.expected(&mut b);
+            check_decode(
+                &format!("graph replay {replay} of shape {i} (contexts {:?})", c.ctx),
+                &stream,
+                &out,
+                &want,
+            );
+        }
+    }
+}
+
+/// The decode step's shape errors and its optional value check (SPEC 8), each naming
+/// the field and the value.
+#[test]
+fn decode_step_errors_name_the_field() {
+    let Some(b) = gpu() else { return };
+    let stream = b.device().context().new_stream().unwrap();
+    let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
+    let (sh, pages) = decode_shapes()[0];
+    let c = DecodeCase::new(sh, pages, 7);
+    let msg = |e: dsa_indexer::error::Error| e.to_string();
+    // Shapes.
+    let step_err = |sh: cuda::DecodeShape, ws: usize| -> String {
+        let din = DecodeIn::new(&stream, &c);
+        let mut out = DecodeOut::new(&stream, &c.shape, ws.max(1));
+        let inputs = din.inputs(&sh);
+        let DecodeOut { raw, page, ws } = &mut out;
+        let (mut rv, mut pv, mut wv) = (raw.as_view_mut(), page.as_view_mut(), ws.as_view_mut());
+        msg(engine
+            .decode_step(&sh, &inputs, &mut rv, &mut pv, &mut wv)
+            .unwrap_err())
+    };
+    let need = engine.decode_workspace_bytes(&sh);
+    let m = step_err(sh, need - 1);
+    assert!(m.starts_with("workspace = "), "{m}");
+    let m = step_err(cuda::DecodeShape { max_pages: 2, ..sh }, need);
+    assert!(m.starts_with("max_pages = 2"), "{m}");
+    let m = step_err(
+        cuda::DecodeShape {
+            page_size: 48,
+            ..sh
+        },
+        need,
+    );
+    assert!(m.starts_with("page_size = 48"), "{m}");
+    let m = step_err(cuda::DecodeShape { batch: 7, ..sh }, need);
+    assert!(m.starts_with("q: shape"), "{m}");
+    // Values, through decode_check.
+    let check = |c: &DecodeCase| -> Option<String> {
+        let din = DecodeIn::new(&stream, c);
+        engine
+            .decode_check(&c.shape, &din.inputs(&c.shape))
+            .err()
+            .map(msg)
+    };
+    assert_eq!(check(&c), None);
+    let mut bad = DecodeCase {
+        ctx: c.ctx.clone(),
+        table: c.table.clone(),
+        pool: c.pool.clone(),
+        q: c.q.clone(),
+        qs: c.qs.clone(),
+        w: c.w.clone(),
+        shape: c.shape,
+    };
+    bad.ctx[2] = sh.max_context as i32 + 1;
+    let m = check(&bad).unwrap();
+    assert!(
+        m.starts_with(&format!("context_lens[2] = {}", sh.max_context + 1)),
+        "{m}"
+    );
+    bad.ctx = c.ctx.clone();
+    bad.table[[0, 0]] = pages as i32;
+    let m = check(&bad).unwrap();
+    assert!(m.starts_with(&format!("page_table[0, 0] = {pages}")), "{m}");
+    bad.table = c.table.clone();
+    let (page, d) = (c.table[[0, 0]] as usize, sh.dim);
+    bad.pool[[page, 5 * d + 1]] = 0xFF;
+    let m = check(&bad).unwrap();
+    assert!(
+        m.starts_with(&format!("kv_cache[page {page}, slot 5].k[1] = 0xff")),
+        "{m}"
+    );
+    bad.pool = c.pool.clone();
+    bad.w[3] = f32::NAN;
+    let m = check(&bad).unwrap();
+    assert!(m.starts_with("weights[3] = NaN"), "{m}");
+}

@@ -264,6 +264,11 @@ pub struct DecodeFigures {
     pub kv_gbs: f64,
     /// `kv_gbs / KV_COPY_CEILING_GBS`.
     pub kv_ceiling_fraction: f64,
+    /// The engine entry ([`super::Engine::decode_step`]) on the same inputs: its median
+    /// (ms), and `kv_bytes` over it in GB/s.
+    pub step_ms: Option<f64>,
+    /// `kv_bytes / step_ms` in GB/s.
+    pub step_kv_gbs: Option<f64>,
 }
 
 impl DecodeFigures {
@@ -287,6 +292,17 @@ impl DecodeFigures {
             kv_bytes,
             kv_gbs,
             kv_ceiling_fraction: kv_gbs / KV_COPY_CEILING_GBS,
+            step_ms: None,
+            step_kv_gbs: None,
+        }
+    }
+
+    /// With the decode step's median `ms`.
+    pub fn with_step(self, ms: f64) -> Self {
+        DecodeFigures {
+            step_ms: Some(ms),
+            step_kv_gbs: Some(self.kv_bytes as f64 / (ms * 1e-3) / 1e9),
+            ..self
         }
     }
 }
@@ -336,6 +352,7 @@ impl BenchResult {
                 "pool_pages": d.pool_pages, "bytes_per_token": d.bytes_per_token,
                 "kv_bytes": d.kv_bytes, "kv_gbs": d.kv_gbs,
                 "kv_ceiling_gbs": KV_COPY_CEILING_GBS, "kv_ceiling_fraction": d.kv_ceiling_fraction,
+                "step_ms": d.step_ms, "step_kv_gbs": d.step_kv_gbs,
             });
             if let Some(f) = fields.as_object() {
                 o.extend(f.clone());
@@ -504,13 +521,16 @@ pub fn run_workload(
     let min_ms = total.iter().copied().fold(f64::INFINITY, f64::min);
     let (med, lmed, smed) = (median(total), median(logits), median(select));
     let decode = match (w.decode, p.paged()) {
-        (Some(d), Some(pk)) => Some(DecodeFigures::new(
-            batch,
-            d.page_size,
-            pk.num_pages(),
-            crate::paged::bytes_per_token(pk.format, p.dim),
-            med,
-        )),
+        (Some(d), Some(pk)) => Some(
+            DecodeFigures::new(
+                batch,
+                d.page_size,
+                pk.num_pages(),
+                crate::paged::bytes_per_token(pk.format, p.dim),
+                med,
+            )
+            .with_step(super::decode::time_step(&b.dev, p, t / d.requests.max(1), reps)?),
+        ),
         (None, None) => None,
         _ => {
             return Err(super::backend_err(format!(

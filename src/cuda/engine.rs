@@ -109,13 +109,18 @@ pub struct DeviceOutput {
 /// The engine entry point: a device (possibly on the caller's stream).
 #[derive(Debug, Clone)]
 pub struct Engine {
-    dev: Arc<Device>,
+    pub(super) dev: Arc<Device>,
 }
 
 impl Engine {
     /// On the caller's stream (its context must be an sm_90 GPU).
     pub fn on_stream(stream: Arc<CudaStream>) -> Result<Engine> {
         Engine::on_stream_with_hooks(stream, Hooks::default())
+    }
+
+    /// On `dev`'s stream, sharing its compiled modules.
+    pub fn on_device(dev: Arc<Device>) -> Engine {
+        Engine { dev }
     }
 
     /// [`Engine::on_stream`] with the kernels compiled and chosen under test hooks
@@ -244,7 +249,7 @@ impl Engine {
 }
 
 /// A shape error for `field` unless its length `got` is `want`.
-fn check_len(field: &str, got: usize, want: usize) -> Result<()> {
+pub(super) fn check_len(field: &str, got: usize, want: usize) -> Result<()> {
     if got != want {
         return Err(Error::shape(field, &[got], &[want]));
     }
@@ -335,7 +340,7 @@ fn input_ptrs(
 /// [`crate::paged::PagedKeys::validate`] before its values), and that the kernels can
 /// read the pages ([`Paging::new`]).
 #[allow(clippy::too_many_arguments)]
-fn paged_shapes(
+pub(super) fn paged_shapes(
     s: &CudaStream,
     batch: &Batch,
     dim: usize,
@@ -432,7 +437,7 @@ fn plan_run(batch: &Batch, shape: &Shape, budget: usize, sms: usize) -> Result<P
 
 /// SPEC 8's value checks of `inputs`, in Problem::new's order (keys too when there are
 /// no rows).
-fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> {
+pub(super) fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> {
     let mut checked = Vec::with_capacity(kernels::VALIDATE_SEGMENTS);
     match &inputs.q {
         DeviceQueries::E4m3(q) => checked.push(Checked::E4m3("q", q)),

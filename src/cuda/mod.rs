@@ -53,6 +53,7 @@
 mod alloc;
 mod backend;
 pub mod bench;
+mod decode;
 mod device;
 mod engine;
 mod geometry;
@@ -64,6 +65,7 @@ mod tolerance;
 mod validate;
 
 pub use backend::{reads_pages, run_cuda, CudaBackend};
+pub use decode::{decode_workspace_bytes, DecodeInputs, DecodeShape, DecodeStep};
 use device::{backend_err, drv};
 pub use device::{libraries_present, DecodedCodes, Device};
 pub use engine::{DeviceInputs, DeviceKeys, DeviceOutput, DeviceQueries, Engine, INPUT_ALIGN};
