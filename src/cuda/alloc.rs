@@ -78,10 +78,11 @@ impl Device {
 #[cfg(test)]
 mod tests {
     /// The sources of `src/cuda/`, by file name.
-    const SOURCES: [(&str, &str); 13] = [
+    const SOURCES: [(&str, &str); 14] = [
         ("alloc.rs", include_str!("alloc.rs")),
         ("backend.rs", include_str!("backend.rs")),
         ("bench.rs", include_str!("bench.rs")),
+        ("decode.rs", include_str!("decode.rs")),
         ("device.rs", include_str!("device.rs")),
         ("engine.rs", include_str!("engine.rs")),
         ("geometry.rs", include_str!("geometry.rs")),

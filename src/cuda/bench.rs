@@ -529,7 +529,12 @@ pub fn run_workload(
                 crate::paged::bytes_per_token(pk.format, p.dim),
                 med,
             )
-            .with_step(super::decode::time_step(&b.dev, p, t / d.requests.max(1), reps)?),
+            .with_step(super::decode::time_step(
+                &b.dev,
+                p,
+                t / d.requests.max(1),
+                reps,
+            )?),
         ),
         (None, None) => None,
         _ => {

@@ -649,10 +649,14 @@ pub(super) fn time_step(
         max_pages: pk.page_table.ncols(),
         ratio: p.batch.ratio(),
     };
-    let up = |what: &str, v: &[u8]| s.clone_htod(v).map_err(drv(what));
+    use super::alloc::Fill;
+    let up = |what: &str, v: &[u8]| dev.allocate(Fill::Host(v)).map_err(drv(what));
     let bytes = |a: ndarray::ArrayViewD<'_, u8>| a.iter().copied().collect::<Vec<u8>>();
     let (q, qs) = match p.inputs.q {
-        Queries::E4m3(q) => (up("upload q", &bytes(q.into_dyn()))?, up("upload q", &[0u8; 16])?),
+        Queries::E4m3(q) => (
+            up("upload q", &bytes(q.into_dyn()))?,
+            up("upload q", &[0u8; 16])?,
+        ),
         Queries::E2m1 { packed, scale } => (
             up("upload q", &bytes(packed.into_dyn()))?,
             up("upload q_scale", &bytes(scale.into_dyn()))?,
@@ -660,20 +664,23 @@ pub(super) fn time_step(
     };
     let kv = up("upload kv_cache", &bytes(pk.kv_cache.into_dyn()))?;
     let w: Vec<f32> = p.inputs.weights.iter().copied().collect();
-    let w = s.clone_htod(&w).map_err(drv("upload weights"))?;
+    let w = dev
+        .allocate(Fill::Host(&w))
+        .map_err(drv("upload weights"))?;
     let table: Vec<i32> = pk.page_table.iter().copied().collect();
-    let table = s.clone_htod(&table).map_err(drv("upload page_table"))?;
+    let table = dev
+        .allocate(Fill::Host(&table))
+        .map_err(drv("upload page_table"))?;
     let ctx: Vec<i32> = seq.iter().map(|&c| c as i32).collect();
-    let ctx = s.clone_htod(&ctx).map_err(drv("upload context_lens"))?;
-    let mut raw = s
-        .alloc_zeros::<i32>(shape.rows() * shape.topk)
-        .map_err(drv("alloc raw"))?;
-    let mut page = s
-        .alloc_zeros::<i32>(shape.rows() * shape.page_width())
-        .map_err(drv("alloc page"))?;
+    let ctx = dev
+        .allocate(Fill::Host(&ctx))
+        .map_err(drv("upload context_lens"))?;
+    let zeros = |n: usize, what: &str| dev.allocate::<i32>(Fill::Zeros(n)).map_err(drv(what));
+    let mut raw = zeros(shape.rows() * shape.topk, "alloc raw")?;
+    let mut page = zeros(shape.rows() * shape.page_width(), "alloc page")?;
     let engine = Engine::on_device(dev.clone());
-    let mut ws = s
-        .alloc_zeros::<u8>(engine.decode_workspace_bytes(&shape))
+    let mut ws = dev
+        .allocate::<u8>(Fill::Zeros(engine.decode_workspace_bytes(&shape)))
         .map_err(drv("alloc decode workspace"))?;
     let inputs = DecodeInputs {
         q: match shape.q {
