@@ -108,8 +108,8 @@ W="v32-16k v41-chunk v41-chunk-source v41-chunk-wide v32-64k v41-1m v41-1m-256m"
 # The peers' shapes (v41-chunk-source and v41-1m-256m have v41-chunk's and v41-1m's).
 PW="v32-16k v41-chunk v41-chunk-wide v32-64k v41-1m"
 # Decode over paged keys: ours on all three, the peers on the E4M3 two.
-DW="v32-decode-b64-32k v32-decode-b128-128k-mtp2 v41-decode-b64-64k"
-PDW="v32-decode-b64-32k v32-decode-b128-128k-mtp2"
+DW="v32-decode-b64-32k v32-decode-b128-128k-mtp2 v32-decode-b1-128k v41-decode-b64-64k"
+PDW="v32-decode-b64-32k v32-decode-b128-128k-mtp2 v32-decode-b1-128k"
 # DeepGEMM's logits, FlashInfer's top-k (through .whl/flashinfer_topk/, built by
 # benches/flashinfer_topk/build.sh) and torch.topk on the same shapes, with --check; the
 # wheels travel in .whl/ (benches/peers.py says how). Its JSON lines go to peers.jsonl.

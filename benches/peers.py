@@ -186,6 +186,7 @@ WORKLOADS = {
     # each request's `rows` newest positions (next_n) its query rows, keys in pages of 64.
     "v32-decode-b64-32k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=32768, rows=1, decode=dict(requests=64, page_size=64)),
     "v32-decode-b128-128k-mtp2": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=131072, rows=2, decode=dict(requests=128, page_size=64)),
+    "v32-decode-b1-128k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=131072, rows=1, decode=dict(requests=1, page_size=64)),
 }
 KV_COPY_CEILING_GBS = 4300.0
 

@@ -402,6 +402,50 @@ fn plan_json_parses_and_bounds_the_peak() {
     }
 }
 
+/// A decode plan (SPEC 10): `requests` requests of `context` keys, `next_n` rows each, the
+/// unbounded transient of their rows alone, and in CUDA builds the decode step's
+/// workspace, whose logits term holds every row at the full context.
+#[test]
+fn plan_of_a_decode_batch_counts_its_rows_and_the_decode_workspace() {
+    let v = plan_json(&[
+        "--next-n",
+        "2",
+        "--requests",
+        "3",
+        "--context",
+        "1000",
+        "--heads",
+        "64",
+        "--topk",
+        "64",
+        "--exact",
+        "false",
+    ]);
+    assert_eq!(v["rows"], 6, "{v}");
+    assert_eq!(v["keys"], 3000, "{v}");
+    assert_eq!(v["requests"], 3, "{v}");
+    assert_eq!(v["next_n"], 2, "{v}");
+    // The seed engine's [rows x context] transient, 6 B per (row, key).
+    assert_eq!(v["unbounded_bytes"], 6 * 1000 * 6, "{v}");
+    let ws = &v["decode_workspace"];
+    if cfg!(feature = "cuda") {
+        let logits = ws["terms"]["logits"].as_u64().unwrap();
+        assert_eq!(logits, (6 * 1008 * 4u64).div_ceil(256) * 256, "{v}");
+        let sum: u64 = ws["terms"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|x| x.as_u64().unwrap())
+            .sum();
+        assert_eq!(ws["total_bytes"].as_u64().unwrap(), sum, "{v}");
+    } else {
+        assert!(ws.is_null(), "{v}");
+    }
+    let (code, _, se) = run(&["plan", "--next-n", "0"]);
+    assert_ne!(code, 0, "{se}");
+    assert!(se.contains("next_n = 0"), "{se}");
+}
+
 #[test]
 fn bad_options_exit_2() {
     let (code, _, se) = run(&["plan", "--budget", "0"]);

@@ -169,6 +169,16 @@ pub const WORKLOADS: &[Workload] = &[
         ..V32
     },
     Workload {
+        name: "v32-decode-b1-128k",
+        seq_len: 131072,
+        rows: 1,
+        decode: Some(Decode {
+            requests: 1,
+            page_size: DECODE_PAGE,
+        }),
+        ..V32
+    },
+    Workload {
         name: "v41-decode-b64-64k",
         seq_len: 65536,
         rows: 1,
@@ -191,7 +201,8 @@ pub fn workload(name: &str) -> Result<Workload> {
                 "workload",
                 name,
                 "one of v32-16k, v32-64k, v41-chunk, v41-chunk-source, v41-chunk-wide, v41-1m, \
-                 v41-1m-256m, v32-decode-b64-32k, v32-decode-b128-128k-mtp2, v41-decode-b64-64k",
+                 v41-1m-256m, v32-decode-b64-32k, v32-decode-b128-128k-mtp2, v32-decode-b1-128k, \
+                 v41-decode-b64-64k",
             )
         })
 }
@@ -698,6 +709,7 @@ mod tests {
                 2,
                 132,
             ),
+            ("v32-decode-b1-128k", false, 64, 2048, 1, 131072, 1, 132),
             ("v41-decode-b64-64k", true, 32, 512, 64, 65536, 1, 68),
         ];
         for (name, fp4, h, k, b, s, next_n, bpt) in cases {

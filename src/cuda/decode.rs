@@ -113,6 +113,20 @@ pub fn decode_workspace_bytes(shape: &DecodeShape, sms: usize) -> usize {
     Layout::of(shape, sms).total
 }
 
+/// A decode step's workspace of `shape` on a GPU of `sms` SMs, term by term (each
+/// rounded up to 256 bytes; they sum to [`decode_workspace_bytes`]): the rows' metadata
+/// (visible keys, page-table rows, logits offsets, row groups), the path counters, the
+/// logits of every row at the longest context, and the split top-k's scratch.
+pub fn decode_workspace_terms(shape: &DecodeShape, sms: usize) -> [(&'static str, usize); 4] {
+    let l = Layout::of(shape, sms);
+    [
+        ("row_metadata", l.paths - l.row_n),
+        ("path_counters", l.logits - l.paths),
+        ("logits", l.split - l.logits),
+        ("split_topk_scratch", l.total - l.split),
+    ]
+}
+
 /// Byte offsets of a decode step's workspace regions, each 256-byte aligned.
 #[derive(Debug, Clone, Copy)]
 struct Layout {
@@ -715,4 +729,86 @@ pub(super) fn time_step(
     }
     ms.sort_by(f64::total_cmp);
     Ok(ms.get(ms.len() / 2).copied().unwrap_or(f64::NAN))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(batch: usize, next_n: usize, max_context: usize, topk: usize) -> DecodeShape {
+        DecodeShape {
+            batch,
+            next_n,
+            max_context,
+            heads: 64,
+            dim: 128,
+            q: Format::E4m3,
+            k: Format::E4m3,
+            topk,
+            page_cols: None,
+            page_size: 64,
+            max_pages: max_context.div_ceil(64),
+            ratio: 1,
+        }
+    }
+
+    /// The terms sum to the workspace; the logits hold every row at the longest context
+    /// (rows padded to 16 floats); the split scratch appears only for fewer rows than SMs.
+    #[test]
+    fn workspace_terms_sum_to_the_workspace_and_size_the_logits() {
+        for (b, n, ctx, k) in [
+            (128, 2, 131_072, 2048),
+            (64, 1, 32_768, 2048),
+            (1, 1, 1000, 64),
+            (3, 4, 40_001, 512),
+        ] {
+            let sh = shape(b, n, ctx, k);
+            let t = decode_workspace_terms(&sh, 132);
+            assert_eq!(
+                t.iter().map(|x| x.1).sum::<usize>(),
+                decode_workspace_bytes(&sh, 132)
+            );
+            let logits = 4 * b * n * ctx.div_ceil(16) * 16;
+            assert_eq!(t[2], ("logits", logits.div_ceil(256) * 256), "{sh:?}");
+            let segs = split_segments(b * n, ctx, k, 132);
+            let scratch = if segs > 1 { 4 * b * n * segs * k } else { 0 };
+            assert_eq!(
+                t[3],
+                ("split_topk_scratch", scratch.div_ceil(256) * 256),
+                "{sh:?}"
+            );
+            assert!(t.iter().all(|x| x.1 % 256 == 0));
+        }
+    }
+
+    /// Shapes the decode kernels do not take are errors naming the field.
+    #[test]
+    fn decode_shape_errors_name_the_field() {
+        let ok = shape(4, 2, 1000, 64);
+        assert!(check_decode_shape(&ok).is_ok());
+        let cases: [(DecodeShape, &str); 6] = [
+            (DecodeShape { heads: 12, ..ok }, "heads = 12"),
+            (DecodeShape { next_n: 0, ..ok }, "next_n = 0"),
+            (DecodeShape { batch: 0, ..ok }, "batch = 0"),
+            (DecodeShape { topk: 0, ..ok }, "topk = 0"),
+            (
+                DecodeShape {
+                    page_cols: Some(8),
+                    ..ok
+                },
+                "page_cols = 8",
+            ),
+            (
+                DecodeShape {
+                    max_pages: 15,
+                    ..ok
+                },
+                "max_pages = 15",
+            ),
+        ];
+        for (sh, want) in cases {
+            let e = check_decode_shape(&sh).unwrap_err().to_string();
+            assert!(e.starts_with(want), "{e}");
+        }
+    }
 }

@@ -65,7 +65,9 @@ mod tolerance;
 mod validate;
 
 pub use backend::{reads_pages, run_cuda, CudaBackend};
-pub use decode::{decode_workspace_bytes, DecodeInputs, DecodeShape, DecodeStep};
+pub use decode::{
+    decode_workspace_bytes, decode_workspace_terms, DecodeInputs, DecodeShape, DecodeStep,
+};
 use device::{backend_err, drv};
 pub use device::{libraries_present, DecodedCodes, Device};
 pub use engine::{DeviceInputs, DeviceKeys, DeviceOutput, DeviceQueries, Engine, INPUT_ALIGN};
