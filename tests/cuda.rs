@@ -3523,9 +3523,10 @@ impl DecodeCase {
         }
     }
 
-    /// The host problem's outputs on the reference (exact class) or the CUDA backend
-    /// (tolerance class: the same kernels, so bitwise the step's).
-    fn expected(&self, b: &mut CudaBackend) -> Output {
+    /// Checks a decode step's outputs `out` against the host problem: in the exact class
+    /// bitwise the reference's; in the tolerance class bitwise the CUDA backend's (the
+    /// same kernels and selection) and SPEC 5's rule against the reference's logits.
+    fn verify(&self, b: &mut CudaBackend, tag: &str, s: &Arc<CudaStream>, out: &DecodeOut) {
         let sh = self.shape;
         let seq: Vec<usize> = self.ctx.iter().map(|&c| c as usize).collect();
         let q0: Vec<usize> = seq.iter().map(|&s| s - sh.next_n).collect();
@@ -3557,10 +3558,17 @@ impl DecodeCase {
         let mut params = Params::new(sh.topk);
         params.page_cols = sh.page_cols;
         let p = Problem::new(&batch, inputs, params, Role::Plain).unwrap();
+        let got = Output {
+            raw: Array2::from_shape_vec((r, sh.topk), s.clone_dtoh(&out.raw).unwrap()).unwrap(),
+            page: Array2::from_shape_vec((r, sh.page_width()), s.clone_dtoh(&out.page).unwrap())
+                .unwrap(),
+            published: None,
+        };
         if p.class() == Class::Exact {
-            reference::run(&p)
+            check_outputs(tag, &got, &reference::run(&p));
         } else {
-            run_backend(b, &p, usize::MAX).unwrap().0
+            check_outputs(tag, &got, &run_backend(b, &p, usize::MAX).unwrap().0);
+            check_selection_rule(tag, &p, &got, &reference::logits(&p));
         }
     }
 }
@@ -3623,18 +3631,6 @@ impl DecodeOut {
             page: s.alloc_zeros(sh.rows() * sh.page_width()).unwrap(),
             ws: s.alloc_zeros(ws_bytes).unwrap(),
         }
-    }
-}
-
-fn check_decode(tag: &str, s: &Arc<CudaStream>, out: &DecodeOut, want: &Output) {
-    let raw = s.clone_dtoh(&out.raw).unwrap();
-    let page = s.clone_dtoh(&out.page).unwrap();
-    let (wr, wp) = (want.raw.as_slice().unwrap(), want.page.as_slice().unwrap());
-    if let Some(i) = first_diff(&raw, wr) {
-        panic!("{tag}: raw differs first at {i}: {} vs {}", raw[i], wr[i]);
-    }
-    if let Some(i) = first_diff(&page, wp) {
-        panic!("{tag}: page differs first at {i}: {} vs {}", page[i], wp[i]);
     }
 }
 
@@ -3727,7 +3723,6 @@ fn decode_step_equals_the_reference_and_the_backend() {
     let engine = cuda::Engine::on_stream_with_hooks(stream.clone(), hooks()).unwrap();
     for (i, (sh, pages)) in decode_shapes().into_iter().enumerate() {
         let c = DecodeCase::new(sh, pages, 40 + i as u64);
-        let want = c.expected(&mut b);
         let din = DecodeIn::new(&stream, &c);
         let mut out = DecodeOut::new(&stream, &sh, engine.decode_workspace_bytes(&sh));
         let inputs = din.inputs(&sh);
@@ -3742,7 +3737,7 @@ fn decode_step_equals_the_reference_and_the_backend() {
             step.launch().unwrap();
         }
         stream.synchronize().unwrap();
-        check_decode(&format!("decode shape {i} {sh:?}"), &stream, &out, &want);
+        c.verify(&mut b, &format!("decode shape {i} {sh:?}"), &stream, &out);
     }
 }
 
@@ -3791,12 +3786,11 @@ fn decode_step_replays_in_a_cuda_graph_with_new_lengths_and_tables() {
             stream.memset_zeros(&mut out.raw).unwrap();
             graph.launch().unwrap();
             stream.synchronize().unwrap();
-            let want = c.expected(&mut b);
-            check_decode(
+            c.verify(
+                &mut b,
                 &format!("graph replay {replay} of shape {i} (contexts {:?})", c.ctx),
                 &stream,
                 &out,
-                &want,
             );
         }
     }
