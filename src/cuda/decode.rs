@@ -26,18 +26,15 @@ use cudarc::driver::{
 
 use super::device::{drv, vptr};
 use super::engine::{
-    check_len, checked_values, paged_shapes, DeviceInputs, DeviceKeys, DeviceQueries, Engine,
-    INPUT_ALIGN,
+    check_len, paged_shapes, pool_shape, validate_values, DeviceInputs, DeviceKeys, DeviceQueries,
+    Engine, INPUT_ALIGN,
 };
-use super::geometry::{
-    short_launch_smem, split_segments, Paging, MAX_TOPK, PATHS_BYTES, ROW_ALIGN,
-};
+use super::geometry::{short_launch_smem, split_segments, MAX_TOPK, PATHS_BYTES, ROW_ALIGN};
 use super::kernels::{self, Variant};
 use super::launch::{
     self, allow_dynamic_smem, LogitsArgs, PagedSlotsArgs, TopkMergeArgs, TopkRowsArgs,
     TopkSegmentsArgs,
 };
-use super::validate::{validate, validate_paged, PagedView};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
 use crate::problem::Format;
@@ -223,7 +220,6 @@ pub struct DecodeStep<'a> {
     page: u64,
     ws: u64,
     layout: Layout,
-    paging: Paging,
     _views: PhantomData<&'a ()>,
 }
 
@@ -275,21 +271,23 @@ impl Engine {
             inputs.page_table.len(),
             shape.batch * shape.max_pages,
         )?;
-        let paging = Paging::new(shape.k, d, shape.page_size, shape.max_pages)?;
-        let page_bytes = shape.page_size * crate::paged::bytes_per_token(shape.k, d);
-        let kv = vptr(&inputs.kv_cache, &s);
-        if !kv.is_multiple_of(INPUT_ALIGN as u64) || !ptrs.0.is_multiple_of(INPUT_ALIGN as u64) {
-            return Err(Error::range(
-                if ptrs.0.is_multiple_of(INPUT_ALIGN as u64) { "kv_cache" } else { "q" },
-                "a device address off a 16-byte boundary",
-                "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
-            ));
+        let paging = pool_shape(
+            &s,
+            d,
+            shape.k,
+            &inputs.kv_cache,
+            shape.page_size,
+            shape.max_pages,
+        )?;
+        if inputs.kv_cache.is_empty() {
+            return Err(Error::range("kv_cache", "0 bytes", "at least one page"));
         }
-        if !inputs.kv_cache.len().is_multiple_of(page_bytes) || inputs.kv_cache.is_empty() {
+        let kv = vptr(&inputs.kv_cache, &s);
+        if !ptrs.0.is_multiple_of(INPUT_ALIGN as u64) {
             return Err(Error::range(
-                "kv_cache",
-                format!("{} bytes", inputs.kv_cache.len()),
-                "a whole, non-zero number of pages of P * bytes_per_token bytes",
+                "q",
+                format!("device address {:#x}", ptrs.0),
+                "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
             ));
         }
         check_len("raw", raw.len(), r * shape.topk)?;
@@ -356,7 +354,6 @@ impl Engine {
             page: page_p,
             ws,
             layout,
-            paging,
             _views: PhantomData,
         })
     }
@@ -417,20 +414,7 @@ impl Engine {
             shape.max_pages,
             shape.page_size,
         )?;
-        let values = checked_values(&di);
-        validate(&self.dev, &values[..1])?;
-        let view = PagedView {
-            format: shape.k,
-            dim: shape.dim,
-            kv_cache: &inputs.kv_cache,
-            page_table: &inputs.page_table,
-            cols: shape.max_pages,
-            page_log2: pg.page_log2,
-            num_pages: inputs.kv_cache.len()
-                / (crate::paged::bytes_per_token(shape.k, shape.dim) << pg.page_log2),
-        };
-        validate_paged(&self.dev, &batch, &view)?;
-        validate(&self.dev, &values[1..])
+        validate_values(&self.dev, &batch, &di, Some(pg))
     }
 }
 
@@ -627,7 +611,7 @@ impl DecodeStep<'_> {
             page: self.page,
             page_cols: sh.page_width() as u32,
             page_table: a.paged.map_or(0, |p| p.0),
-            page_log2: self.paging.page_log2,
+            page_log2: a.paged.map_or(0, |p| p.1),
         };
         launch::paged_slots(s, &self.f.slots, &args, rows)
     }

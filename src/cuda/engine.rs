@@ -182,35 +182,7 @@ impl Engine {
         };
         check_shape(&shape, batch)?;
         let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;
-        let values = checked_values(inputs);
-        match (&inputs.k, paged) {
-            (
-                DeviceKeys::Paged {
-                    format,
-                    kv_cache,
-                    page_table,
-                    max_pages,
-                    ..
-                },
-                Some(pg),
-            ) => {
-                // Problem::new's order: queries, keys, weights.
-                validate(&self.dev, &values[..1])?;
-                let view = PagedView {
-                    format: *format,
-                    dim: inputs.dim,
-                    kv_cache,
-                    page_table,
-                    cols: *max_pages,
-                    page_log2: pg.page_log2,
-                    num_pages: kv_cache.len()
-                        / (crate::paged::bytes_per_token(*format, inputs.dim) << pg.page_log2),
-                };
-                validate_paged(&self.dev, batch, &view)?;
-                validate(&self.dev, &values[1..])?;
-            }
-            _ => validate(&self.dev, &values)?,
-        }
+        validate_values(&self.dev, batch, inputs, paged)?;
         check_alignment(&ptrs, if paged.is_some() { "kv_cache" } else { "k" })?;
         if t == 0 {
             return empty_output(&self.dev, source_tail, plan);
@@ -336,23 +308,19 @@ fn input_ptrs(
     Ok((ptrs, qf, kf, paged))
 }
 
-/// SPEC 8's shape checks of paged keys on the device (those of
-/// [`crate::paged::PagedKeys::validate`] before its values), and that the kernels can
-/// read the pages ([`Paging::new`]).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn paged_shapes(
+/// The pool's checks that need no batch: the kernels can read its pages
+/// ([`Paging::new`]), it starts on a 16-byte boundary (before the values:
+/// validate_slots reads the pages with word loads), it is a whole number of pages, and
+/// its slots fit an i32.
+pub(super) fn pool_shape(
     s: &CudaStream,
-    batch: &Batch,
     dim: usize,
     format: Format,
     kv_cache: &CudaView<'_, u8>,
-    page_table: &CudaView<'_, i32>,
-    max_pages: usize,
     page_size: usize,
+    max_pages: usize,
 ) -> Result<Paging> {
     let pg = Paging::new(format, dim, page_size, max_pages)?;
-    // Before the values, unlike the flat tensors' alignment: validate_slots reads the
-    // pages with word loads.
     let addr = vptr(kv_cache, s);
     if !addr.is_multiple_of(INPUT_ALIGN as u64) {
         return Err(Error::range(
@@ -377,6 +345,24 @@ pub(super) fn paged_shapes(
             "num_pages * page_size <= 2^31 - 1 (page is i32)",
         ));
     }
+    Ok(pg)
+}
+
+/// SPEC 8's shape checks of paged keys on the device (those of
+/// [`crate::paged::PagedKeys::validate`] before its values), and that the kernels can
+/// read the pages ([`Paging::new`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn paged_shapes(
+    s: &CudaStream,
+    batch: &Batch,
+    dim: usize,
+    format: Format,
+    kv_cache: &CudaView<'_, u8>,
+    page_table: &CudaView<'_, i32>,
+    max_pages: usize,
+    page_size: usize,
+) -> Result<Paging> {
+    let pg = pool_shape(s, dim, format, kv_cache, page_size, max_pages)?;
     let reqs = batch.requests();
     check_len("page_table", page_table.len(), reqs.len() * max_pages)?;
     for (b, r) in reqs.iter().enumerate() {
@@ -435,9 +421,48 @@ fn plan_run(batch: &Batch, shape: &Shape, budget: usize, sms: usize) -> Result<P
     crate::plan::plan(batch, &pp, &footprint(batch.num_rows(), shape.topk, sms))
 }
 
+/// SPEC 8's value checks of `inputs` on the device, in Problem::new's order: over paged
+/// keys (`paged`, from [`paged_shapes`]) the queries, then the used page-table entries and
+/// the slots some request of `batch` reads, then the weights; else every tensor at once.
+pub(super) fn validate_values(
+    dev: &Device,
+    batch: &Batch,
+    inputs: &DeviceInputs<'_>,
+    paged: Option<Paging>,
+) -> Result<()> {
+    let values = checked_values(inputs);
+    match (&inputs.k, paged) {
+        (
+            DeviceKeys::Paged {
+                format,
+                kv_cache,
+                page_table,
+                max_pages,
+                ..
+            },
+            Some(pg),
+        ) => {
+            validate(dev, &values[..1])?;
+            let view = PagedView {
+                format: *format,
+                dim: inputs.dim,
+                kv_cache,
+                page_table,
+                cols: *max_pages,
+                page_log2: pg.page_log2,
+                num_pages: kv_cache.len()
+                    / (crate::paged::bytes_per_token(*format, inputs.dim) << pg.page_log2),
+            };
+            validate_paged(dev, batch, &view)?;
+            validate(dev, &values[1..])
+        }
+        _ => validate(dev, &values),
+    }
+}
+
 /// SPEC 8's value checks of `inputs`, in Problem::new's order (keys too when there are
 /// no rows).
-pub(super) fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> {
+fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> {
     let mut checked = Vec::with_capacity(kernels::VALIDATE_SEGMENTS);
     match &inputs.q {
         DeviceQueries::E4m3(q) => checked.push(Checked::E4m3("q", q)),
