@@ -5,24 +5,12 @@
 
 mod common;
 
-use common::{bits, first_diff, paged_golden_files};
+use common::{bits, check, check_expected_outputs, paged_golden_files};
 use dsa_indexer::cpu::{engine_logits, Isa};
 use dsa_indexer::dump::{Dump, KData};
 use dsa_indexer::error::Error;
 use dsa_indexer::indexer::run_cpu;
 use dsa_indexer::reference;
-
-fn check<T: PartialEq + Copy + std::fmt::Debug>(file: &str, tensor: &str, got: &[T], want: &[T]) {
-    if let Some(i) = first_diff(got, want) {
-        panic!(
-            "{file}: {tensor} differs first at flat index {i}: got {:?}, expected {:?} (lengths {} and {})",
-            got.get(i),
-            want.get(i),
-            got.len(),
-            want.len()
-        );
-    }
-}
 
 fn load(path: &std::path::Path) -> (String, Dump) {
     let name = path.file_name().unwrap().to_string_lossy().to_string();
@@ -55,49 +43,7 @@ fn reference_reproduces_every_paged_golden_file() {
             &bits(&reference::logits(&p)),
             &bits(e.logits.as_ref().expect("expected_logits")),
         );
-        let out = reference::run(&p);
-        let raw = e.raw.as_ref().expect("expected_raw");
-        assert_eq!(out.raw.shape(), raw.shape(), "{name}: raw shape");
-        check(
-            &name,
-            "raw",
-            out.raw.as_slice().unwrap(),
-            raw.as_slice().unwrap(),
-        );
-        let page = e.page.as_ref().expect("expected_page");
-        assert_eq!(out.page.shape(), page.shape(), "{name}: page shape");
-        check(
-            &name,
-            "page",
-            out.page.as_slice().unwrap(),
-            page.as_slice().unwrap(),
-        );
-        match (&out.published, &e.published) {
-            (Some(got), Some(want)) => {
-                check(
-                    &name,
-                    "published",
-                    got.blocks.as_slice().unwrap(),
-                    want.as_slice().unwrap(),
-                );
-                let rows: Vec<i32> = (0..batch.num_rows())
-                    .filter(|&i| p.publishes(i))
-                    .map(|i| i as i32)
-                    .collect();
-                check(
-                    &name,
-                    "published_rows",
-                    &rows,
-                    e.published_rows.as_ref().expect("expected_published_rows"),
-                );
-            }
-            (None, None) => {}
-            (g, w) => panic!(
-                "{name}: published present in output {} / expected {}",
-                g.is_some(),
-                w.is_some()
-            ),
-        }
+        check_expected_outputs(&name, &p, &reference::run(&p), e);
     }
 }
 

@@ -67,3 +67,74 @@ pub fn paged_golden_files() -> Vec<PathBuf> {
     v.sort();
     v
 }
+
+/// Panics naming `file`, `tensor` and the first index where `got` and `want` differ.
+pub fn check<T: PartialEq + Copy + std::fmt::Debug>(
+    file: &str,
+    tensor: &str,
+    got: &[T],
+    want: &[T],
+) {
+    if let Some(i) = first_diff(got, want) {
+        panic!(
+            "{file}: {tensor} differs first at flat index {i}: got {:?}, expected {:?} (lengths {} and {})",
+            got.get(i),
+            want.get(i),
+            got.len(),
+            want.len()
+        );
+    }
+}
+
+/// A run's `raw`, `page` and published blocks (with the published rows of `p`) against a
+/// golden file's expected tensors, bitwise.
+pub fn check_expected_outputs(
+    name: &str,
+    p: &dsa_indexer::problem::Problem,
+    out: &dsa_indexer::reference::Output,
+    e: &dsa_indexer::dump::Expected,
+) {
+    let raw = e.raw.as_ref().expect("expected_raw");
+    assert_eq!(out.raw.shape(), raw.shape(), "{name}: raw shape");
+    check(
+        name,
+        "raw",
+        out.raw.as_slice().unwrap(),
+        raw.as_slice().unwrap(),
+    );
+    let page = e.page.as_ref().expect("expected_page");
+    assert_eq!(out.page.shape(), page.shape(), "{name}: page shape");
+    check(
+        name,
+        "page",
+        out.page.as_slice().unwrap(),
+        page.as_slice().unwrap(),
+    );
+    match (&out.published, &e.published) {
+        (Some(got), Some(want)) => {
+            assert_eq!(got.blocks.shape(), want.shape(), "{name}: published shape");
+            check(
+                name,
+                "published",
+                got.blocks.as_slice().unwrap(),
+                want.as_slice().unwrap(),
+            );
+            let rows: Vec<i32> = (0..p.batch.num_rows())
+                .filter(|&i| p.publishes(i))
+                .map(|i| i as i32)
+                .collect();
+            check(
+                name,
+                "published_rows",
+                &rows,
+                e.published_rows.as_ref().expect("expected_published_rows"),
+            );
+        }
+        (None, None) => {}
+        (g, w) => panic!(
+            "{name}: published present in output {} / expected {}",
+            g.is_some(),
+            w.is_some()
+        ),
+    }
+}
