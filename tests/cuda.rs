@@ -364,6 +364,44 @@ fn check_tolerance(b: &mut CudaBackend, tag: &str, p: &Problem) -> f64 {
     worst
 }
 
+/// A golden file's problem `p` on the backend: the exact class bitwise the golden
+/// logits, raw and page (and the reference's at several budgets), the tolerance class
+/// within the stated bound with the reference's selection rule.
+fn check_golden_file(
+    b: &mut CudaBackend,
+    name: &str,
+    p: &Problem,
+    e: &dsa_indexer::dump::Expected,
+) {
+    if p.class() == Class::Exact {
+        let got = b.logits(p, usize::MAX).unwrap();
+        check_eq(
+            name,
+            "logits (bits) vs golden",
+            &bits(&got),
+            &bits(e.logits.as_ref().unwrap()),
+        );
+        check_exact(b, name, p);
+        let (out, _) = run_backend(b, p, usize::MAX).unwrap();
+        check_eq(
+            name,
+            "raw vs golden",
+            out.raw.as_slice().unwrap(),
+            e.raw.as_ref().unwrap().as_slice().unwrap(),
+        );
+        check_eq(
+            name,
+            "page vs golden",
+            out.page.as_slice().unwrap(),
+            e.page.as_ref().unwrap().as_slice().unwrap(),
+        );
+        eprintln!("{name}: exact class, bitwise");
+    } else {
+        let worst = check_tolerance(b, name, p);
+        eprintln!("{name}: tolerance class, worst |diff| / M = {worst:e}");
+    }
+}
+
 #[test]
 fn golden_vectors() {
     let Some(mut b) = gpu() else { return };
@@ -374,34 +412,7 @@ fn golden_vectors() {
         let d = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
         let (batch, published) = dump_problem(&d);
         let p = d.problem(&batch, published.as_ref()).unwrap();
-        let e = &d.expected;
-        if p.class() == Class::Exact {
-            let got = b.logits(&p, usize::MAX).unwrap();
-            check_eq(
-                &name,
-                "logits (bits) vs golden",
-                &bits(&got),
-                &bits(e.logits.as_ref().unwrap()),
-            );
-            check_exact(&mut b, &name, &p);
-            let (out, _) = run_backend(&mut b, &p, usize::MAX).unwrap();
-            check_eq(
-                &name,
-                "raw vs golden",
-                out.raw.as_slice().unwrap(),
-                e.raw.as_ref().unwrap().as_slice().unwrap(),
-            );
-            check_eq(
-                &name,
-                "page vs golden",
-                out.page.as_slice().unwrap(),
-                e.page.as_ref().unwrap().as_slice().unwrap(),
-            );
-            eprintln!("{name}: exact class, bitwise");
-        } else {
-            let worst = check_tolerance(&mut b, &name, &p);
-            eprintln!("{name}: tolerance class, worst |diff| / M = {worst:e}");
-        }
+        check_golden_file(&mut b, &name, &p, &d.expected);
     }
 }
 
@@ -429,34 +440,7 @@ fn paged_golden_vectors() {
             whole,
             "{name}: the kernels read its pages exactly when they are whole 16-byte chunks"
         );
-        let e = &d.expected;
-        if p.class() == Class::Exact {
-            let got = b.logits(&p, usize::MAX).unwrap();
-            check_eq(
-                &name,
-                "logits (bits) vs golden",
-                &bits(&got),
-                &bits(e.logits.as_ref().unwrap()),
-            );
-            check_exact(&mut b, &name, &p);
-            let (out, _) = run_backend(&mut b, &p, usize::MAX).unwrap();
-            check_eq(
-                &name,
-                "raw vs golden",
-                out.raw.as_slice().unwrap(),
-                e.raw.as_ref().unwrap().as_slice().unwrap(),
-            );
-            check_eq(
-                &name,
-                "page vs golden",
-                out.page.as_slice().unwrap(),
-                e.page.as_ref().unwrap().as_slice().unwrap(),
-            );
-            eprintln!("{name}: exact class, bitwise");
-        } else {
-            let worst = check_tolerance(&mut b, &name, &p);
-            eprintln!("{name}: tolerance class, worst |diff| / M = {worst:e}");
-        }
+        check_golden_file(&mut b, &name, &p, &d.expected);
     }
 }
 
