@@ -10,7 +10,7 @@
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
 # arguments go to every cargo call, which already passes --features cuda) for the
-# parts that set $DSA_CUDA_DEFINES (the W8=1 re-runs, the A/B runs) or give the
+# parts that set $DSA_CUDA_DEFINES (the A/B runs) or give the
 # benchmark hooks: without `tuning` the library never reads either variable.
 #
 # `bench` runs ours (bench.jsonl), the peers (benches/peers.py: DeepGEMM, FlashInfer's
@@ -42,9 +42,7 @@
 # one test runs every hook in-process); the benchmark only with `tuning`.
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
-# #defines:
-# - the fp8 wgmma kernel for E4M3 x E4M3 at H = 64: W8=1, W8_SPLIT=0;
-# - tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, W16_MIN_BLOCKS,
+# #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, W16_MIN_BLOCKS,
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS; host side:
 #   LG_PER_BLOCK.
 set -uo pipefail
@@ -86,15 +84,9 @@ if has tests; then
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   }
-  # E4M3 x E4M3 at H = 64 on fp8 wgmma (mqa_logits_w8), held to SPEC 4's 2^-8 M: its
-  # subnormal accumulator case fails (a finding, logged, not a gate), the others pass.
-  knob_tests "W8=1" fp8_wgmma e4m3_h64 tolerance
-  # The accumulator cases' errors, |diff| / M per case, on the default kernels and on fp8.
-  DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma --nocapture 2>&1 | grep "/ M =" > "$OUT/acc_cases.txt"
-  DSA_CUDA_DEFINES="W8=1" DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/fp8_cases.txt"
-  # fp8 wgmma with the k32 steps chained in its accumulator: past 2^-8 M on the
-  # accumulator cases too (logged, not a gate).
-  knob_tests "W8=1 W8_SPLIT=0" fp8_wgmma e4m3_h64
+  # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
+  # on fp8 wgmma, held to SPEC 4's fast-mode bound).
+  DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
   DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
   DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
@@ -110,6 +102,9 @@ PW="v32-16k v41-chunk v41-chunk-wide v32-64k v41-1m"
 # Decode over paged keys: ours on all three, the peers on the E4M3 two.
 DW="v32-decode-b64-32k v32-decode-b128-128k-mtp2 v32-decode-b1-128k v41-decode-b64-64k"
 PDW="v32-decode-b64-32k v32-decode-b128-128k-mtp2 v32-decode-b1-128k"
+# The fast precision (E4M3 x E4M3 at H = 64 on fp8 wgmma): the V3.2 workloads, prefill
+# and decode.
+FW="v32-16k v32-64k $PDW"
 # DeepGEMM's logits, FlashInfer's top-k (through .whl/flashinfer_topk/, built by
 # benches/flashinfer_topk/build.sh) and torch.topk on the same shapes, with --check; the
 # wheels travel in .whl/ (benches/peers.py says how). Its JSON lines go to peers.jsonl.
@@ -134,6 +129,8 @@ if has bench; then
   timeout 240 $B/dsa-indexer bench --device cuda --json $W --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
   log "bench decode (median of 5)"
   timeout 240 $B/dsa-indexer bench --device cuda --json $DW --reps 5 >> "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
+  log "bench, fast precision (median of 5)"
+  timeout 240 $B/dsa-indexer bench --device cuda --json --precision fast $FW --reps 5 >> "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
   cat "$OUT/bench.jsonl" >> "$OUT/summary.txt"
   timeout 60 $B/dsa-indexer bench --workload v41-chunk --device cuda --reps 3 >> "$OUT/summary.txt" 2>&1
   peers_run $PW $PDW
@@ -256,6 +253,8 @@ if has decode && ! has bench; then
   # The decode workloads alone, ours and the peers, and their tables (bench runs them too).
   log "bench decode (median of 5)"
   timeout 240 $B/dsa-indexer bench --device cuda --json $DW --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
+  log "bench decode, fast precision (median of 5)"
+  timeout 240 $B/dsa-indexer bench --device cuda --json --precision fast $PDW --reps 5 >> "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
   cat "$OUT/bench.jsonl" >> "$OUT/summary.txt"
   peers_run --no-ceilings $PDW
   python3 benches/table.py "$OUT" > "$OUT/table.md" 2>&1

@@ -11,7 +11,8 @@ Reads the JSON lines of `dsa-indexer bench --device cuda --json` (ours) and of
   the fp4 inputs, so it is added beside them);
 
 each with its ratio `peer / ours` against the part of ours it stands for (above 1: ours
-is faster).
+is faster). A line of ours run with `--precision fast` gets a table of its own, its
+heading marked "fast precision", beside the same peers.
 
 A decode workload of ours (its line has `next_n` and `kv_gbs`) gets its own table: ours
 end to end, logits and selection; DeepGEMM's paged logits + FlashInfer's top-k and +
@@ -114,14 +115,19 @@ def kv_cells(kv_bytes, t):
     return f"{gbs:.0f}", f"{100.0 * gbs / KV_COPY_CEILING_GBS:.1f} %"
 
 
+def label(o):
+    """A workload's name, with `, fast precision` when ours ran in the fast mode."""
+    return o["name"] + (", fast precision" if o.get("precision") == "fast" else "")
+
+
 def decode_table(o, peers):
     """The Markdown lines of one decode workload of ours `o`."""
     name = o["name"]
     kv = o.get("kv_bytes")
     e2e, lg, sel = o.get("median_ms"), o.get("logits_ms"), o.get("select_ms")
     lines = [
-        f"### {name} (decode: {o.get('requests', '?')} requests x {o.get('next_n', '?')} rows, "
-        f"pages of {o.get('page_size', '?')}; KV floor {kv / 1e6:.1f} MB)" if isinstance(kv, (int, float)) else f"### {name} (decode)",
+        f"### {label(o)} (decode: {o.get('requests', '?')} requests x {o.get('next_n', '?')} rows, "
+        f"pages of {o.get('page_size', '?')}; KV floor {kv / 1e6:.1f} MB)" if isinstance(kv, (int, float)) else f"### {label(o)} (decode)",
         "",
         "| part | median ms | KV GB/s | of 4.3 TB/s | peer / ours |",
         "|---|---|---|---|---|",
@@ -179,7 +185,7 @@ def table(o, peers):
     conv = peers.get(pw, "", "fp4_to_fp8_total")
     conv_ms = conv.get("median_ms") if conv and "error" not in conv else None
     lines = []
-    head = f"### {name}"
+    head = f"### {label(o)}"
     if pw != name:
         head += f" (peers: the {pw} shape)"
     if mode:

@@ -22,7 +22,7 @@ struct Cuda(CudaBackend);
 
 /// The bound the backend states for its production kernels (no test hook).
 fn production_bound(p: &Problem, i: usize, j: usize, m: f64) -> f64 {
-    cuda::logit_bound(p, i, j, m, cuda::Hooks::default())
+    cuda::logit_bound(p, i, j, m, cuda::Hooks::default(), cuda::Precision::Full)
 }
 
 impl Subject for Cuda {

@@ -9,7 +9,7 @@ use cudarc::driver::CudaSlice;
 use super::alloc::Fill;
 use super::device::{backend_err, drv, ptr, Device};
 use super::geometry::{check_shape, footprint, Paging, Shape, MAX_TOPK};
-use super::kernels;
+use super::kernels::{self, Precision};
 use super::paths::{FoldCounts, TopkPaths};
 use super::run::{OwnedBuf, Ptrs, Run};
 use crate::error::{Error, Result};
@@ -26,6 +26,7 @@ pub struct CudaBackend {
     pub(super) peak: usize,
     paths: TopkPaths,
     folds: FoldCounts,
+    precision: Precision,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -33,6 +34,7 @@ impl std::fmt::Debug for CudaBackend {
         f.debug_struct("CudaBackend")
             .field("device", &self.dev.name())
             .field("peak", &self.peak)
+            .field("precision", &self.precision)
             .finish()
     }
 }
@@ -57,7 +59,21 @@ impl CudaBackend {
             peak: 0,
             paths: TopkPaths::default(),
             folds: FoldCounts::default(),
+            precision: Precision::Full,
         }
+    }
+
+    /// This backend with the tolerance class's logits under `precision`
+    /// ([`Precision::Fast`]: E4M3 x E4M3 at `H = 64` on fp8 `wgmma`, held to
+    /// [`crate::cuda::fast_logit_bound`]; the default is [`Precision::Full`]).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// The precision the tolerance class's logits run under.
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// The device.
@@ -158,7 +174,7 @@ impl CudaBackend {
     fn begin_inputs(&mut self, p: &Problem, plan: &Plan, paging: Option<Paging>) -> Result<()> {
         let shape = Shape {
             paged: paging,
-            ..shape_of(p)
+            ..shape_of(p, self.precision)
         };
         check_shape(&shape, p.batch)?;
         self.run = None;
@@ -258,7 +274,7 @@ fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy
     dev.allocate(Fill::Host(&host)).map_err(drv(what))
 }
 
-fn shape_of(p: &Problem) -> Shape {
+fn shape_of(p: &Problem, precision: Precision) -> Shape {
     Shape {
         heads: p.heads,
         dim: p.dim,
@@ -274,6 +290,7 @@ fn shape_of(p: &Problem) -> Shape {
         },
         consumer: matches!(p.role, Role::Consumer(_)),
         paged: None,
+        precision,
     }
 }
 

@@ -253,6 +253,8 @@ pub struct BenchResult {
     pub fold_counts: FoldCounts,
     /// A decode workload's figures (`None` for the others, whose JSON is unchanged).
     pub decode: Option<DecodeFigures>,
+    /// The tolerance class's precision it ran under ([`super::Precision::name`]).
+    pub precision: &'static str,
 }
 
 /// What a decode workload reports besides the common figures: its batch, its pool and
@@ -332,7 +334,7 @@ impl BenchResult {
     /// One JSON object.
     pub fn to_json(&self) -> String {
         let mut v = serde_json::json!({
-            "name": self.name, "device": self.device, "rows": self.rows,
+            "name": self.name, "device": self.device, "precision": self.precision, "rows": self.rows,
             "valid_pairs": self.valid_pairs, "tiles": self.tiles, "budget": self.budget,
             "median_ms": self.median_ms, "min_ms": self.min_ms, "logits_ms": self.logits_ms,
             "select_ms": self.select_ms, "tflops": self.tflops, "logits_tflops": self.logits_tflops,
@@ -542,6 +544,7 @@ pub fn run_workload(
             )
             .with_step(super::decode::time_step(
                 &b.dev,
+                b.precision(),
                 p,
                 t / d.requests.max(1),
                 reps,
@@ -558,6 +561,7 @@ pub fn run_workload(
     Ok(BenchResult {
         name: w.name.into(),
         device: b.dev.name(),
+        precision: b.precision().name(),
         rows: t,
         valid_pairs: pairs as u64,
         tiles: plan.tiles.len(),
@@ -662,9 +666,11 @@ mod tests {
             }
             .per_run(runs),
             decode: None,
+            precision: "full",
         };
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert!(v.get("kv_gbs").is_none() && v.get("next_n").is_none());
+        assert_eq!(v["precision"], "full");
         let p = &v["topk_paths"];
         let got = [
             "all",
@@ -781,8 +787,10 @@ mod tests {
             topk_paths: TopkPaths::default(),
             fold_counts: FoldCounts::default(),
             decode: Some(d),
+            precision: "fast",
         };
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert_eq!(v["precision"], "fast");
         for (k, want) in j.as_object().unwrap() {
             assert_eq!(&v[k], want, "{k}");
         }

@@ -303,13 +303,7 @@ impl Engine {
         let (ws, _g) = workspace.device_ptr_mut(&s);
         let (raw_p, _g2) = raw.device_ptr_mut(&s);
         let (page_p, _g3) = page.device_ptr_mut(&s);
-        let lg = Variant::Logits {
-            heads: h,
-            groups: g,
-            q: shape.q,
-            k: shape.k,
-            paged: true,
-        };
+        let lg = Variant::logits(h, g, shape.q, shape.k, true, self.precision);
         let (lg_name, lg_rows, lg_threads) = kernels::logits_kernel(lg, self.dev.hooks());
         // Compile and configure everything now: a launch inside a graph capture does not.
         let tk = |name: &str| self.dev.function(Variant::Topk, name);
@@ -623,6 +617,7 @@ impl DecodeStep<'_> {
 /// benchmark's figure of the engine entry.
 pub(super) fn time_step(
     dev: &std::sync::Arc<super::device::Device>,
+    precision: kernels::Precision,
     p: &crate::problem::Problem,
     next_n: usize,
     reps: usize,
@@ -676,7 +671,7 @@ pub(super) fn time_step(
     let zeros = |n: usize, what: &str| dev.allocate::<i32>(Fill::Zeros(n)).map_err(drv(what));
     let mut raw = zeros(shape.rows() * shape.topk, "alloc raw")?;
     let mut page = zeros(shape.rows() * shape.page_width(), "alloc page")?;
-    let engine = Engine::on_device(dev.clone());
+    let engine = Engine::on_device(dev.clone()).with_precision(precision);
     let mut ws = dev
         .allocate::<u8>(Fill::Zeros(engine.decode_workspace_bytes(&shape)))
         .map_err(drv("alloc decode workspace"))?;

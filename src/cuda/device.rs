@@ -276,17 +276,29 @@ pub(super) fn vptr<T>(s: &CudaView<'_, T>, stream: &CudaStream) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::kernels::Precision;
 
     #[test]
     fn every_variant_has_its_defines() {
         let all = Variant::all();
-        assert_eq!(all.len(), 2 + 2 * 4 * 3 * 4);
+        // Flat and paged x 4 head counts x 3 dims x 4 format pairs, and the fast
+        // precision's E4M3 x E4M3 at H = 64 (3 dims, flat and paged).
+        assert_eq!(all.len(), 2 + 2 * 4 * 3 * 4 + 2 * 3);
         assert!(all.contains(&Variant::Validate));
         for v in all {
             let src = v.source(Hooks::default());
-            if let Variant::Logits { heads, groups, .. } = v {
+            if let Variant::Logits {
+                heads,
+                groups,
+                precision,
+                ..
+            } = v
+            {
                 assert!(src.contains(&format!("#define DSA_H {heads}\n")));
                 assert!(src.contains(&format!("#define DSA_G {groups}\n")));
+                // The fast precision's module is the fp8 wgmma kernel's.
+                let fast = src.contains(") mqa_logits_w8(\n");
+                assert_eq!(fast, precision == Precision::Fast, "{}", v.name());
             }
             assert!(
                 src.contains("rank_key"),

@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use super::alloc::Fill;
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
 use super::geometry::{check_shape, footprint, Paging, Shape};
-use super::kernels::{self, Hooks};
+use super::kernels::{self, Hooks, Precision};
 use super::run::{Ptrs, Run};
 use super::validate::{validate, validate_paged, Checked, PagedView};
 use crate::batch::Batch;
@@ -110,6 +110,7 @@ pub struct DeviceOutput {
 #[derive(Debug, Clone)]
 pub struct Engine {
     pub(super) dev: Arc<Device>,
+    pub(super) precision: Precision,
 }
 
 impl Engine {
@@ -120,7 +121,22 @@ impl Engine {
 
     /// On `dev`'s stream, sharing its compiled modules.
     pub fn on_device(dev: Arc<Device>) -> Engine {
-        Engine { dev }
+        Engine {
+            dev,
+            precision: Precision::Full,
+        }
+    }
+
+    /// This engine with the tolerance class's logits under `precision` (its layer
+    /// entry and its decode step; [`Precision::Full`] by default).
+    pub fn with_precision(mut self, precision: Precision) -> Engine {
+        self.precision = precision;
+        self
+    }
+
+    /// The precision the tolerance class's logits run under.
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// [`Engine::on_stream`] with the kernels compiled and chosen under test hooks
@@ -129,9 +145,9 @@ impl Engine {
         if !libraries_present() {
             return Err(backend_err("no CUDA: libcuda or libnvrtc not found"));
         }
-        Ok(Engine {
-            dev: Device::with_stream_and_hooks(stream, hooks)?,
-        })
+        Ok(Engine::on_device(Device::with_stream_and_hooks(
+            stream, hooks,
+        )?))
     }
 
     /// Run a plain or source layer (`tail`: `None` plain, `Some(t)` source) whose
@@ -179,6 +195,7 @@ impl Engine {
             tail: source_tail,
             consumer: candidates.is_some(),
             paged,
+            precision: self.precision,
         };
         check_shape(&shape, batch)?;
         let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;

@@ -3,7 +3,7 @@
 //! scratch, path counters), how many segments a row's top-k is split into, and the
 //! short-row top-k's shared-memory capacity.
 
-use super::kernels::{self, Hooks, Variant};
+use super::kernels::{self, Hooks, Precision, Variant};
 use std::ops::Range;
 
 use crate::batch::{Batch, Row};
@@ -44,6 +44,8 @@ pub(super) struct Shape {
     pub(super) consumer: bool,
     /// Keys read from a page pool through a page table (SPEC 10).
     pub(super) paged: Option<Paging>,
+    /// The tolerance class's arithmetic.
+    pub(super) precision: Precision,
 }
 
 /// Paged keys as the kernels see them.
@@ -93,13 +95,14 @@ impl Paging {
 impl Shape {
     /// The logits module of this layer.
     pub(super) fn logits_variant(&self) -> Variant {
-        Variant::Logits {
-            heads: self.heads,
-            groups: self.dim / 32,
-            q: self.q,
-            k: self.k,
-            paged: self.paged.is_some(),
-        }
+        Variant::logits(
+            self.heads,
+            self.dim / 32,
+            self.q,
+            self.k,
+            self.paged.is_some(),
+            self.precision,
+        )
     }
 }
 

@@ -16,7 +16,7 @@
 //!   the tests can run that path on every input;
 //! - with the `tuning` cargo feature only, `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
 //!   separated by spaces): occupancy and tile numbers for experiments (`LG_ROWS`,
-//!   `LG_PER_BLOCK`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`, `W8`, `W8_SPLIT`),
+//!   `LG_PER_BLOCK`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`),
 //!   prepended to every kernel source as `#define`s. Without the feature the variable
 //!   is never read, so a stray one in a serving process changes nothing.
 
@@ -113,16 +113,6 @@ pub fn logits_kernels(v: Variant) -> Vec<&'static str> {
         }
         _ => Vec::new(),
     }
-}
-
-/// Whether E4M3 x E4M3 with `H = 64` runs on fp8 `wgmma` (`mqa_logits_w8`, `W8=1` in
-/// `$DSA_CUDA_DEFINES` under the `tuning` feature; the fast precision mode is to use it) rather than on f16 `wgmma`
-/// (`mqa_logits_w16`, the default). Not the default because fp8 `wgmma` misses SPEC 4's
-/// bound when a subnormal E4M3 operand is in a k32 step's product of largest exponent
-/// fields (`2^-6 M` on the H200; [`crate::cuda::FP8_WGMMA_TOLERANCE_LOG2`]). The two
-/// state different bounds: [`crate::cuda::tolerance_log2`].
-pub fn logits_fp8_wgmma() -> bool {
-    define_in("W8", 0..=1) == Some(1)
 }
 
 /// Whether variant `v`'s logits kernel adds products on fp8 `wgmma`'s accumulator
@@ -298,9 +288,19 @@ fn define_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize
 /// The logits kernel of variant `v` under `hooks`: entry name, rows per block, threads
 /// per block.
 pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
-    let (heads, exact) = match v {
-        Variant::Logits { heads, q, k, .. } => (heads, q == Format::E2m1 && k == Format::E2m1),
-        _ => (0, false),
+    let (heads, exact, fast) = match v {
+        Variant::Logits {
+            heads,
+            q,
+            k,
+            precision,
+            ..
+        } => (
+            heads,
+            q == Format::E2m1 && k == Format::E2m1,
+            precision == Precision::Fast,
+        ),
+        _ => (0, false, false),
     };
     if logits_wgmma(v, hooks) {
         if exact {
@@ -311,7 +311,7 @@ pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
             };
             return (name, LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
         }
-        if logits_fp8_wgmma() {
+        if fast {
             return ("mqa_logits_w8", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
         }
         return ("mqa_logits_w16", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
@@ -370,6 +370,43 @@ pub const VALIDATE_THREADS: usize = 256;
 /// weights, k_slots.
 pub const VALIDATE_SEGMENTS: usize = 5;
 
+/// The arithmetic of the tolerance class's logits (SPEC 4), chosen per backend or engine
+/// ([`crate::cuda::CudaBackend::with_precision`], [`crate::cuda::Engine::with_precision`]).
+/// The exact class (E2M1 x E2M1) is bitwise in both.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Within `2^-16 M` plus SPEC 4's absolute term for every input
+    /// ([`crate::cuda::TOLERANCE_LOG2`]): E4M3 products on f16 tensor cores (or
+    /// `mma.sync`) with f32 accumulation. The default.
+    #[default]
+    Full,
+    /// Opt-in, never the default: E4M3 x E4M3 at `H = 64` on fp8 `wgmma`, the `D / 32`
+    /// k32 steps of a head chained in the tensor core's accumulator, the arithmetic of
+    /// DeepGEMM's kernel (`mqa_logits_w8`). Its accumulator keeps about 13 bits, so it is
+    /// held to SPEC 4's fast-mode bound ([`crate::cuda::fast_logit_bound`]), not to
+    /// `2^-8 M`. Every other variant runs as under [`Precision::Full`].
+    Fast,
+}
+
+impl Precision {
+    /// `"full"` or `"fast"`; anything else is an error naming `precision`.
+    pub fn parse(name: &str) -> Result<Precision> {
+        match name {
+            "full" => Ok(Precision::Full),
+            "fast" => Ok(Precision::Fast),
+            other => Err(Error::range("precision", other, "full or fast")),
+        }
+    }
+
+    /// The name [`Precision::parse`] takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Full => "full",
+            Precision::Fast => "fast",
+        }
+    }
+}
+
 /// One compiled module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Variant {
@@ -387,6 +424,10 @@ pub enum Variant {
         /// Keys from a page pool through a page table (SPEC 10; `DSA_PAGED=1`): the
         /// kernels take the table and `log2(P)` as two more arguments.
         paged: bool,
+        /// The tolerance class's arithmetic: [`Precision::Fast`] only where it has a
+        /// kernel of its own (E4M3 x E4M3 at `H = 64`), [`Precision::Full`] elsewhere
+        /// ([`Variant::logits`] normalises it), so that no module is compiled twice.
+        precision: Precision,
     },
     /// `topk_ragged_f32`, `topk_short_f32`, `topk_segments_f32`, `topk_merge_f32`,
     /// `block_keys_f32`, `kept_blocks_u32`, `paged_slots`, `decode_codes`.
@@ -403,22 +444,48 @@ fn fmt_code(f: Format) -> u32 {
 }
 
 impl Variant {
+    /// The logits module of `heads` heads, `groups = D / 32`, formats `q` x `k`, flat or
+    /// paged keys, under `precision`; [`Precision::Fast`] becomes [`Precision::Full`]
+    /// where it changes nothing (every variant but E4M3 x E4M3 at `H = 64`).
+    pub fn logits(
+        heads: usize,
+        groups: usize,
+        q: Format,
+        k: Format,
+        paged: bool,
+        precision: Precision,
+    ) -> Variant {
+        let fast_kernel = heads == 64 && q == Format::E4m3 && k == Format::E4m3;
+        Variant::Logits {
+            heads,
+            groups,
+            q,
+            k,
+            paged,
+            precision: if fast_kernel {
+                precision
+            } else {
+                Precision::Full
+            },
+        }
+    }
+
     /// Every variant the backend can load: 4 head counts x 3 dims x 4 format pairs x
-    /// flat or paged keys, top-k and validation.
+    /// flat or paged keys (and the fast-precision E4M3 x E4M3 `H = 64` ones), top-k and
+    /// validation.
     pub fn all() -> Vec<Variant> {
         let mut v = vec![Variant::Topk, Variant::Validate];
-        for paged in [false, true] {
-            for heads in [8, 16, 32, 64] {
-                for groups in [1, 2, 4] {
-                    for q in [Format::E4m3, Format::E2m1] {
-                        for k in [Format::E4m3, Format::E2m1] {
-                            v.push(Variant::Logits {
-                                heads,
-                                groups,
-                                q,
-                                k,
-                                paged,
-                            });
+        for precision in [Precision::Full, Precision::Fast] {
+            for paged in [false, true] {
+                for heads in [8, 16, 32, 64] {
+                    for groups in [1, 2, 4] {
+                        for q in [Format::E4m3, Format::E2m1] {
+                            for k in [Format::E4m3, Format::E2m1] {
+                                let x = Variant::logits(heads, groups, q, k, paged, precision);
+                                if !v.contains(&x) {
+                                    v.push(x);
+                                }
+                            }
                         }
                     }
                 }
@@ -437,9 +504,15 @@ impl Variant {
                 q,
                 k,
                 paged,
+                precision,
             } => format!(
-                "logits_h{heads}_g{groups}_{q}_{k}{}",
-                if paged { "_paged" } else { "" }
+                "logits_h{heads}_g{groups}_{q}_{k}{}{}",
+                if paged { "_paged" } else { "" },
+                if precision == Precision::Fast {
+                    "_fast"
+                } else {
+                    ""
+                }
             ),
             Variant::Topk => "topk".into(),
             Variant::Validate => "validate".into(),
@@ -484,6 +557,7 @@ pub fn logits_source(v: Variant, kernel: &str, hooks: Hooks) -> Option<String> {
         q,
         k,
         paged,
+        ..
     } = v
     else {
         return None;
@@ -762,13 +836,7 @@ mod tests {
         }
         assert!(logits_source(Variant::Topk, "mqa_logits", Hooks::default()).is_none());
         assert!(logits_source(
-            Variant::Logits {
-                heads: 32,
-                groups: 4,
-                q: Format::E2m1,
-                k: Format::E2m1,
-                paged: false,
-            },
+            Variant::logits(32, 4, Format::E2m1, Format::E2m1, false, Precision::Full),
             "mqa_logits_w16",
             Hooks::default()
         )

@@ -490,7 +490,7 @@ pub(super) fn topk_rows(
 
 #[cfg(test)]
 mod tests {
-    use super::kernels::{Hooks, Variant};
+    use super::kernels::{Hooks, Precision, Variant};
     use super::*;
     use crate::problem::Format;
 
@@ -511,6 +511,7 @@ mod tests {
                 groups,
                 q,
                 k,
+                precision,
                 ..
             } = v
             else {
@@ -519,12 +520,18 @@ mod tests {
             let (name, rows, threads) = kernels::logits_kernel(v, production);
             let wg = q == Format::E2m1 && k == Format::E2m1 && heads == 32 && groups >= 2;
             let w16 = q == Format::E4m3 && k == Format::E4m3 && heads == 64;
+            let fast = precision == Precision::Fast;
+            // Only E4M3 x E4M3 at H = 64 has a fast variant (Variant::logits).
+            assert!(!fast || w16, "{}", v.name());
             // The exact class at H = 32, D >= 64 on wgmma, its keys in registers.
             assert_eq!(name == "mqa_logits_wgr", wg, "{}", v.name());
-            // E4M3 x E4M3 at H = 64 on f16 wgmma by default (W8=1: fp8 wgmma).
-            assert_eq!(name == "mqa_logits_w16", w16, "{}", v.name());
-            assert!(
-                !kernels::logits_on_fp8_accumulator(v, production),
+            // E4M3 x E4M3 at H = 64 on f16 wgmma by default, on fp8 wgmma in the fast
+            // mode.
+            assert_eq!(name == "mqa_logits_w16", w16 && !fast, "{}", v.name());
+            assert_eq!(name == "mqa_logits_w8", fast, "{}", v.name());
+            assert_eq!(
+                kernels::logits_on_fp8_accumulator(v, production),
+                fast,
                 "{}",
                 v.name()
             );

@@ -18,9 +18,9 @@
 //! meets `|x - ref| <= 2^e * M + A`, with `e` = [`TOLERANCE_LOG2`] = -16 on every kernel
 //! the backend runs by default (they add products in f32), `A` the absolute term of f32
 //! rounding in the subnormal range ([`tolerance_abs_term`]; all together:
-//! [`logit_bound`]). The fp8 `wgmma` kernel behind the `W8=1` knob (`tuning` feature) is held to SPEC 4's
-//! `2^-8` instead and misses it on subnormal operands ([`FP8_WGMMA_TOLERANCE_LOG2`]).
-//! Given the same scores,
+//! [`logit_bound`]). The opt-in fast mode ([`Precision::Fast`]) runs E4M3 x E4M3 at
+//! `H = 64` on fp8 `wgmma` with chained steps, DeepGEMM's arithmetic, and is held to
+//! SPEC 4's fast-mode bound instead ([`fast_logit_bound`]). Given the same scores,
 //! selections are bitwise the reference's. NaN logits are written as the reference's
 //! NaN (`0xFFC00000`).
 //!
@@ -72,9 +72,10 @@ use device::{backend_err, drv};
 pub use device::{libraries_present, DecodedCodes, Device};
 pub use engine::{DeviceInputs, DeviceKeys, DeviceOutput, DeviceQueries, Engine, INPUT_ALIGN};
 pub use geometry::{MAX_TOPK, ROW_ALIGN};
-pub use kernels::{Hooks, Variant};
+pub use kernels::{Hooks, Precision, Variant};
 pub use paths::{FoldCounts, TopkPaths};
 pub use tolerance::{
-    is_bitwise, logit_bound, tolerance_abs_term, tolerance_bound, tolerance_log2,
-    F32_SUBNORMAL_ULP, FP8_WGMMA_TOLERANCE_LOG2, TOLERANCE_LOG2,
+    e4m3_align_exp, fast_logit_bound, fp8_chain_error, fp8_wgmma_step, is_bitwise, logit_bound,
+    on_fp8_accumulator, tolerance_abs_term, tolerance_bound, F32_SUBNORMAL_ULP, FP8_WGMMA_BITS,
+    TOLERANCE_LOG2,
 };

@@ -61,14 +61,14 @@ fn f3_subnormal_logit_is_within_the_cuda_bound() {
                 l[x],
                 r,
                 m,
-                cuda::logit_bound(p, i, j, m, cuda::Hooks::default()),
+                cuda::logit_bound(p, i, j, m, cuda::Hooks::default(), cuda::Precision::Full),
             ));
             l
         }
     }
     /// The bound the production kernels (no test hook) state.
     fn production_bound(p: &Problem, i: usize, j: usize, m: f64) -> f64 {
-        cuda::logit_bound(p, i, j, m, cuda::Hooks::default())
+        cuda::logit_bound(p, i, j, m, cuda::Hooks::default(), cuda::Precision::Full)
     }
     impl Subject for H200F3 {
         fn run(&mut self, p: &Problem, budget: usize, _threads: u8) -> BackendRun {

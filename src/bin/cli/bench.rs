@@ -33,6 +33,11 @@ pub struct BenchArgs {
     /// A named workload, as a positional one.
     #[arg(long)]
     workload: Option<String>,
+    /// The tolerance class's arithmetic on the GPU: `full` (SPEC 4's bound for every
+    /// input, the default) or `fast` (E4M3 x E4M3 at H = 64 on fp8 wgmma, DeepGEMM's
+    /// arithmetic, held to SPEC 4's fast-mode bound). Named workloads only.
+    #[arg(long, default_value = "full")]
+    precision: String,
 }
 
 /// `dsa-indexer bench`.
@@ -45,7 +50,13 @@ pub fn cmd_bench(a: &BenchArgs) -> Result<i32> {
                 names.join(" ")
             );
         }
-        return gpu::bench_workloads(&names, a.reps.max(1), a.json);
+        return gpu::bench_workloads(&names, a.reps.max(1), a.json, &a.precision);
+    }
+    if a.precision != "full" {
+        bail!(
+            "--precision {}: the precision is a GPU mode of the named workloads",
+            a.precision
+        );
     }
     bench_preset(a)
 }
@@ -348,7 +359,13 @@ mod gpu {
     /// by the CUDA backend itself (CUDA events around all tiles; logits and selection
     /// split; counted and driver-level device memory). A workload that fails prints its error and the
     /// others still run; the exit code is the worst failure's.
-    pub fn bench_workloads(names: &[String], reps: usize, json: bool) -> Result<i32> {
+    pub fn bench_workloads(
+        names: &[String],
+        reps: usize,
+        json: bool,
+        precision: &str,
+    ) -> Result<i32> {
+        let precision = dsa_indexer::cuda::Precision::parse(precision)?;
         let mut ws = Vec::new();
         for n in names {
             if n == "all" {
@@ -357,7 +374,7 @@ mod gpu {
                 ws.push(bench::workload(n)?);
             }
         }
-        let mut b = CudaBackend::new()?;
+        let mut b = CudaBackend::new()?.with_precision(precision);
         let mut code = 0;
         for w in ws {
             match run_one(&mut b, &w, reps) {
@@ -374,8 +391,8 @@ mod gpu {
 
     fn print_text(r: &bench::BenchResult) {
         println!(
-            "bench {} on {}: {} rows, {} pairs, {} tiles, budget {} B",
-            r.name, r.device, r.rows, r.valid_pairs, r.tiles, r.budget
+            "bench {} on {} ({} precision): {} rows, {} pairs, {} tiles, budget {} B",
+            r.name, r.device, r.precision, r.rows, r.valid_pairs, r.tiles, r.budget
         );
         println!(
             "  median {:.3} ms over {} runs (min {:.3} ms): {:.1} effective TFLOP/s; logits {:.3} ms ({:.1} TFLOP/s), \
@@ -454,7 +471,12 @@ mod gpu {
 mod gpu {
     use super::{CliError, Result};
 
-    pub fn bench_workloads(names: &[String], _reps: usize, _json: bool) -> Result<i32> {
+    pub fn bench_workloads(
+        names: &[String],
+        _reps: usize,
+        _json: bool,
+        _precision: &str,
+    ) -> Result<i32> {
         Err(CliError::environment(format!(
             "workload {}: built without the cuda feature (cargo build --release --features cuda)",
             names.join(" ")
