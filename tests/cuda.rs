@@ -2487,6 +2487,15 @@ fn engine() -> Option<Dev> {
     Some((stream, engine))
 }
 
+/// A random valid E4M3 code: a uniform byte, the NaN codes (`0x7F`, `0xFF`) replaced by
+/// their neighbours `0x7E`, `0xFE` (+-448).
+fn valid_e4m3(rng: &mut impl rand::Rng) -> u8 {
+    match rng.gen::<u8>() {
+        b if e4m3::is_nan_code(b) => b - 1,
+        b => b,
+    }
+}
+
 /// Owned host inputs of any format pair: [`Problem::new`] judges them on the host,
 /// [`EngineCase::device`] uploads them for [`cuda::Engine::run_device`].
 #[derive(Clone)]
@@ -2514,14 +2523,7 @@ impl EngineCase {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let (t, l, g) = (batch.num_rows(), batch.num_keys(), d / 32);
-        let mut e4m3 = |n: usize| -> Vec<u8> {
-            (0..n)
-                .map(|_| match rng.gen::<u8>() {
-                    b if e4m3::is_nan_code(b) => b - 1,
-                    b => b,
-                })
-                .collect()
-        };
+        let mut e4m3 = |n: usize| -> Vec<u8> { (0..n).map(|_| valid_e4m3(&mut rng)).collect() };
         let q = if q_fp4 {
             e4m3(t * h * d / 2)
         } else {
@@ -2882,12 +2884,12 @@ fn engine_api_accepts_every_valid_value_and_runs() {
     let batch = Batch::contiguous(&[40, 9], &[0, 3], 1).unwrap();
     // Every code but the rejected ones, at every byte lane; the extreme valid floats.
     let mut fp8 = EngineCase::random(batch.clone(), 8, 64, false, false, 6);
-    let valid_e4m3: Vec<u8> = (0..=255u8).filter(|&b| !e4m3::is_nan_code(b)).collect();
+    let valid_codes: Vec<u8> = (0..=255u8).filter(|&b| !e4m3::is_nan_code(b)).collect();
     for (i, x) in fp8.q.iter_mut().enumerate() {
-        *x = valid_e4m3[i % valid_e4m3.len()];
+        *x = valid_codes[i % valid_codes.len()];
     }
     for (i, x) in fp8.k.iter_mut().enumerate() {
-        *x = valid_e4m3[(i * 7) % valid_e4m3.len()];
+        *x = valid_codes[(i * 7) % valid_codes.len()];
     }
     let scales = [
         f32::from_bits(1),
@@ -3037,10 +3039,7 @@ impl MixCase {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let (t, l, g) = (batch.num_rows(), batch.num_keys(), d / 32);
-        let mut code = || match rng.gen::<u8>() {
-            b if e4m3::is_nan_code(b) => b - 1,
-            b => b,
-        };
+        let mut code = || valid_e4m3(&mut rng);
         let q = Array3::from_shape_fn((t, h, if q_fp4 { d / 2 } else { d }), |_| code());
         let k = Array2::from_shape_fn((l, if k_fp4 { d / 2 } else { d }), |_| code());
         MixCase {
@@ -3432,13 +3431,8 @@ impl DecodeCase {
             match shape.k {
                 Format::E4m3 => {
                     for t in 0..p {
-                        for e in 0..d {
-                            page[t * d + e] = loop {
-                                let b: u8 = rng.gen();
-                                if b & 0x7F != 0x7F {
-                                    break b;
-                                }
-                            };
+                        for x in page[t * d..(t + 1) * d].iter_mut() {
+                            *x = valid_e4m3(&mut rng);
                         }
                         let sc: f32 = rng.gen_range(0.01f32..2.0);
                         page[p * d + 4 * t..p * d + 4 * t + 4].copy_from_slice(&sc.to_le_bytes());
@@ -3456,14 +3450,7 @@ impl DecodeCase {
         }
         let (r, h) = (shape.rows(), shape.heads);
         let q: Vec<u8> = match shape.q {
-            Format::E4m3 => (0..r * h * d)
-                .map(|_| loop {
-                    let b: u8 = rng.gen();
-                    if b & 0x7F != 0x7F {
-                        break b;
-                    }
-                })
-                .collect(),
+            Format::E4m3 => (0..r * h * d).map(|_| valid_e4m3(&mut rng)).collect(),
             Format::E2m1 => (0..r * h * d / 2).map(|_| rng.gen()).collect(),
         };
         let qs: Vec<u8> = match shape.q {
