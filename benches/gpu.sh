@@ -5,7 +5,7 @@
 #
 #   ../shared/gpu/stage --features tuning                                   # here
 #   run: bash benches/gpu.sh [tests] [bench] [decode] [ab] [torch] [ncu] [ncutk] [sanitize]
-#        [old] [replay] [peers] [pyengine]
+#        [old] [replay] [peers] [accuracy] [pyengine]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
@@ -22,6 +22,10 @@
 # slot table, + torch.topk, on the E4M3 ones, $PDW), each a line of the same files; the
 # decode tables add the KV cache's bytes per second at the floor against 4.3 TB/s.
 # `decode` runs only the decode half of `bench` (ours, the peers with --check, the tables).
+# `bench` and `peers` run peers.py's accuracy part too (--accuracy: DeepGEMM's |x - ref| / M
+# on random v32 data against SPEC 4 in float64, its own table in table.md); `accuracy` runs
+# it alone, writing its problem to $OUT/accuracy_problem.safetensors and measuring ours
+# beside DeepGEMM's when $OURS names a file of our logits of that problem.
 #
 # `pyengine` installs the Python package's wheel (.whl/dsa_indexer-*.whl, built by
 # python/build_wheel.sh) with the DeepGEMM wheels, runs python/examples/deepgemm_check.py
@@ -133,7 +137,7 @@ if has bench; then
   timeout 240 $B/dsa-indexer bench --device cuda --json --precision fast $FW --reps 5 >> "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
   cat "$OUT/bench.jsonl" >> "$OUT/summary.txt"
   timeout 60 $B/dsa-indexer bench --workload v41-chunk --device cuda --reps 3 >> "$OUT/summary.txt" 2>&1
-  peers_run $PW $PDW
+  peers_run --accuracy $PW $PDW
   python3 benches/table.py "$OUT" > "$OUT/table.md" 2>&1
   cat "$OUT/table.md" >> "$OUT/summary.txt"
 fi
@@ -263,8 +267,19 @@ fi
 
 if has peers && ! has bench; then
   # The peers alone (bench runs them too).
-  peers_run $PW $PDW
+  peers_run --accuracy $PW $PDW
   tail -40 "$OUT/peers.txt" >> "$OUT/summary.txt"
+fi
+
+if has accuracy && ! has bench && ! has peers; then
+  # peers.py's accuracy part alone (bench and peers run it too).
+  log "peers accuracy"
+  install_wheels
+  PYTHONUNBUFFERED=1 timeout 300 python3 benches/peers.py --accuracy-only \
+    --accuracy-save "$OUT/accuracy_problem.safetensors" ${OURS:+--ours "$OURS"} > "$OUT/accuracy.txt" 2>&1
+  echo "accuracy rc=$?" | tee -a "$OUT/summary.txt"
+  grep '^{' "$OUT/accuracy.txt" > "$OUT/accuracy.jsonl"
+  grep '"mode": "accuracy"' "$OUT/accuracy.jsonl" | tee -a "$OUT/summary.txt"
 fi
 
 if has pyengine; then

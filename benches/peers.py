@@ -132,6 +132,7 @@ Usage (on the GPU machine; the wheels in `.whl/`):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \\
         --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     python3 benches/peers.py --check                  # DeepGEMM vs a float64 reference
+    python3 benches/peers.py --accuracy-only [--ours FILE]   # |x - ref| / M on random v32 data
     python3 benches/peers.py [WORKLOAD ...] [--reps N] [--no-ceilings]
 
 `--check` compares DeepGEMM's logits on small ragged problems (fp8, and fp4 converted
@@ -145,6 +146,23 @@ the same values as torch.topk on the masked ones (ragged rows, rows shorter than
 First it compares the torch fp4 block quantizer with the crate's golden vectors
 (`tests/golden/quantizers.safetensors`). `benches/peers_test.py` tests the selection
 comparison, the quantizer and the loader on the CPU.
+
+`--accuracy` (or `--accuracy-only`) measures DeepGEMM's error on random data, the figure
+issue 16's fast mode is to report beside its own: one request of `--accuracy-keys`
+(32768) keys, its last `--accuracy-rows` (256) positions the rows, E4M3 x E4M3 at H = 64,
+D = 128, drawn as the v32 workloads (uniform E4M3 codes away from NaN, key scales in
+[0.5, 2), weights in [-1, 1)) from a fixed seed. DeepGEMM's `fp8_fp4_mqa_logits` (the
+flat call above) against SPEC 4's logits computed in float64 on the device
+(`spec4_f64`: decoded E4M3 values, relu, weights, key scale), each over SPEC 4's
+magnitude `M`; the JSON line (`"mode": "accuracy"`) gives the distribution of
+`|x - ref| / M` over every visible (row, key): max, p99.9 and median (as log2 and as
+`2^x`), and the share equal to the float64 value. A max past `2^-8` is a failure.
+`--accuracy-save FILE` writes the problem as a crate dump (SPEC 9), and `--ours FILE`
+reads our logits of it (safetensors: `logits` or `engine_logits` F32 `[T, L]`, or
+`expected_logits` F32 `[sum n]`, the crate's layout; a file that also holds `q`, `k`,
+`k_scale` or `weights` must hold this problem's) and reports them the same way, in the
+same run. `benches/peers_test.py` checks `spec4_f64` against the crate's CPU reference
+(with numpy, no torch needed).
 
 `--emulate` replaces deep_gemm by a torch stand-in (`EmulatedDeepGemm`, the same
 formula in f32), and FlashInfer by one too (`EmulatedFlashInferTopK`, the page-table
@@ -169,7 +187,9 @@ import traceback
 try:
     import torch
 except ImportError:
-    sys.exit("peers.py: torch is not importable; this script needs torch (2.11 with CUDA on the GPU machine)")
+    # Importable (and --help) without torch: main() refuses to run, and spec4_f64 takes
+    # numpy arrays too (benches/peers_test.py checks it against the crate without torch).
+    torch = None
 
 GIB = 1 << 30
 L2_BYTES = 60_000_000
@@ -218,7 +238,7 @@ class EmulatedDeepGemm:
     __version__ = "emulated"
 
     @staticmethod
-    def fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0, logits_dtype=torch.float):
+    def fp8_fp4_mqa_logits(q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0, logits_dtype=None):
         q8, q_sf = q
         k8, k_sf = kv
         if q_sf is not None:
@@ -255,7 +275,7 @@ class EmulatedDeepGemm:
         return torch.zeros((num_sms + 1, 2), dtype=torch.int32, device=context_lens.device)
 
     @staticmethod
-    def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits=False, logits_dtype=torch.float, indices=None):
+    def fp8_fp4_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len, clean_logits=False, logits_dtype=None, indices=None):
         """The paged kernel's contract: row `b * next_n + n` holds, for the keys `j <
         len(b, n)` of request `b` (`context_lens[b, n]`, or `context_lens[b] - next_n + n + 1`
         when it is `[B]`), `sum_h w_h relu(q_h . k_j) * kscale_j`, each key read from page
@@ -422,19 +442,47 @@ def channel_exponents(shape, g, dev):
 
 
 def read_safetensors(path):
-    """The tensors of a safetensors file (U8 and F32 only) as CPU torch tensors."""
+    """The tensors of a safetensors file as CPU torch tensors: U8, I32 and F32, and F8_E4M3
+    as its code bytes (uint8); tensors of other dtypes are left out."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
         data = f.read()
-    dtypes = {"U8": torch.uint8, "F32": torch.float32}
+    dtypes = {"U8": torch.uint8, "I32": torch.int32, "F32": torch.float32, "F8_E4M3": torch.uint8}
     out = {}
     for name, t in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__" or t["dtype"] not in dtypes:
             continue
         a, b = t["data_offsets"]
-        out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=dtypes[t["dtype"]]).reshape(t["shape"])
+        dt = dtypes[t["dtype"]]
+        flat = torch.frombuffer(bytearray(data[a:b]), dtype=dt) if b > a else torch.zeros(0, dtype=dt)
+        out[name] = flat.reshape(t["shape"])
     return out
+
+
+def write_safetensors(path, tensors, metadata):
+    """Write `tensors` (name -> (safetensors dtype, shape, bytes)) and `metadata` (values
+    written as strings) as a safetensors file: the format of the crate's dumps (SPEC 9)."""
+    header = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+    off = 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
+        off += len(data)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little"))
+        f.write(h)
+        for _, (_, _, data) in tensors.items():
+            f.write(data)
+
+
+def tensor_bytes(t):
+    """A tensor's bytes in C order (any device, any dtype)."""
+    t = t.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return b""
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
 def quantizer_matches_golden(path):
@@ -560,25 +608,69 @@ class Problem:
         return self.k8[a:b].double(), self.kscale[a:b].double()
 
 
-def reference_error(prob, rows, logits, ks, ke, key_step=1 << 17):
-    """max over visible (row, key) of `|x - ref| / M` against the float64 reference, for
-    the rows `rows` of `prob` whose logits are `logits[r]` (DeepGEMM's column = key)."""
+def spec4_f64(qf, wf, kf, sc):
+    """SPEC 4's logits of one row over keys `kf` in float64, and SPEC 4's magnitude `M`.
+
+    `qf` `[H, D]` decoded query values (block scales applied), `wf` `[H]` weights, `kf`
+    `[n, D]` decoded key values (block scales applied), `sc` `[n]` per-key scales (1 for
+    fp4 keys), all float64: torch tensors, or numpy arrays (only operators and methods the
+    two share). Returns `(ref, M)`, each `[n]`:
+    `ref = sc * sum_h w_h relu(q_h . k)` and `M = sc * sum_h |w_h| sum_d |q_hd k_d|`.
+    The dot products are exact in float64 (products of E4M3 or E2M1 values times powers
+    of two, over at most 128 dims); the sum over heads rounds in float64, so `ref` is
+    within about `2^-50 M` of the real value: the yardstick for f32 logits."""
+    s = qf @ kf.T  # [H, n]
+    ref = (wf[:, None] * s.clip(min=0.0)).sum(0) * sc
+    m = (abs(wf)[:, None] * (abs(qf) @ abs(kf).T)).sum(0) * sc
+    return ref, m
+
+
+def error_ratios(prob, rows, logits, ks, ke, key_step=1 << 17, flat=False):
+    """`|x - ref| / M` of every visible (row, key), float64 rows concatenated, against
+    `spec4_f64`, for the rows `rows` of `prob` whose logits are `logits[r]` (DeepGEMM's
+    column = key), or with `flat` the visible scores of each row concatenated (the
+    crate's `expected_logits` layout). 0 where `x == ref`, inf for a NaN `x` or an error
+    where `M = 0`."""
     qf, wf = prob.decoded_rows(rows)
-    worst = 0.0
+    out, at = [], 0
     for r in range(len(rows)):
         a0, b0 = int(ks[r]), int(ke[r])
         for a in range(a0, b0, key_step):
             b = min(b0, a + key_step)
             kf, sc = prob.decoded_keys(a, b)
-            s = qf[r] @ kf.T  # [H, n], exact in f64 for these codes
-            ref = (wf[r][:, None] * s.clamp_min(0.0)).sum(0) * sc
-            m = (wf[r].abs()[:, None] * (qf[r].abs() @ kf.abs().T)).sum(0) * sc
-            x = logits[r, a:b].double()
+            ref, m = spec4_f64(qf[r], wf[r], kf, sc)
+            x = (logits[at + a - a0 : at + b - a0] if flat else logits[r, a:b]).double()
             err = (x - ref).abs()
             ratio = torch.where(m > 0, err / m.clamp_min(1e-300), torch.where(err > 0, float("inf"), 0.0))
-            ratio = torch.where(torch.isnan(x), float("inf"), ratio)
-            worst = max(worst, float(ratio.max()))
-    return worst
+            out.append(torch.where(torch.isnan(x), float("inf"), ratio))
+        at += b0 - a0
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def reference_error(prob, rows, logits, ks, ke, key_step=1 << 17):
+    """max over visible (row, key) of `|x - ref| / M` against the float64 reference, for
+    the rows `rows` of `prob` whose logits are `logits[r]` (DeepGEMM's column = key)."""
+    v = error_ratios(prob, rows, logits, ks, ke, key_step)
+    return float(v.max()) if v.numel() else 0.0
+
+
+def log2_or_none(x):
+    """log2 of a finite positive x; None for 0 (exact) and inf (JSON has neither)."""
+    return math.log2(x) if 0 < x < float("inf") else None
+
+
+def error_distribution(v):
+    """The distribution of error ratios `v` (float64, any order): max, p99.9 and median
+    (nearest rank) as log2 (None for 0 or inf) and as `2^x` text, and the share that is 0."""
+    n = v.numel()
+    srt = v.sort().values
+    at = lambda q: float(srt[min(n - 1, int(q * (n - 1) + 0.5))]) if n else 0.0
+    stats = {"pairs": n, "exact_fraction": float((v == 0).sum()) / n if n else 1.0}
+    for key, q in (("max", 1.0), ("p99_9", 0.999), ("median", 0.5)):
+        x = at(q)
+        stats[f"log2_{key}_err_over_M"] = log2_or_none(x)
+        stats[f"{key}_err_over_M"] = log2_str(x)
+    return stats
 
 
 # ---------------------------------------------------------------------------------------
@@ -947,6 +1039,63 @@ def run_probe_fp4():
             tries.append(f"{dt}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
     emit({"fp4_direct": False, "why": " | ".join(tries)})
     return 0
+
+
+# ---------------------------------------------------------------------------------------
+# Accuracy on random data: |x - ref| / M against float64
+# ---------------------------------------------------------------------------------------
+
+ACCURACY_SHAPE = dict(heads=64, dim=128, topk=2048)
+ACCURACY_SEED = 0xACC
+
+
+def accuracy_problem(t, l, dev):
+    """The accuracy part's problem: one request of `l` keys, its last `t` positions the
+    rows (ratio 1), E4M3 x E4M3 at H = 64, D = 128, drawn as the v32 workloads are
+    (`Problem`), from a generator seeded with ACCURACY_SEED. Returns the problem and each
+    row's `[ks, ke)`."""
+    g = torch.Generator(device=dev).manual_seed(ACCURACY_SEED)
+    prob = Problem(False, t, l, ACCURACY_SHAPE["heads"], ACCURACY_SHAPE["dim"], g, dev)
+    ks, ke = row_layout(l, t, dev)
+    return prob, ks, ke
+
+
+def accuracy_dump(path, prob, t, l):
+    """Write the accuracy problem as a flat dump of the crate (SPEC 9, plain layer of
+    K = 2048): what `--ours` logits are to be computed from."""
+    i32 = lambda v: ("I32", [len(v)], tensor_bytes(torch.tensor(v, dtype=torch.int32)))
+    h, d = ACCURACY_SHAPE["heads"], ACCURACY_SHAPE["dim"]
+    tensors = {
+        "seq_lens": i32([l]),
+        "query_starts": i32([l - t]),
+        "q": ("F8_E4M3", [t, h, d], tensor_bytes(prob.q8)),
+        "k": ("F8_E4M3", [l, d], tensor_bytes(prob.k8)),
+        "k_scale": ("F32", [l], tensor_bytes(prob.kscale)),
+        "weights": ("F32", [t, h], tensor_bytes(prob.w)),
+    }
+    meta = dict(heads=h, dim=d, topk=min(ACCURACY_SHAPE["topk"], l), ratio=1, role="plain", q_format="e4m3", k_format="e4m3",
+                description=f"peers.py accuracy problem: {t} rows x {l} keys, seed {ACCURACY_SEED:#x}")
+    write_safetensors(path, tensors, meta)
+
+
+def read_ours(path, prob, t, l, ks, ke):
+    """Our logits of the accuracy problem from the safetensors file `path`: `logits` or
+    `engine_logits` F32 `[T, L]` (DeepGEMM's layout: column = key, only `[ks, ke)` read),
+    or `expected_logits` F32 `[sum n]` (the crate's: each row's visible scores, rows
+    concatenated). Returns (logits, flat). A file that also holds the problem's tensors (a
+    dump) must hold the drawn problem's bytes."""
+    f = read_safetensors(path)
+    for name, mine in (("q", prob.q8), ("k", prob.k8), ("k_scale", prob.kscale), ("weights", prob.w)):
+        if name in f and tensor_bytes(f[name]) != tensor_bytes(mine):
+            raise ValueError(f"{path}: its {name} is not the accuracy problem's (rows {t}, keys {l}, seed {ACCURACY_SEED:#x})")
+    pairs = int((ke - ks).sum())
+    for name, shape, flat in (("logits", (t, l), False), ("engine_logits", (t, l), False), ("expected_logits", (pairs,), True)):
+        if name in f:
+            x = f[name]
+            if x.dtype != torch.float32 or tuple(x.shape) != shape:
+                raise ValueError(f"{path}: {name} is {x.dtype} {list(x.shape)}, expected float32 {list(shape)}")
+            return x, flat
+    raise ValueError(f"{path}: no logits, engine_logits or expected_logits tensor")
 
 
 # ---------------------------------------------------------------------------------------
@@ -1439,6 +1588,53 @@ class Runner:
                 **st,
             )
 
+    # -- accuracy -----------------------------------------------------------------------
+
+    def accuracy(self):
+        """DeepGEMM's logits (and ours, from --ours) on random v32 data against SPEC 4's
+        logits in float64 on the device: the distribution of `|x - ref| / M` over every
+        visible (row, key). Returns whether DeepGEMM stayed within SPEC 4's 2^-8 M."""
+        a, dev = self.args, self.dev
+        t, l = a.accuracy_rows, a.accuracy_keys
+        prob, ks, ke = accuracy_problem(t, l, dev)
+        base = {
+            "workload": f"v32-accuracy-{t}x{l}",
+            "mode": "accuracy",
+            "rows": t,
+            "keys": l,
+            "heads": ACCURACY_SHAPE["heads"],
+            "dim": ACCURACY_SHAPE["dim"],
+            "format": "e4m3 x e4m3",
+            "draw": "as the v32 workloads: uniform E4M3 codes, key scales in [0.5, 2), weights in [-1, 1)",
+            "seed": ACCURACY_SEED,
+            "reference": "SPEC 4 in float64 on the device (spec4_f64)",
+            "bound_log2": SPEC_BOUND_LOG2,
+        }
+        if a.accuracy_save:
+            accuracy_dump(a.accuracy_save, prob, t, l)
+            base["problem_file"] = a.accuracy_save
+        rows = list(range(t))
+        s0, s1 = ks.tolist(), ke.tolist()
+        lg = dg_logits(self.dg, prob.q8, prob.k8, prob.kscale, prob.w8, ks, ke, False)
+        v = error_ratios(prob, rows, lg, s0, s1)
+        dist = error_distribution(v)
+        ok = float(v.max()) <= 2.0**SPEC_BOUND_LOG2
+        del lg, v
+        self.record(base, "deepgemm_fp8_mqa_logits", clean_logits=False, **dist)
+        say = lambda who, d: note(f"accuracy ({t} x {l}): {who}: |x - ref| / M max {d['max_err_over_M']}, p99.9 {d['p99_9_err_over_M']}, median {d['median_err_over_M']}")
+        say(self.peer("DeepGEMM"), dist)
+        if not ok:
+            self.failures.append(f"accuracy: DeepGEMM's max |x - ref| / M = {dist['max_err_over_M']}, past SPEC 4's 2^{SPEC_BOUND_LOG2:.0f}")
+        if a.ours:
+            x, flat = read_ours(a.ours, prob, t, l, ks, ke)
+            dist = error_distribution(error_ratios(prob, rows, x.to(dev), s0, s1, flat=flat))
+            rec = dict(base, peer="ours", file=a.ours, layout="[sum n]" if flat else "[T, L]", device=self.device_name, **dist)
+            emit(rec)
+            self.records.append(rec)
+            say("ours", dist)
+        free_memory()
+        return ok
+
     # -- ceilings -----------------------------------------------------------------------
 
     def ceilings(self):
@@ -1625,6 +1821,12 @@ def main():
     ap.add_argument("--full-max", type=int, default=8 * GIB, help="largest single-call logits also measured (default 8 GiB)")
     ap.add_argument("--check", action="store_true", help="compare DeepGEMM with a float64 reference first")
     ap.add_argument("--check-only", action="store_true", help="run --check and nothing else")
+    ap.add_argument("--accuracy", action="store_true", help="measure |x - ref| / M of DeepGEMM's logits on random v32 data against float64 first")
+    ap.add_argument("--accuracy-only", action="store_true", help="run --accuracy (after --check, if given) and nothing else")
+    ap.add_argument("--accuracy-rows", type=int, default=256, help="rows of the accuracy problem (default 256)")
+    ap.add_argument("--accuracy-keys", type=int, default=32768, help="keys of the accuracy problem (default 32768)")
+    ap.add_argument("--accuracy-save", metavar="FILE", help="write the accuracy problem as a crate dump (SPEC 9) to FILE")
+    ap.add_argument("--ours", metavar="FILE", help="our logits of the accuracy problem (safetensors: logits [T, L] or expected_logits [sum n]), measured beside DeepGEMM's")
     ap.add_argument("--no-ceilings", action="store_true", help="skip the copy and matmul ceilings")
     ap.add_argument("--emulate", action="store_true", help="torch stand-in for deep_gemm (harness tests; no peer figures)")
     ap.add_argument("--shrink", type=int, default=1, help="divide S and rows by N (budget by N^2)")
@@ -1632,14 +1834,21 @@ def main():
     ap.add_argument("--probe-fp4", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    if args.probe_fp4:
+    if args.probe_fp4 and torch is not None:
         return run_probe_fp4()
     if args.reps < 1 or args.shrink < 1 or args.budget < 1:
         ap.error("--reps, --shrink and --budget must be >= 1")
+    if not 1 <= args.accuracy_rows <= args.accuracy_keys:
+        ap.error("--accuracy-rows must be in 1 ..= --accuracy-keys")
+    if (args.ours or args.accuracy_save) and not (args.accuracy or args.accuracy_only):
+        ap.error("--ours and --accuracy-save go with --accuracy or --accuracy-only")
     names = args.workloads or list(WORKLOADS)
     bad = [n for n in names if n not in WORKLOADS]
     if bad:
         ap.error(f"unknown workload(s) {', '.join(bad)}; choose from {', '.join(WORKLOADS)}")
+    if torch is None:
+        print("peers.py: torch is not importable; this script needs torch (2.11 with CUDA on the GPU machine)", file=sys.stderr)
+        return 2
 
     if args.emulate:
         dg = EmulatedDeepGemm()
@@ -1691,6 +1900,19 @@ def main():
             note("peers.py: --check FAILED")
         if args.check_only:
             return 1 if failed else 0
+    if args.accuracy or args.accuracy_only:
+        try:
+            if not r.accuracy():
+                failed = True
+        except Exception as e:
+            failed = True
+            traceback.print_exc()
+            emit({"workload": "v32-accuracy", "mode": "accuracy", "peer": r.peer("all"), "error": f"{type(e).__name__}: {e}"})
+        if args.accuracy_only:
+            r.table()
+            for f in r.failures:
+                note(f"peers.py: {f}")
+            return 1 if failed or r.failures else 0
     if not args.no_ceilings:
         r.ceilings()
     for name in names:

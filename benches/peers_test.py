@@ -1,22 +1,31 @@
 #!/usr/bin/env python3
-"""CPU tests of benches/peers.py's own parts (needs torch; skips without it):
-`python3 benches/peers_test.py`. The GPU paths are exercised by `peers.py --check` there."""
+"""CPU tests of benches/peers.py's own parts: `python3 benches/peers_test.py`. Most need
+torch and skip without it; the float64 reference (`spec4_f64`) and the dump writer are
+checked against the crate with numpy alone, through a `dsa-indexer` binary
+($DSA_INDEXER_BIN, else target/release or target/debug), and skip without them. The GPU
+paths are exercised by `peers.py --check` and `--accuracy` there."""
 
 import argparse
 import contextlib
 import io
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import unittest
 
 try:
     import torch
 except ImportError:
     torch = None
+try:
+    import numpy as np
+except ImportError:
+    np = None
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-if torch is not None:
-    import peers  # noqa: E402
+import peers  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden", "quantizers.safetensors")
 
@@ -253,6 +262,171 @@ class DecodePeerTest(unittest.TestCase):
         self.assertAlmostEqual(e2e["kv_gbs"], e2e["kv_bytes"] / (e2e["median_ms"] * 1e-3) / 1e9)
         self.assertTrue(e2e["flashinfer_selection_ok"] and e2e["clean_logits_ok"])
         self.assertEqual(e2e["context_lens"], "[B, next_n]")
+
+
+@unittest.skipIf(torch is None, "torch is not importable")
+class AccuracyTest(unittest.TestCase):
+    """The accuracy part on the stand-in: DeepGEMM's distribution over every visible pair,
+    the problem written as a dump, and --ours read in both layouts."""
+
+    T, L = 6, 300
+
+    def run_part(self, ours=None, save=None):
+        args = argparse.Namespace(accuracy_rows=self.T, accuracy_keys=self.L, accuracy_save=save, ours=ours, flashinfer_so=None)
+        r = peers.Runner(args, peers.EmulatedDeepGemm(), True, torch.device("cpu"))
+        with contextlib.redirect_stdout(io.StringIO()):
+            ok = r.accuracy()
+        return ok, {x["peer"]: x for x in r.records}
+
+    def reference_f32(self):
+        """The accuracy problem's float64 logits rounded to f32: `[T, L]` (0 past each row's
+        keys) and `[sum n]`."""
+        prob, ks, ke = peers.accuracy_problem(self.T, self.L, torch.device("cpu"))
+        qf, wf = prob.decoded_rows(list(range(self.T)))
+        full = torch.zeros((self.T, self.L), dtype=torch.float32)
+        self.m = torch.zeros((self.T, self.L), dtype=torch.float64)
+        for r in range(self.T):
+            kf, sc = prob.decoded_keys(0, int(ke[r]))
+            ref, self.m[r, : int(ke[r])] = peers.spec4_f64(qf[r], wf[r], kf, sc)
+            full[r, : int(ke[r])] = ref.float()
+        flat = torch.cat([full[r, : int(ke[r])] for r in range(self.T)])
+        return prob, full, flat
+
+    def test_deepgemm_is_measured_over_every_visible_pair_and_the_problem_is_saved(self):
+        with tempfile.TemporaryDirectory() as d:
+            dump = os.path.join(d, "acc.safetensors")
+            ok, by = self.run_part(save=dump)
+            self.assertTrue(ok)
+            rec = by["EMULATED:deepgemm_fp8_mqa_logits"]
+            self.assertEqual(rec["mode"], "accuracy")
+            self.assertEqual(rec["pairs"], sum(self.L - self.T + i + 1 for i in range(self.T)))
+            self.assertLess(rec["log2_max_err_over_M"], peers.SPEC_BOUND_LOG2)
+            self.assertLessEqual(rec["log2_median_err_over_M"], rec["log2_p99_9_err_over_M"])
+            self.assertLessEqual(rec["log2_p99_9_err_over_M"], rec["log2_max_err_over_M"])
+            prob, _, _ = self.reference_f32()
+            f = peers.read_safetensors(dump)
+            self.assertEqual(peers.tensor_bytes(f["q"]), peers.tensor_bytes(prob.q8))
+            self.assertEqual(peers.tensor_bytes(f["k_scale"]), peers.tensor_bytes(prob.kscale))
+            self.assertEqual(f["query_starts"].tolist(), [self.L - self.T])
+
+    def test_ours_in_either_layout_and_a_wrong_logit(self):
+        _, full, flat = self.reference_f32()
+        with tempfile.TemporaryDirectory() as d:
+            for name, x in (("logits", full), ("expected_logits", flat)):
+                path = os.path.join(d, f"{name}.safetensors")
+                peers.write_safetensors(path, {name: ("F32", list(x.shape), peers.tensor_bytes(x))}, {})
+                _, by = self.run_part(ours=path)
+                self.assertLess(by["ours"]["log2_max_err_over_M"], -23, name)
+            bad = full.clone()
+            bad[2, 100] += float(self.m[2, 100]) / 64  # one logit 2^-6 M off
+            path = os.path.join(d, "bad.safetensors")
+            peers.write_safetensors(path, {"logits": ("F32", list(bad.shape), peers.tensor_bytes(bad))}, {})
+            _, by = self.run_part(ours=path)
+            self.assertAlmostEqual(by["ours"]["log2_max_err_over_M"], -6.0, places=3)
+            self.assertLess(by["ours"]["log2_p99_9_err_over_M"], -23)
+
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def dsa_indexer_bin():
+    """The crate's CLI: $DSA_INDEXER_BIN, else a build under target/, else None."""
+    env = os.environ.get("DSA_INDEXER_BIN")
+    if env:
+        return env
+    for sub in ("release", "debug"):
+        path = os.path.join(REPO, "target", sub, "dsa-indexer")
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def raw_safetensors(path):
+    """A safetensors file as (name -> (dtype, shape, bytes), metadata), no torch."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    meta = header.pop("__metadata__", {})
+    return {k: (t["dtype"], t["shape"], data[t["data_offsets"][0] : t["data_offsets"][1]]) for k, t in header.items()}, meta
+
+
+def e4m3_table():
+    """f64 value of every E4M3 byte (NaN for the two NaN codes): SPEC 2, bias 7."""
+    out = []
+    for b in range(256):
+        sign, e, m = -1.0 if b & 0x80 else 1.0, (b >> 3) & 0xF, b & 7
+        if e == 0xF and m == 7:
+            out.append(float("nan"))
+        elif e == 0:
+            out.append(sign * m / 8 * 2.0**-6)
+        else:
+            out.append(sign * (1 + m / 8) * 2.0 ** (e - 7))
+    return np.array(out)
+
+
+@unittest.skipIf(np is None or dsa_indexer_bin() is None, "needs numpy and a dsa-indexer binary")
+class Spec4F64Test(unittest.TestCase):
+    """spec4_f64 on numpy arrays against the crate's CPU reference: a small V3.2-shaped dump
+    from `dsa-indexer gen` (E4M3 q and k, per-key scales, H = 64, D = 128, two requests),
+    its `expected_logits` (SPEC 4's f32 arithmetic) within f32 rounding of the float64
+    formula, and a dump written by `write_safetensors` read back by `dsa-indexer replay`."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.path = os.path.join(cls.tmp.name, "v32.safetensors")
+        subprocess.run(
+            [dsa_indexer_bin(), "gen", "--preset", "v32", "--seq-lens", "300,70", "--query-starts", "280,60",
+             "--topk", "16", "--logits", "yes", "--out", cls.path],
+            check=True, capture_output=True,
+        )
+        cls.t, cls.meta = raw_safetensors(cls.path)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def arrays(self):
+        """Decoded f64 q [T, H, D], k [L, D], key scales [L], weights [T, H]; each row's
+        [ks, ke) in the flat keys; the reference's visible logits, rows concatenated."""
+        t, tab = self.t, e4m3_table()
+        h, d = int(self.meta["heads"]), int(self.meta["dim"])
+        get = lambda n, dt: np.frombuffer(t[n][2], dtype=dt).reshape(t[n][1])
+        self.assertIn(t["q"][0], ("U8", "F8_E4M3"))
+        self.assertIn(t["k"][0], ("U8", "F8_E4M3"))
+        self.assertEqual((t["k_scale"][0], t["weights"][0]), ("F32", "F32"))
+        q = tab[get("q", np.uint8)].reshape(-1, h, d)
+        k = tab[get("k", np.uint8)].reshape(-1, d)
+        return q, k, get("k_scale", np.float32).astype(np.float64), get("weights", np.float32).astype(np.float64), \
+            get("expected_ks", np.int32), get("expected_ke", np.int32), get("expected_logits", np.float32)
+
+    def worst(self, drop_scale=False):
+        q, k, sc, w, ks, ke, want = self.arrays()
+        worst, at = 0.0, 0
+        for r in range(q.shape[0]):
+            a, b = int(ks[r]), int(ke[r])
+            ref, m = peers.spec4_f64(q[r], w[r], k[a:b], np.ones(b - a) if drop_scale else sc[a:b])
+            x = want[at : at + b - a].astype(np.float64)
+            at += b - a
+            worst = max(worst, float((np.abs(x - ref) / m).max()))
+        self.assertEqual(at, want.size)
+        return worst
+
+    def test_the_reference_is_within_f32_rounding_of_the_float64_formula(self):
+        # SPEC 4's f32 steps: a_h rounded once, w_h * relu(a_h), the pairwise sum over 64
+        # heads (6 levels), times the key scale: at most 9 roundings of 2^-24 M each.
+        self.assertLess(self.worst(), 2.0**-20)
+
+    def test_a_formula_without_the_key_scale_is_far_off(self):
+        self.assertGreater(self.worst(drop_scale=True), 2.0**-4)
+
+    def test_a_written_dump_replays_identical(self):
+        path = os.path.join(self.tmp.name, "rewritten.safetensors")
+        peers.write_safetensors(path, self.t, self.meta)
+        r = subprocess.run([dsa_indexer_bin(), "replay", path], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("verdict: identical", r.stdout)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,11 @@ ceiling, and the ratio. Its peers are peers.py's `decode` mode of the same workl
 (`v41-chunk-source` -> `v41-chunk`, `v41-1m-256m` -> `v41-1m`) in the mode that runs
 at ours' default budget (`row_chunked` where peers.py chunks, else `single_call`).
 
+Last, when peers.py ran its accuracy part (`--accuracy`), a table of `|x - ref| / M`
+against SPEC 4's logits in float64 on random v32 data: max, p99.9 and median as powers of
+two, the share of logits equal to the float64 value, and whether the max is within SPEC
+4's `2^-8 M`; for DeepGEMM's logits and, where peers.py was given them (`--ours`), ours.
+
     python3 benches/table.py DIR                 # DIR/bench.jsonl and DIR/peers.jsonl
     python3 benches/table.py --ours A --peers B  # any two files
 
@@ -173,6 +178,43 @@ def decode_table(o, peers):
     return lines
 
 
+ACCURACY_LABELS = {"deepgemm_fp8_mqa_logits": "DeepGEMM fp8_fp4_mqa_logits", "ours": "ours"}
+
+
+def accuracy_table(recs):
+    """The Markdown lines of peers.py's accuracy records `recs` (one problem)."""
+    r0 = recs[0]
+    pairs = next((r["pairs"] for r in recs if "pairs" in r), None)
+    size = f", {pairs:,} logits" if isinstance(pairs, int) else ""
+    bound = r0.get("bound_log2", -8.0)
+    lines = [
+        f"### Accuracy: |x - ref| / M against float64, random v32 data ({r0.get('rows', '?')} rows x "
+        f"{r0.get('keys', '?')} keys, H = {r0.get('heads', '?')}, D = {r0.get('dim', '?')}{size})",
+        "",
+        f"| logits | max | p99.9 | median | equal to float64 | within 2^{bound:.0f} M |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        peer = r["peer"][len(EMULATED):] if r["peer"].startswith(EMULATED) else r["peer"]
+        label = ACCURACY_LABELS.get(peer, peer)
+        if peer == "ours" and r.get("file"):
+            label += f" ({os.path.basename(r['file'])}, {r.get('layout', '?')})"
+        if "error" in r:
+            lines.append(f"| {label} | error: {str(r['error'])[:80].replace('|', '/')} | | | | |")
+            continue
+        worst = r.get("log2_max_err_over_M")
+        if worst is None:  # 0 (every logit equal) or inf (a NaN, or an error where M = 0)
+            within = "yes" if r.get("max_err_over_M") == "0" else "**no**"
+        else:
+            within = "yes" if worst <= bound else "**no**"
+        exact = r.get("exact_fraction")
+        exact = f"{100.0 * exact:.1f} %" if isinstance(exact, (int, float)) else ""
+        cells = [r.get(f"{k}_err_over_M", "") for k in ("max", "p99_9", "median")]
+        lines.append(f"| {label} | {' | '.join(cells)} | {exact} | {within} |")
+    lines.append("")
+    return lines
+
+
 def table(o, peers):
     """The Markdown lines of one workload of ours `o`."""
     if is_decode(o):
@@ -270,6 +312,9 @@ def main(argv=None):
         print()
     for o in ours:
         print("\n".join(table(o, peers)))
+    acc = [r for (_, m, _), r in peers.by.items() if m == "accuracy"]
+    if acc:
+        print("\n".join(accuracy_table(acc)))
     return 0
 
 

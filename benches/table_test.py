@@ -127,5 +127,23 @@ class DecodeTableTest(unittest.TestCase):
         self.assertNotIn("KV GB/s", text)
 
 
+class AccuracyTableTest(unittest.TestCase):
+    """benches/testdata/accuracy.jsonl: made-up records in the fields of peers.py's
+    accuracy part, DeepGEMM's and an `--ours` file's."""
+
+    def setUp(self):
+        self.rc, self.text = render("--ours", os.path.join(DATA, "bench.jsonl"), "--peers", os.path.join(DATA, "accuracy.jsonl"))
+
+    def test_the_distribution_and_the_bound_per_logits(self):
+        self.assertEqual(self.rc, 0)
+        s = section(self.text, "Accuracy:")
+        self.assertIn("256 rows x 32768 keys", s[0])
+        self.assertEqual(row(s, "DeepGEMM fp8_fp4_mqa_logits")[1:], ["2^-13.21", "2^-16.02", "2^-19.50", "1.2 %", "yes"])
+        self.assertEqual(row(s, "ours (ours.safetensors, [sum n])")[1:], ["2^-7.50", "2^-24.10", "0", "31.0 %", "**no**"])
+
+    def test_no_accuracy_records_no_table(self):
+        self.assertNotIn("### Accuracy", render(DATA)[1])
+
+
 if __name__ == "__main__":
     unittest.main()

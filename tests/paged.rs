@@ -11,6 +11,7 @@ use dsa_indexer::dump::{Dump, KData};
 use dsa_indexer::error::Error;
 use dsa_indexer::indexer::run_cpu;
 use dsa_indexer::reference;
+use ndarray::Array2;
 
 fn load(path: &std::path::Path) -> (String, Dump) {
     let name = path.file_name().unwrap().to_string_lossy().to_string();
@@ -131,13 +132,20 @@ fn problem_error(d: &Dump) -> Option<Error> {
     d.problem(&batch, published.as_ref()).err()
 }
 
-fn paged_parts(
-    d: &mut Dump,
-) -> (
-    &mut ndarray::Array2<u8>,
-    &mut ndarray::Array2<i32>,
-    &mut usize,
-) {
+/// A paged dump's pool, page table and page size.
+fn pool(d: &Dump) -> (&Array2<u8>, &Array2<i32>, usize) {
+    match &d.k {
+        KData::Paged {
+            kv_cache,
+            page_table,
+            page_size,
+        } => (kv_cache, page_table, *page_size),
+        _ => panic!("not paged"),
+    }
+}
+
+/// [`pool`], to edit.
+fn pool_mut(d: &mut Dump) -> (&mut Array2<u8>, &mut Array2<i32>, &mut usize) {
     match &mut d.k {
         KData::Paged {
             kv_cache,
@@ -146,6 +154,21 @@ fn paged_parts(
         } => (kv_cache, page_table, page_size),
         _ => panic!("not paged"),
     }
+}
+
+/// The page and the slot in it of key `j` of request `b`.
+fn used_slot(d: &Dump, b: usize, j: usize) -> (usize, usize) {
+    let (_, table, p) = pool(d);
+    (table[[b, j / p]] as usize, j % p)
+}
+
+/// The page and slot of key 0 of the first request with keys: a slot that is read.
+fn first_read_slot(d: &Dump) -> (usize, usize) {
+    let batch = d.batch().unwrap();
+    let b = (0..batch.requests().len())
+        .find(|&b| batch.requests()[b].keys > 0)
+        .unwrap();
+    used_slot(d, b, 0)
 }
 
 #[test]
@@ -164,16 +187,20 @@ fn bad_page_tables_and_pools_are_errors_naming_the_field() {
     // A used entry out of range, and negative.
     for bad in [i32::MAX, -1] {
         let mut d = base.clone();
-        let (_, pt, _) = paged_parts(&mut d);
-        pt[[b, 0]] = if bad < 0 { bad } else { kv_pages(&base) as i32 };
+        let (_, pt, _) = pool_mut(&mut d);
+        pt[[b, 0]] = if bad < 0 {
+            bad
+        } else {
+            pool(&base).0.nrows() as i32
+        };
         let m = msg(&d);
         assert!(m.contains(&format!("page_table[{b}, 0]")), "{m}");
     }
     // A table too narrow for L_b.
     {
         let mut d = base.clone();
-        let need = req.keys.div_ceil(page_size(&base));
-        let (_, pt, _) = paged_parts(&mut d);
+        let need = req.keys.div_ceil(pool(&base).2);
+        let (_, pt, _) = pool_mut(&mut d);
         *pt = pt.slice(ndarray::s![.., ..need - 1]).to_owned();
         let m = msg(&d);
         assert!(m.contains("page_table["), "{m}");
@@ -181,7 +208,7 @@ fn bad_page_tables_and_pools_are_errors_naming_the_field() {
     // A pool whose width is not P * bytes_per_token.
     {
         let mut d = base.clone();
-        let (kv, _, _) = paged_parts(&mut d);
+        let (kv, _, _) = pool_mut(&mut d);
         *kv = kv.slice(ndarray::s![.., ..kv.ncols() - 4]).to_owned();
         let m = msg(&d);
         assert!(m.starts_with("kv_cache: shape"), "{m}");
@@ -189,7 +216,7 @@ fn bad_page_tables_and_pools_are_errors_naming_the_field() {
     // P not a power of two, and above 256.
     for bad in [48usize, 512] {
         let mut d = base.clone();
-        *paged_parts(&mut d).2 = bad;
+        *pool_mut(&mut d).2 = bad;
         let m = msg(&d);
         assert!(m.starts_with(&format!("page_size = {bad}")), "{m}");
     }
@@ -202,46 +229,17 @@ fn bad_page_tables_and_pools_are_errors_naming_the_field() {
     }
 }
 
-fn kv_pages(d: &Dump) -> usize {
-    match &d.k {
-        KData::Paged { kv_cache, .. } => kv_cache.nrows(),
-        _ => 0,
-    }
-}
-
-fn page_size(d: &Dump) -> usize {
-    match &d.k {
-        KData::Paged { page_size, .. } => *page_size,
-        _ => 0,
-    }
-}
-
-/// Byte offset of key `j` of request `b`'s codes and scale in the pool row of its page.
-fn used_slot(d: &Dump, b: usize, j: usize) -> (usize, usize) {
-    match &d.k {
-        KData::Paged {
-            page_table,
-            page_size,
-            ..
-        } => (page_table[[b, j / page_size]] as usize, j % page_size),
-        _ => panic!("not paged"),
-    }
-}
-
 #[test]
 fn bad_values_in_read_slots_are_errors_and_unread_slots_are_not_checked() {
     // E4M3 keys: a NaN code and a bad scale in a slot a request reads.
     let base = golden(true);
     let batch = base.batch().unwrap();
     let dim = base.meta.dim;
-    let b = (0..batch.requests().len())
-        .find(|&b| batch.requests()[b].keys > 0)
-        .unwrap();
-    let (page, t) = used_slot(&base, b, 0);
-    let p = page_size(&base);
+    let (page, t) = first_read_slot(&base);
+    let p = pool(&base).2;
     {
         let mut d = base.clone();
-        paged_parts(&mut d).0[[page, t * dim + 3]] = 0x7F;
+        pool_mut(&mut d).0[[page, t * dim + 3]] = 0x7F;
         let m = problem_error(&d).unwrap().to_string();
         assert!(
             m.starts_with(&format!("kv_cache[page {page}, slot {t}].k[3] = 0x7f")),
@@ -251,7 +249,7 @@ fn bad_values_in_read_slots_are_errors_and_unread_slots_are_not_checked() {
     for bad in [-1.0f32, 0.0, f32::NAN, f32::INFINITY] {
         let mut d = base.clone();
         let at = p * dim + 4 * t;
-        paged_parts(&mut d).0.row_mut(page).as_slice_mut().unwrap()[at..at + 4]
+        pool_mut(&mut d).0.row_mut(page).as_slice_mut().unwrap()[at..at + 4]
             .copy_from_slice(&bad.to_le_bytes());
         let m = problem_error(&d).unwrap().to_string();
         assert!(
@@ -262,14 +260,14 @@ fn bad_values_in_read_slots_are_errors_and_unread_slots_are_not_checked() {
     // Garbage in every page no used entry names, and in entries past every L_b: fine.
     {
         let mut d = base.clone();
-        let mut used = vec![false; kv_pages(&base)];
+        let mut used = vec![false; pool(&base).0.nrows()];
         for (bb, r) in batch.requests().iter().enumerate() {
             for e in 0..r.keys.div_ceil(p) {
                 used[used_slot(&base, bb, e * p).0] = true;
             }
         }
         assert!(used.iter().any(|u| !u), "the golden pool has unused pages");
-        let (kv, pt, _) = paged_parts(&mut d);
+        let (kv, pt, _) = pool_mut(&mut d);
         for (pg, u) in used.iter().enumerate() {
             if !u {
                 kv.row_mut(pg).fill(0x7F);
@@ -284,15 +282,11 @@ fn bad_values_in_read_slots_are_errors_and_unread_slots_are_not_checked() {
     }
     // E2M1 keys: UE8M0 255 in a read slot.
     let base = golden(false);
-    let batch = base.batch().unwrap();
     let dim = base.meta.dim;
-    let b = (0..batch.requests().len())
-        .find(|&b| batch.requests()[b].keys > 0)
-        .unwrap();
-    let (page, t) = used_slot(&base, b, 0);
-    let p = page_size(&base);
+    let (page, t) = first_read_slot(&base);
+    let p = pool(&base).2;
     let mut d = base.clone();
-    paged_parts(&mut d).0[[page, p * dim / 2 + t * (dim / 32) + 1]] = 255;
+    pool_mut(&mut d).0[[page, p * dim / 2 + t * (dim / 32) + 1]] = 255;
     let m = problem_error(&d).unwrap().to_string();
     assert!(
         m.starts_with(&format!("kv_cache[page {page}, slot {t}].k_scale[1] = 255")),

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 
 use super::alloc::Fill;
-use super::device::{backend_err, drv, ptr, Device};
+use super::device::{backend_err, drv, Device};
 use super::geometry::{check_shape, footprint, Paging, Shape, MAX_TOPK};
 use super::kernels::{self, Precision};
 use super::paths::{FoldCounts, TopkPaths};
-use super::run::{OwnedBuf, Ptrs, Run};
+use super::run::{Run, Uploads};
 use crate::error::{Error, Result};
 use crate::indexer::{Backend, RowFootprint};
 use crate::plan::{Footprint, Plan};
@@ -186,72 +186,44 @@ impl CudaBackend {
             // allocation is an error there).
             return Ok(());
         }
-        let s = self.dev.stream.clone();
-        let mut owned = Vec::new();
-        let mut ptrs = Ptrs::default();
-        let keep_u8 = |v: CudaSlice<u8>, owned: &mut Vec<OwnedBuf>| {
-            let a = ptr(&v, &s);
-            owned.push(OwnedBuf::U8(v));
-            a
-        };
+        let dev = &self.dev;
+        let mut up = Uploads::default();
         match p.inputs.q {
-            Queries::E4m3(q) => {
-                ptrs.q = keep_u8(upload(&self.dev, q.into_dyn(), "upload q")?, &mut owned)
-            }
+            Queries::E4m3(q) => up.q = Some(upload(dev, q.into_dyn(), "upload q")?),
             Queries::E2m1 { packed, scale } => {
-                ptrs.q = keep_u8(
-                    upload(&self.dev, packed.into_dyn(), "upload q")?,
-                    &mut owned,
-                );
-                ptrs.q_scale = keep_u8(
-                    upload(&self.dev, scale.into_dyn(), "upload q_scale")?,
-                    &mut owned,
-                );
+                up.q = Some(upload(dev, packed.into_dyn(), "upload q")?);
+                up.q_scale = Some(upload(dev, scale.into_dyn(), "upload q_scale")?);
             }
         }
         match p.inputs.k {
             Keys::E4m3 { codes, scale } => {
-                ptrs.k = keep_u8(upload(&self.dev, codes.into_dyn(), "upload k")?, &mut owned);
-                let ks = upload(&self.dev, scale.into_dyn(), "upload k_scale")?;
-                ptrs.k_scale32 = ptr(&ks, &s);
-                owned.push(OwnedBuf::F32(ks));
+                up.k = Some(upload(dev, codes.into_dyn(), "upload k")?);
+                up.k_scale32 = Some(upload(dev, scale.into_dyn(), "upload k_scale")?);
             }
             Keys::E2m1 { packed, scale } => {
-                ptrs.k = keep_u8(
-                    upload(&self.dev, packed.into_dyn(), "upload k")?,
-                    &mut owned,
-                );
-                ptrs.k_scale8 = keep_u8(
-                    upload(&self.dev, scale.into_dyn(), "upload k_scale")?,
-                    &mut owned,
-                );
+                up.k = Some(upload(dev, packed.into_dyn(), "upload k")?);
+                up.k_scale8 = Some(upload(dev, scale.into_dyn(), "upload k_scale")?);
             }
             Keys::Paged(pk) => {
                 // The pool as it is and the page table: the kernels read the pages.
-                ptrs.k = keep_u8(
-                    upload(&self.dev, pk.kv_cache.into_dyn(), "upload kv_cache")?,
-                    &mut owned,
-                );
-                let v = upload(&self.dev, pk.page_table.into_dyn(), "upload page_table")?;
-                ptrs.page_table = ptr(&v, &s);
-                owned.push(OwnedBuf::I32(v));
+                up.k = Some(upload(dev, pk.kv_cache.into_dyn(), "upload kv_cache")?);
+                up.page_table = Some(upload(dev, pk.page_table.into_dyn(), "upload page_table")?);
             }
         }
-        let w = upload(&self.dev, p.inputs.weights.into_dyn(), "upload weights")?;
-        ptrs.w = ptr(&w, &s);
-        owned.push(OwnedBuf::F32(w));
+        up.w = Some(upload(dev, p.inputs.weights.into_dyn(), "upload weights")?);
         if let Some(slots) = p.inputs.k_slots {
-            let v = upload(&self.dev, slots.into_dyn(), "upload k_slots")?;
-            ptrs.k_slots = ptr(&v, &s);
-            owned.push(OwnedBuf::I32(v));
+            up.k_slots = Some(upload(dev, slots.into_dyn(), "upload k_slots")?);
         }
         if let Role::Consumer(c) = p.role {
-            let v = upload(&self.dev, c.blocks.view().into_dyn(), "upload candidates")?;
-            ptrs.cblocks = ptr(&v, &s);
-            owned.push(OwnedBuf::I32(v));
+            up.cblocks = Some(upload(
+                dev,
+                c.blocks.view().into_dyn(),
+                "upload candidates",
+            )?);
         }
+        let ptrs = up.ptrs(&dev.stream);
         let publishes = |i: usize| p.publishes(i);
-        let run = Run::begin(&self.dev, p.batch, shape, ptrs, owned, plan, &publishes)?;
+        let run = Run::begin(&self.dev, p.batch, shape, ptrs, up, plan, &publishes)?;
         self.peak = run.transient;
         self.run = Some(run);
         Ok(())
@@ -344,8 +316,21 @@ impl Backend for CudaBackend {
         run.tile(&self.dev, t)
     }
     fn end(&mut self, _p: &Problem, out: &mut Output) -> Result<()> {
+        self.end_keeping_uploads(out).map(drop)
+    }
+    fn device_peak(&self) -> Option<usize> {
+        Some(self.peak)
+    }
+}
+
+impl CudaBackend {
+    /// [`Backend::end`], handing back the run's uploads of its host inputs (every other
+    /// buffer of the run freed), so that a caller can bind other work to them instead of
+    /// uploading the inputs again (the decode benchmark's engine entry). `None` when no
+    /// run was begun, or it had no rows.
+    pub(super) fn end_keeping_uploads(&mut self, out: &mut Output) -> Result<Option<Uploads>> {
         let Some(run) = self.run.take() else {
-            return Ok(());
+            return Ok(None);
         };
         let s = &self.dev.stream;
         let copy = |d: &CudaSlice<i32>, h: &mut ndarray::Array2<i32>, what: &str| -> Result<()> {
@@ -368,10 +353,7 @@ impl Backend for CudaBackend {
         self.paths = TopkPaths::from_device(&c);
         self.folds = FoldCounts::from_device(&c[kernels::TOPK_PATHS.len()..]);
         s.synchronize().map_err(drv("synchronize"))?;
-        Ok(())
-    }
-    fn device_peak(&self) -> Option<usize> {
-        Some(self.peak)
+        Ok(Some(run.into_uploads()))
     }
 }
 

@@ -516,7 +516,8 @@ pub fn run_workload(
     driver.sample(used("cuMemGetInfo before end")?);
     let counted_peak = b.peak;
     let mut out = crate::reference::Output::alloc(p);
-    b.end(p, &mut out)?;
+    // The inputs stay on the device for the decode step's timing below.
+    let uploads = b.end_keeping_uploads(&mut out)?;
     driver.after = used("cuMemGetInfo after end")?;
     if counted_peak > plan.peak.total() {
         return Err(super::backend_err(format!(
@@ -533,8 +534,8 @@ pub fn run_workload(
     let flops = 2.0 * pairs * (h * d) as f64;
     let min_ms = total.iter().copied().fold(f64::INFINITY, f64::min);
     let (med, lmed, smed) = (median(total), median(logits), median(select));
-    let decode = match (w.decode, p.paged()) {
-        (Some(d), Some(pk)) => Some(
+    let decode = match (w.decode, p.paged(), &uploads) {
+        (Some(d), Some(pk), Some(up)) => Some(
             DecodeFigures::new(
                 batch,
                 d.page_size,
@@ -546,11 +547,18 @@ pub fn run_workload(
                 &b.dev,
                 b.precision(),
                 p,
+                up,
                 t / d.requests.max(1),
                 reps,
             )?),
         ),
-        (None, None) => None,
+        (Some(_), Some(_), None) => {
+            return Err(super::backend_err(format!(
+                "{}: a decode workload without rows",
+                w.name
+            )))
+        }
+        (None, None, _) => None,
         _ => {
             return Err(super::backend_err(format!(
                 "{}: a decode workload takes paged keys and the others flat keys",

@@ -613,16 +613,18 @@ impl DecodeStep<'_> {
 
 /// The median time (ms, CUDA events, `reps` launches after one warm-up) of the decode
 /// step of paged problem `p` (a contiguous batch of `next_n` rows per request) on
-/// `dev`: its inputs uploaded once, its outputs and workspace allocated once. The
-/// benchmark's figure of the engine entry.
+/// `dev`, bound to `up`, the CUDA backend's uploads of `p`'s inputs (its queries, weights,
+/// pool and page table: nothing is uploaded twice), its `context_lens`, outputs and
+/// workspace allocated once. The benchmark's figure of the engine entry.
 pub(super) fn time_step(
     dev: &std::sync::Arc<super::device::Device>,
     precision: kernels::Precision,
     p: &crate::problem::Problem,
+    up: &super::run::Uploads,
     next_n: usize,
     reps: usize,
 ) -> Result<f64> {
-    use crate::problem::{Keys, Queries};
+    use crate::problem::Keys;
     let Keys::Paged(pk) = p.inputs.k else {
         return Err(super::backend_err("the decode step takes paged keys"));
     };
@@ -642,28 +644,21 @@ pub(super) fn time_step(
         max_pages: pk.page_table.ncols(),
         ratio: p.batch.ratio(),
     };
-    use super::alloc::Fill;
-    let up = |what: &str, v: &[u8]| dev.allocate(Fill::Host(v)).map_err(drv(what));
-    let bytes = |a: ndarray::ArrayViewD<'_, u8>| a.iter().copied().collect::<Vec<u8>>();
-    let (q, qs) = match p.inputs.q {
-        Queries::E4m3(q) => (
-            up("upload q", &bytes(q.into_dyn()))?,
-            up("upload q", &[0u8; 16])?,
-        ),
-        Queries::E2m1 { packed, scale } => (
-            up("upload q", &bytes(packed.into_dyn()))?,
-            up("upload q_scale", &bytes(scale.into_dyn()))?,
-        ),
+    // Every input but context_lens is the backend's (the pool only where its kernels read
+    // the pages in place, as the decode step does).
+    let missing = |what: &str| {
+        super::backend_err(format!(
+            "the decode step's {what}: not among the CUDA backend's uploads"
+        ))
     };
-    let kv = up("upload kv_cache", &bytes(pk.kv_cache.into_dyn()))?;
-    let w: Vec<f32> = p.inputs.weights.iter().copied().collect();
-    let w = dev
-        .allocate(Fill::Host(&w))
-        .map_err(drv("upload weights"))?;
-    let table: Vec<i32> = pk.page_table.iter().copied().collect();
-    let table = dev
-        .allocate(Fill::Host(&table))
-        .map_err(drv("upload page_table"))?;
+    let q = up.q.as_ref().ok_or_else(|| missing("q"))?;
+    let w = up.w.as_ref().ok_or_else(|| missing("weights"))?;
+    let kv = up.k.as_ref().ok_or_else(|| missing("kv_cache"))?;
+    let table = up
+        .page_table
+        .as_ref()
+        .ok_or_else(|| missing("page_table"))?;
+    use super::alloc::Fill;
     let ctx: Vec<i32> = seq.iter().map(|&c| c as i32).collect();
     let ctx = dev
         .allocate(Fill::Host(&ctx))
@@ -680,7 +675,11 @@ pub(super) fn time_step(
             Format::E4m3 => DeviceQueries::E4m3(q.as_view()),
             Format::E2m1 => DeviceQueries::E2m1 {
                 packed: q.as_view(),
-                scale: qs.as_view(),
+                scale: up
+                    .q_scale
+                    .as_ref()
+                    .ok_or_else(|| missing("q_scale"))?
+                    .as_view(),
             },
         },
         weights: w.as_view(),

@@ -10,7 +10,7 @@ use super::alloc::Fill;
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
 use super::geometry::{check_shape, footprint, Paging, Shape};
 use super::kernels::{self, Hooks, Precision};
-use super::run::{Ptrs, Run};
+use super::run::{Ptrs, Run, Uploads};
 use super::validate::{validate, validate_paged, Checked, PagedView};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
@@ -222,7 +222,15 @@ impl Engine {
                 crate::batch::publishes(&batch.rows()[i], batch.requests(), tail)
             })
         };
-        let mut run = Run::begin(&self.dev, batch, shape, ptrs, Vec::new(), &plan, &publishes)?;
+        let mut run = Run::begin(
+            &self.dev,
+            batch,
+            shape,
+            ptrs,
+            Uploads::default(),
+            &plan,
+            &publishes,
+        )?;
         for ti in 0..plan.tiles.len() {
             run.tile(&self.dev, ti)?;
         }

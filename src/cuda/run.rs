@@ -54,8 +54,8 @@ pub(super) struct Run {
     /// Path counters: the top-k's (`kernels::TOPK_PATHS`), then the logits kernels'
     /// (`kernels::LOGITS_PATHS`).
     pub(super) paths: CudaSlice<u32>,
-    // Host-input uploads kept alive for the run (not transient).
-    _owned: Vec<OwnedBuf>,
+    /// Host-input uploads kept alive for the run (not transient).
+    uploads: Uploads,
     /// Device bytes of the transient buffers, as `Device::allocate` counted them.
     pub(super) transient: usize,
     bitmap_words: u32,
@@ -101,11 +101,49 @@ impl Run {
     }
 }
 
-#[allow(dead_code)]
-pub(super) enum OwnedBuf {
-    U8(CudaSlice<u8>),
-    F32(CudaSlice<f32>),
-    I32(CudaSlice<i32>),
+/// The device copies of a run's host inputs ([`super::CudaBackend`]'s runs; none for
+/// the engine entry, whose inputs are the caller's views), each absent where the layer
+/// has no such input. Kept alive by the run, not counted as transient.
+#[derive(Default)]
+pub(super) struct Uploads {
+    /// E4M3 query codes, or packed E2M1 queries.
+    pub(super) q: Option<CudaSlice<u8>>,
+    /// UE8M0 query scales (E2M1 queries).
+    pub(super) q_scale: Option<CudaSlice<u8>>,
+    /// Flat key codes (E4M3, or packed E2M1), or the page pool of paged keys.
+    pub(super) k: Option<CudaSlice<u8>>,
+    /// UE8M0 key scales (flat E2M1 keys).
+    pub(super) k_scale8: Option<CudaSlice<u8>>,
+    /// f32 key scales (flat E4M3 keys).
+    pub(super) k_scale32: Option<CudaSlice<f32>>,
+    /// The page table (paged keys).
+    pub(super) page_table: Option<CudaSlice<i32>>,
+    /// Weights.
+    pub(super) w: Option<CudaSlice<f32>>,
+    /// Pool slots of flat keys.
+    pub(super) k_slots: Option<CudaSlice<i32>>,
+    /// A consumer's candidate blocks.
+    pub(super) cblocks: Option<CudaSlice<i32>>,
+}
+
+impl Uploads {
+    /// The kernels' view of these buffers: their device addresses, 0 for an absent one.
+    pub(super) fn ptrs(&self, s: &CudaStream) -> Ptrs {
+        fn at<T>(b: &Option<CudaSlice<T>>, s: &CudaStream) -> u64 {
+            b.as_ref().map_or(0, |b| ptr(b, s))
+        }
+        Ptrs {
+            q: at(&self.q, s),
+            q_scale: at(&self.q_scale, s),
+            k: at(&self.k, s),
+            k_scale8: at(&self.k_scale8, s),
+            k_scale32: at(&self.k_scale32, s),
+            w: at(&self.w, s),
+            k_slots: at(&self.k_slots, s),
+            cblocks: at(&self.cblocks, s),
+            page_table: at(&self.page_table, s),
+        }
+    }
 }
 
 /// A run's per-row metadata on the device (transient, counted).
@@ -233,14 +271,14 @@ impl OutputBufs {
 impl Run {
     /// Upload the metadata of `batch`'s rows for `plan`'s tiles and allocate the
     /// transient buffers and the outputs (in that order), for a layer of shape `shape`
-    /// whose inputs are at `ptrs` (`owned`: host-input uploads the run keeps alive).
+    /// whose inputs are at `ptrs` (`uploads`: host-input uploads the run keeps alive).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn begin(
         dev: &Device,
         batch: &Batch,
         shape: Shape,
         ptrs: Ptrs,
-        owned: Vec<OwnedBuf>,
+        uploads: Uploads,
         plan: &Plan,
         publishes: &dyn Fn(usize) -> bool,
     ) -> Result<Run> {
@@ -283,10 +321,15 @@ impl Run {
             page: out.page,
             published: out.published,
             paths,
-            _owned: owned,
+            uploads,
             transient,
             bitmap_words: meta.bitmap_words,
         })
+    }
+
+    /// The run's host-input uploads, the rest of its buffers freed.
+    pub(super) fn into_uploads(self) -> Uploads {
+        self.uploads
     }
 
     /// Launch tile `t`: logits, (source) block keys and kept blocks, top-k + assembly.
