@@ -504,3 +504,42 @@ def test_the_decode_workspace_is_sized_without_a_gpu_given_the_sms():
     wide = di.decode_workspace_bytes(q=a["q"], kv_cache=a["kv_cache"], page_table=a["page_table"],
                                      next_n=2, topk=64, max_context=4096, page_size=P, sms=132)
     assert wide >= n + 4 * (4096 - 128) * 4
+
+
+def test_decode_and_index_trace_into_one_graph_under_torch_compile(monkeypatch):
+    # Traced on the CPU with a backend that keeps the graph and runs nothing: the
+    # wrappers' device check is the only part that needs a GPU, so it is lifted here.
+    torch = pytest.importorskip("torch")
+    from dsa_indexer import _ops
+
+    monkeypatch.setattr(_ops, "_cuda_device", lambda q: q.device)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return lambda *args: None
+
+    b, n, h, d = 2, 2, 16, 64
+    q = torch.zeros((b * n, h, d), dtype=torch.float8_e4m3fn)
+    w = torch.zeros((b * n, h))
+    kv = torch.zeros((8, P, 1, d + 4), dtype=torch.uint8)
+    table = torch.zeros((b, 4), dtype=torch.int32)
+    lens = torch.zeros(b, dtype=torch.int32)
+    ws = torch.zeros(1 << 20, dtype=torch.uint8)
+
+    def step(q, w, kv, table, lens, ws):
+        return di.decode(q=q, weights=w, kv_cache=kv, page_table=table, context_lens=lens, next_n=n,
+                         topk=16, max_context=256, page_size=P, workspace=ws)
+
+    def layer(q, w, kv, table):
+        o = di.index(q, None, None, None, w, kv_cache=kv, page_table=table, page_size=P,
+                     seq_lens=[100, 200], query_starts=[98, 198], topk=16, role="source", tail=1)
+        return o.raw, o.page, o.published, o.ks
+
+    for f, args, op in [(step, (q, w, kv, table, lens, ws), "decode"), (layer, (q, w, kv, table), "index")]:
+        with pytest.raises(TypeError):  # the kept graph returns nothing
+            torch.compile(f, fullgraph=True, backend=keep)(*args)
+        code = graphs[-1].code
+        assert code.count(f"torch.ops.dsa_indexer.{op}(") == 1, code
+    # The outputs are allocated in the graph with the shapes the host arguments give.
+    assert "torch.empty((4, 16)" in graphs[0].code and "torch.empty((2, 2048)" in graphs[1].code
