@@ -220,7 +220,7 @@ impl Batch {
 
 /// Whether a source row publishes candidate blocks: every row without a tail, else
 /// the rows at positions `p >= S_b - tail` (the last `tail` rows of a contiguous request).
-pub(crate) fn publishes(row: &Row, requests: &[Request], tail: Option<usize>) -> bool {
+pub fn publishes(row: &Row, requests: &[Request], tail: Option<usize>) -> bool {
     match tail {
         None => true,
         // `p >= S_b - tail`, written so that a huge tail cannot overflow.

@@ -13,6 +13,11 @@ then the top ``K`` keys per row (``docs/SPEC.md`` of the crate says it bit for b
 - :func:`save_dump` / :func:`load_dump` write and read a layer-forward in the dump
   schema that ``dsa-indexer replay FILE`` reads; :func:`replay` replays one.
 - :func:`plan` is the row-tile plan and its peak memory, term by term.
+- :func:`decode` (the decode step over the paged KV cache) and :func:`index` (the engine
+  entry) run the CUDA kernels on CUDA torch tensors, zero copy, on
+  ``torch.cuda.current_stream()``, as torch custom ops (``dsa_indexer::decode``,
+  ``dsa_indexer::index``) that ``torch.compile`` traces; ``decode`` is capturable in a
+  CUDA graph. They need a build with the ``cuda`` feature, torch and an sm_90 GPU.
 
 Inputs are numpy arrays or torch tensors, read through DLPack without a copy where the
 dtype allows (see :func:`reference`). A bad input raises ``ValueError`` with the crate's
@@ -36,6 +41,9 @@ __all__ = [
     "Output",
     "Report",
     "check",
+    "decode",
+    "decode_workspace_bytes",
+    "index",
     "load_dump",
     "plan",
     "reference",
@@ -43,7 +51,8 @@ __all__ = [
     "save_dump",
 ]
 
-#: Whether this build carries the crate's CUDA backend (``replay(device="cuda")``).
+#: Whether this build carries the crate's CUDA backend (``replay(device="cuda")``,
+#: :func:`decode`, :func:`index`).
 CUDA: bool = _native.CUDA
 
 DEFAULT_BUDGET = 2 << 30
@@ -192,6 +201,10 @@ class Output:
     int32 [T]: each row's visible keys ``[ks, ke)`` in the flat key buffer (SPEC 3).
     ``logits`` float32 [sum n] (with ``logits=True``): each row's visible scores, rows
     concatenated, row ``i`` at ``logits[o_i : o_i + ke[i] - ks[i]]``.
+
+    From :func:`index` (the CUDA entry) the fields are torch tensors instead: ``raw``,
+    ``page`` and ``published`` on the GPU, ``published_rows``, ``ks`` and ``ke`` on the
+    CPU, and no ``logits``.
     """
 
     raw: np.ndarray
@@ -563,3 +576,32 @@ def replay(
     return _report(
         _native.replay(src, device, rows, request, budget, max_notes, full_ids, tolerance)
     )
+
+
+# ==== the CUDA entries ====
+
+try:
+    import torch as _torch
+except ImportError:
+    _torch = None
+
+if _torch is not None:
+    from ._ops import _kernel_pointers, _set_pointer_hook, decode, decode_workspace_bytes, index
+else:
+
+    def _needs_torch(name):
+        def f(*args, **kwargs):
+            raise RuntimeError(f"dsa_indexer.{name} takes CUDA torch tensors: torch is not installed")
+
+        f.__name__ = name
+        return f
+
+    decode = _needs_torch("decode")
+    decode_workspace_bytes = _needs_torch("decode_workspace_bytes")
+    index = _needs_torch("index")
+
+    def _set_pointer_hook(on: bool) -> None:
+        pass
+
+    def _kernel_pointers() -> dict:
+        return {}

@@ -20,7 +20,7 @@ use ndarray::{Array2, ArrayView1, ArrayView2, ArrayView3};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::tensor::{bad, Dt, Tensor};
+use crate::tensor::{bad, CurrentStream, Dt, Tensor};
 
 /// Bytes: the caller's buffer, or converted.
 enum Bytes {
@@ -123,6 +123,10 @@ pub struct Layer {
     weights_shape: [usize; 2],
     k_slots: Option<Ints>,
     candidates: Option<Array2<i32>>,
+    /// A consumer's candidates left where they are (a device tensor), for
+    /// [`Layer::from_dict_on_device`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    device_candidates: Option<Tensor>,
 }
 
 /// The batch and the consumer's candidates of a [`Layer`], which its problem borrows.
@@ -135,6 +139,8 @@ pub struct Parts {
 /// The arguments dict, read key by key; a key the package does not know is an error.
 struct Args<'a, 'py> {
     d: &'a Bound<'py, PyDict>,
+    /// The stream device tensors are imported for (the CUDA entries).
+    stream: Option<&'a CurrentStream>,
 }
 
 const KEYS: [&str; 21] = [
@@ -167,7 +173,12 @@ impl<'py> Args<'_, 'py> {
     }
 
     fn tensor(&self, key: &'static str) -> PyResult<Option<Tensor>> {
-        self.get(key)?.map(|v| Tensor::import(key, &v)).transpose()
+        self.get(key)?
+            .map(|v| match self.stream {
+                Some(s) => Tensor::import_on(key, &v, s),
+                None => Tensor::import(key, &v),
+            })
+            .transpose()
     }
 
     fn need(&self, key: &'static str) -> PyResult<Tensor> {
@@ -530,13 +541,26 @@ fn role(a: &Args) -> PyResult<RoleKind> {
 impl Layer {
     /// Read and check the arguments dict.
     pub fn from_dict(d: &Bound<'_, PyDict>) -> PyResult<Layer> {
+        Layer::from_dict_as(d, None)
+    }
+
+    /// [`Layer::from_dict`] for tensors on a CUDA device, imported for work on
+    /// `stream`: a consumer's `candidates` stay on the device (int32 `[T, NB]`), not
+    /// read to the host.
+    #[cfg(feature = "cuda")]
+    pub fn from_dict_on_device(d: &Bound<'_, PyDict>, stream: &CurrentStream) -> PyResult<Layer> {
+        Layer::from_dict_as(d, Some(stream))
+    }
+
+    fn from_dict_as(d: &Bound<'_, PyDict>, stream: Option<&CurrentStream>) -> PyResult<Layer> {
+        let on_device = stream.is_some();
         for k in d.keys() {
             let k: String = k.extract()?;
             if !KEYS.contains(&k.as_str()) {
                 return Err(crate::to_py(bad(&k, "not an argument of the layer")));
             }
         }
-        let a = Args { d };
+        let a = Args { d, stream };
         let ve = crate::to_py;
         let (q, qfmt, heads, dim) = queries(a.need("q")?, a.tensor("q_scale")?).map_err(ve)?;
         let (k, kfmt) = any_keys(&a, dim)?;
@@ -559,7 +583,15 @@ impl Layer {
                 "given for a layer that publishes nothing (role = \"source\" publishes)",
             )));
         }
+        let mut device_candidates = None;
         let candidates = match a.tensor("candidates")? {
+            Some(c) if role == RoleKind::Consumer && on_device => {
+                if c.shape.len() != 2 || c.dtype != Dt::I32 {
+                    return Err(ve(c.error("int32 [T, NB] block ids")));
+                }
+                device_candidates = Some(c);
+                None
+            }
             Some(c) if role == RoleKind::Consumer => {
                 if c.shape.len() != 2 {
                     return Err(ve(c.error("int32 [T, NB] block ids")));
@@ -612,6 +644,7 @@ impl Layer {
             weights_shape,
             k_slots,
             candidates,
+            device_candidates,
         })
     }
 
@@ -681,6 +714,17 @@ impl Layer {
         Ok(Parts { batch, published })
     }
 
+    /// The layer's parameters.
+    pub fn params(&self) -> Params {
+        let m = &self.meta;
+        Params {
+            topk: m.topk,
+            page_cols: m.page_cols,
+            block_size: m.block_size,
+            num_blocks: m.num_blocks,
+        }
+    }
+
     /// The validated problem over `parts` (from [`Layer::parts`]).
     pub fn problem<'s>(&'s self, parts: &'s Parts) -> Result<Problem<'s>> {
         let m = &self.meta;
@@ -692,13 +736,7 @@ impl Layer {
                 return Err(bad("candidates", "missing (role = consumer)"))
             }
         };
-        let params = Params {
-            topk: m.topk,
-            page_cols: m.page_cols,
-            block_size: m.block_size,
-            num_blocks: m.num_blocks,
-        };
-        Problem::new(&parts.batch, self.inputs()?, params, role)
+        Problem::new(&parts.batch, self.inputs()?, self.params(), role)
     }
 
     /// The layer as a dump (owned copies of the inputs) carrying `expected`.
@@ -746,5 +784,425 @@ impl Layer {
             engine_logits,
             expected,
         })
+    }
+}
+
+/// A layer's tensors on a CUDA device, as the engine entry reads them: the caller's
+/// buffers, not copied.
+#[cfg(feature = "cuda")]
+pub mod device {
+    use std::marker::PhantomData;
+    use std::mem::ManuallyDrop;
+    use std::sync::Arc;
+
+    use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
+    use dsa_indexer::cuda::{DeviceInputs, DeviceKeys, DeviceQueries};
+
+    use super::*;
+
+    /// A caller's device buffer (a tensor's memory) as a cudarc slice on `stream`, which
+    /// never frees it: dropping it leaks the slice, and the tensor it borrows keeps the
+    /// memory alive. The context must not track events (the package's contexts do
+    /// not), so taking its pointer inserts no event, wait or synchronisation.
+    pub struct DevBuf<'t, T> {
+        slice: ManuallyDrop<CudaSlice<T>>,
+        _tensor: PhantomData<&'t Tensor>,
+    }
+
+    impl<T> Drop for DevBuf<'_, T> {
+        fn drop(&mut self) {
+            // SAFETY: taken once, here; leak() frees nothing.
+            let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+            slice.leak();
+        }
+    }
+
+    impl<'t, T: DeviceRepr> DevBuf<'t, T> {
+        /// The memory of `t`, a row-major tensor of `T`-sized elements on CUDA device
+        /// `ordinal` (the caller checks the dtype), as `T`s.
+        pub fn new(t: &'t Tensor, stream: &Arc<CudaStream>, ordinal: usize) -> Result<Self> {
+            let (addr, bytes) = t.device_data(ordinal)?;
+            let size = std::mem::size_of::<T>();
+            if !addr.is_multiple_of(std::mem::align_of::<T>() as u64) || bytes % size != 0 {
+                return Err(bad(
+                    t.name,
+                    format!("device address {addr:#x} is not aligned to its dtype"),
+                ));
+            }
+            // SAFETY: `t` (which this borrows) keeps `bytes` bytes at `addr` alive on the
+            // stream's device; the slice is never freed (Drop leaks it).
+            let slice = unsafe { stream.upgrade_device_ptr::<T>(addr, bytes / size) };
+            Ok(DevBuf {
+                slice: ManuallyDrop::new(slice),
+                _tensor: PhantomData,
+            })
+        }
+    }
+
+    impl<T> DevBuf<'_, T> {
+        /// The whole buffer.
+        pub fn view(&self) -> CudaView<'_, T> {
+            self.slice.as_view()
+        }
+
+        /// The whole buffer, to write.
+        pub fn view_mut(&mut self) -> CudaViewMut<'_, T> {
+            self.slice.as_view_mut()
+        }
+
+        /// The device address.
+        pub fn addr(&self) -> u64 {
+            let s = self.slice.stream().clone();
+            crate::cuda::addr(&*self.slice, &s)
+        }
+
+        /// The slice itself.
+        pub fn slice_mut(&mut self) -> &mut CudaSlice<T> {
+            &mut self.slice
+        }
+    }
+
+    /// Bytes of a [`Bytes::View`] on the device; converted ones are an error there.
+    fn bytes<'a>(
+        name: &str,
+        b: &'a Bytes,
+        s: &Arc<CudaStream>,
+        ordinal: usize,
+    ) -> Result<DevBuf<'a, u8>> {
+        match b {
+            Bytes::View(t) => DevBuf::new(t, s, ordinal),
+            Bytes::Owned(_) => Err(bad(
+                name,
+                "int32 scale words of D < 128 are converted on the host: on CUDA pass UE8M0 \
+                 bytes [.., D/32] (uint8 or float8_e8m0fnu)",
+            )),
+        }
+    }
+
+    fn floats<'a>(
+        name: &str,
+        f: &'a Floats,
+        s: &Arc<CudaStream>,
+        ordinal: usize,
+    ) -> Result<DevBuf<'a, f32>> {
+        match f {
+            Floats::View(t) => DevBuf::new(t, s, ordinal),
+            Floats::Owned(_) => Err(bad(
+                name,
+                "converted to float32 on the host: on CUDA pass float32",
+            )),
+        }
+    }
+
+    fn ints<'a>(
+        name: &str,
+        i: &'a Ints,
+        s: &Arc<CudaStream>,
+        ordinal: usize,
+    ) -> Result<DevBuf<'a, i32>> {
+        match i {
+            Ints::View(t) => DevBuf::new(t, s, ordinal),
+            Ints::Owned(_) => Err(bad(
+                name,
+                "converted to int32 on the host: on CUDA pass int32",
+            )),
+        }
+    }
+
+    enum DevQ<'a> {
+        E4m3(DevBuf<'a, u8>),
+        E2m1 {
+            packed: DevBuf<'a, u8>,
+            scale: DevBuf<'a, u8>,
+        },
+    }
+
+    enum DevK<'a> {
+        E4m3 {
+            codes: DevBuf<'a, u8>,
+            scale: DevBuf<'a, f32>,
+        },
+        E2m1 {
+            packed: DevBuf<'a, u8>,
+            scale: DevBuf<'a, u8>,
+        },
+        Paged {
+            format: Format,
+            kv_cache: DevBuf<'a, u8>,
+            page_table: DevBuf<'a, i32>,
+            max_pages: usize,
+            page_size: usize,
+        },
+    }
+
+    /// The queries on the device (`q`, and `q_scale` for packed fp4).
+    fn dev_q<'a>(q: &'a Q, s: &Arc<CudaStream>, ordinal: usize) -> Result<DevQ<'a>> {
+        Ok(match q {
+            Q::E4m3(sh) => DevQ::E4m3(bytes("q", &sh.bytes, s, ordinal)?),
+            Q::E2m1 { packed, scale } => DevQ::E2m1 {
+                packed: bytes("q", &packed.bytes, s, ordinal)?,
+                scale: bytes("q_scale", &scale.bytes, s, ordinal)?,
+            },
+        })
+    }
+
+    fn q_view<'v>(q: &'v DevQ<'_>) -> DeviceQueries<'v> {
+        match q {
+            DevQ::E4m3(b) => DeviceQueries::E4m3(b.view()),
+            DevQ::E2m1 { packed, scale } => DeviceQueries::E2m1 {
+                packed: packed.view(),
+                scale: scale.view(),
+            },
+        }
+    }
+
+    fn q_addrs(q: &DevQ<'_>, v: &mut Vec<(&'static str, u64)>) {
+        match q {
+            DevQ::E4m3(b) => v.push(("q", b.addr())),
+            DevQ::E2m1 { packed, scale } => {
+                v.push(("q", packed.addr()));
+                v.push(("q_scale", scale.addr()));
+            }
+        }
+    }
+
+    /// A layer's inputs on the device ([`Layer::on_device`]).
+    pub struct DeviceLayer<'a> {
+        heads: usize,
+        dim: usize,
+        q: DevQ<'a>,
+        k: DevK<'a>,
+        weights: DevBuf<'a, f32>,
+        k_slots: Option<DevBuf<'a, i32>>,
+        candidates: Option<DevBuf<'a, i32>>,
+    }
+
+    impl DeviceLayer<'_> {
+        /// The engine's view of the inputs.
+        pub fn inputs(&self) -> DeviceInputs<'_> {
+            let k = match &self.k {
+                DevK::E4m3 { codes, scale } => DeviceKeys::E4m3 {
+                    codes: codes.view(),
+                    scale: scale.view(),
+                },
+                DevK::E2m1 { packed, scale } => DeviceKeys::E2m1 {
+                    packed: packed.view(),
+                    scale: scale.view(),
+                },
+                DevK::Paged {
+                    format,
+                    kv_cache,
+                    page_table,
+                    max_pages,
+                    page_size,
+                } => DeviceKeys::Paged {
+                    format: *format,
+                    kv_cache: kv_cache.view(),
+                    page_table: page_table.view(),
+                    max_pages: *max_pages,
+                    page_size: *page_size,
+                },
+            };
+            DeviceInputs {
+                heads: self.heads,
+                dim: self.dim,
+                q: q_view(&self.q),
+                k,
+                weights: self.weights.view(),
+                k_slots: self.k_slots.as_ref().map(|b| b.view()),
+            }
+        }
+
+        /// A consumer's candidates `[T, NB]`.
+        pub fn candidates(&self) -> Option<CudaView<'_, i32>> {
+            self.candidates.as_ref().map(|b| b.view())
+        }
+
+        /// The device address of every input, by argument name.
+        pub fn addrs(&self) -> Vec<(&'static str, u64)> {
+            let mut v = Vec::new();
+            q_addrs(&self.q, &mut v);
+            match &self.k {
+                DevK::E4m3 { codes, scale } => {
+                    v.push(("k", codes.addr()));
+                    v.push(("k_scale", scale.addr()));
+                }
+                DevK::E2m1 { packed, scale } => {
+                    v.push(("k", packed.addr()));
+                    v.push(("k_scale", scale.addr()));
+                }
+                DevK::Paged {
+                    kv_cache,
+                    page_table,
+                    ..
+                } => {
+                    v.push(("kv_cache", kv_cache.addr()));
+                    v.push(("page_table", page_table.addr()));
+                }
+            }
+            v.push(("weights", self.weights.addr()));
+            if let Some(b) = &self.k_slots {
+                v.push(("k_slots", b.addr()));
+            }
+            if let Some(b) = &self.candidates {
+                v.push(("candidates", b.addr()));
+            }
+            v
+        }
+    }
+
+    impl Layer {
+        /// The layer's tensors as device buffers on `stream` of CUDA device `ordinal`
+        /// (every one must live there), read in place.
+        pub fn on_device(&self, s: &Arc<CudaStream>, ordinal: usize) -> Result<DeviceLayer<'_>> {
+            let q = dev_q(&self.q, s, ordinal)?;
+            let k = match &self.k {
+                K::E4m3 { codes, scale, .. } => DevK::E4m3 {
+                    codes: bytes("k", &codes.bytes, s, ordinal)?,
+                    scale: floats("k_scale", scale, s, ordinal)?,
+                },
+                K::E2m1 { packed, scale } => DevK::E2m1 {
+                    packed: bytes("k", &packed.bytes, s, ordinal)?,
+                    scale: bytes("k_scale", &scale.bytes, s, ordinal)?,
+                },
+                K::Paged {
+                    kv_cache,
+                    page_table,
+                    table_shape,
+                    page_size,
+                } => DevK::Paged {
+                    format: self.meta.k_format,
+                    kv_cache: bytes("kv_cache", &kv_cache.bytes, s, ordinal)?,
+                    page_table: ints("page_table", page_table, s, ordinal)?,
+                    max_pages: table_shape[1],
+                    page_size: *page_size,
+                },
+            };
+            let weights = floats("weights", &self.weights, s, ordinal)?;
+            let k_slots = match &self.k_slots {
+                Some(i) => Some(ints("k_slots", i, s, ordinal)?),
+                None => None,
+            };
+            let candidates = match &self.device_candidates {
+                Some(t) => Some(DevBuf::new(t, s, ordinal)?),
+                None => None,
+            };
+            Ok(DeviceLayer {
+                heads: self.meta.heads,
+                dim: self.meta.dim,
+                q,
+                k,
+                weights,
+                k_slots,
+                candidates,
+            })
+        }
+    }
+
+    /// A decode step's inputs on the device: queries, weights, the pool and its page
+    /// table, as the engines hold them (SPEC 10), checked as [`Layer`] checks them.
+    pub struct DecodeLayer {
+        q: Q,
+        kv_cache: Shaped,
+        page_table: Ints,
+        /// Query format.
+        pub q_format: Format,
+        /// Key format (of the pool).
+        pub k_format: Format,
+        /// `H`.
+        pub heads: usize,
+        /// `D`.
+        pub dim: usize,
+        weights: Floats,
+        /// `[R, H]`.
+        pub weights_shape: [usize; 2],
+        /// `page_table`'s `[B, max_pages]`.
+        pub table_shape: [usize; 2],
+    }
+
+    /// The device buffers of a [`DecodeLayer`].
+    pub struct DecodeBufs<'a> {
+        q: DevQ<'a>,
+        weights: DevBuf<'a, f32>,
+        kv_cache: DevBuf<'a, u8>,
+        page_table: DevBuf<'a, i32>,
+    }
+
+    impl DecodeLayer {
+        /// Check `q` (with `q_scale`), `weights`, `kv_cache` and `page_table` of
+        /// `page_size` tokens a page.
+        pub fn new(
+            q: Tensor,
+            q_scale: Option<Tensor>,
+            weights: Tensor,
+            kv_cache: Tensor,
+            page_table: Tensor,
+            page_size: usize,
+        ) -> Result<DecodeLayer> {
+            let (q, q_format, heads, dim) = queries(q, q_scale)?;
+            let (k, k_format) = paged_keys(kv_cache, page_table, page_size, dim)?;
+            let K::Paged {
+                kv_cache,
+                page_table,
+                table_shape,
+                ..
+            } = k
+            else {
+                return Err(bad("kv_cache", "not a page pool"));
+            };
+            if weights.shape.len() != 2 {
+                return Err(weights.error("float32 [B * next_n, H]"));
+            }
+            let weights_shape = [weights.shape[0], weights.shape[1]];
+            Ok(DecodeLayer {
+                q,
+                kv_cache,
+                page_table,
+                q_format,
+                k_format,
+                heads,
+                dim,
+                weights: Floats::of(weights)?,
+                weights_shape,
+                table_shape,
+            })
+        }
+
+        /// The buffers on `stream` of CUDA device `ordinal`.
+        pub fn on_device(&self, s: &Arc<CudaStream>, ordinal: usize) -> Result<DecodeBufs<'_>> {
+            Ok(DecodeBufs {
+                q: dev_q(&self.q, s, ordinal)?,
+                weights: floats("weights", &self.weights, s, ordinal)?,
+                kv_cache: bytes("kv_cache", &self.kv_cache.bytes, s, ordinal)?,
+                page_table: ints("page_table", &self.page_table, s, ordinal)?,
+            })
+        }
+    }
+
+    impl DecodeBufs<'_> {
+        /// Queries, weights, pool and page table as the decode step takes them (with
+        /// the caller's `context_lens`).
+        pub fn inputs<'v>(
+            &'v self,
+            context_lens: CudaView<'v, i32>,
+        ) -> dsa_indexer::cuda::DecodeInputs<'v> {
+            dsa_indexer::cuda::DecodeInputs {
+                q: q_view(&self.q),
+                weights: self.weights.view(),
+                kv_cache: self.kv_cache.view(),
+                page_table: self.page_table.view(),
+                context_lens,
+            }
+        }
+
+        /// The device address of every input, by argument name.
+        pub fn addrs(&self) -> Vec<(&'static str, u64)> {
+            let mut v = Vec::new();
+            q_addrs(&self.q, &mut v);
+            v.push(("weights", self.weights.addr()));
+            v.push(("kv_cache", self.kv_cache.addr()));
+            v.push(("page_table", self.page_table.addr()));
+            v
+        }
     }
 }

@@ -7,6 +7,8 @@
 //! that cannot be read or written an `OSError`. Every entry point runs inside
 //! [`guard`], so a panic, which would be a bug, is a `RuntimeError` and not an abort.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod dumps;
 mod export;
 mod judge;
@@ -288,6 +290,76 @@ fn check(
     })
 }
 
+// ==== the CUDA entries' outputs ====
+
+/// A list of integers argument (`seq_lens`, ...) as counts, a negative entry an error
+/// naming it.
+fn counts_arg(name: &str, v: Option<Vec<i64>>) -> PyResult<Option<Vec<usize>>> {
+    v.map(|v| {
+        v.into_iter()
+            .enumerate()
+            .map(|(i, x)| {
+                usize::try_from(x).map_err(|_| {
+                    to_py(Error::OutOfRange {
+                        field: format!("{name}[{i}]"),
+                        value: x.to_string(),
+                        expected: "a value >= 0",
+                    })
+                })
+            })
+            .collect()
+    })
+    .transpose()
+}
+
+/// The outputs' shapes of a layer-forward from its index arguments alone (host
+/// lists): `(T, page_cols, published_rows, ks, ke)`, so that the CUDA entry's outputs
+/// can be allocated before it runs (and traced by `torch.compile`).
+#[pyfunction]
+#[pyo3(signature = (seq_lens, query_starts, row_requests, row_positions, ratio, role, tail, topk, page_cols))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn index_shapes(
+    seq_lens: Vec<i64>,
+    query_starts: Option<Vec<i64>>,
+    row_requests: Option<Vec<i64>>,
+    row_positions: Option<Vec<i64>>,
+    ratio: usize,
+    role: &str,
+    tail: Option<usize>,
+    topk: usize,
+    page_cols: Option<usize>,
+) -> PyResult<(usize, usize, Vec<i32>, Vec<i32>, Vec<i32>)> {
+    guard(|| {
+        let seq = counts_arg("seq_lens", Some(seq_lens))?.unwrap_or_default();
+        let batch = match (
+            counts_arg("query_starts", query_starts)?,
+            counts_arg("row_requests", row_requests)?,
+            counts_arg("row_positions", row_positions)?,
+        ) {
+            (Some(q0), None, None) => Batch::contiguous(&seq, &q0, ratio),
+            (None, Some(rr), Some(rp)) => Batch::explicit(&seq, &rr, &rp, ratio),
+            _ => Err(Error::Dump {
+                tensor: "query_starts".into(),
+                problem: "expected either query_starts, or both row_requests and row_positions"
+                    .into(),
+            }),
+        }
+        .map_err(to_py)?;
+        let t = batch.num_rows();
+        let published: Vec<i32> = match role {
+            "source" => (0..t)
+                .filter(|&i| {
+                    dsa_indexer::batch::publishes(&batch.rows()[i], batch.requests(), tail)
+                })
+                .map(|i| i as i32)
+                .collect(),
+            _ => Vec::new(),
+        };
+        let cols = page_cols.unwrap_or(topk.div_ceil(64) * 64);
+        Ok((t, cols, published, ks(&batch), ke(&batch)))
+    })
+}
+
 // ==== the module ====
 
 /// Panics inside a rayon worker with the GIL released, inside the boundary guard:
@@ -358,6 +430,15 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dumps::replay, m)?)?;
     m.add_function(wrap_pyfunction!(_panic_for_tests, m)?)?;
     m.add_function(wrap_pyfunction!(_input_pointers, m)?)?;
+    m.add_function(wrap_pyfunction!(index_shapes, m)?)?;
+    #[cfg(feature = "cuda")]
+    {
+        m.add_function(wrap_pyfunction!(cuda::decode, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::decode_workspace_bytes, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::index, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::_pointer_hook, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::_kernel_pointers, m)?)?;
+    }
     m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())
 }

@@ -121,7 +121,26 @@ pub struct Tensor {
 impl Tensor {
     /// Import `obj` (anything with `__dlpack__`) as argument `name`.
     pub fn import(name: &'static str, obj: &Bound<'_, PyAny>) -> PyResult<Tensor> {
-        let dl = from_dlpack(obj.as_borrowed(), None, None).map_err(|e| {
+        Tensor::import_with(name, obj, None)
+    }
+
+    /// Import `obj` as argument `name` for work queued on the CUDA stream `stream`
+    /// (the producer's current stream): no synchronisation is asked of the producer.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn import_on(
+        name: &'static str,
+        obj: &Bound<'_, PyAny>,
+        stream: &CurrentStream,
+    ) -> PyResult<Tensor> {
+        Tensor::import_with(name, obj, Some(stream))
+    }
+
+    fn import_with(
+        name: &'static str,
+        obj: &Bound<'_, PyAny>,
+        stream: Option<&dyn dlpark::python::DlpackStream>,
+    ) -> PyResult<Tensor> {
+        let dl = from_dlpack(obj.as_borrowed(), stream, None).map_err(|e| {
             crate::to_py(bad(
                 name,
                 format!("not a DLPack tensor ({e}): pass a numpy array or a torch tensor"),
@@ -176,6 +195,17 @@ impl Tensor {
     fn host(&self) -> dsa_indexer::Result<()> {
         if self.on_host() {
             Ok(())
+        } else if self.device.device_type == DLDeviceType::CUDA {
+            Err(bad(
+                self.name,
+                format!(
+                    "{} on cuda:{} is converted on the host, which a device tensor is not: \
+                     on CUDA pass the dtype the kernels read in place (float32 weights, int32 \
+                     indices and page tables, UE8M0 bytes [.., D/32] for scales of D < 128)",
+                    self.describe(),
+                    self.device.device_id
+                ),
+            ))
         } else {
             Err(bad(
                 self.name,
@@ -229,6 +259,12 @@ impl Tensor {
     /// (numpy exports `a[:, None]` with stride 0), as DLPack allows.
     fn host_data(&self) -> dsa_indexer::Result<(*const u8, usize, usize)> {
         self.host()?;
+        self.data()
+    }
+
+    /// The data pointer (byte offset applied), bytes and elements of a row-major
+    /// tensor, wherever it lives.
+    fn data(&self) -> dsa_indexer::Result<(*const u8, usize, usize)> {
         let v = self.validated()?;
         let strides = v
             .strides_or_compact()
@@ -250,6 +286,31 @@ impl Tensor {
         let ptr =
             unsafe { v.offset_bytes_ptr() }.map_err(|e| bad(self.name, format!("DLPack: {e}")))?;
         Ok((ptr, v.num_bytes(), v.num_elements()))
+    }
+
+    /// The device address and bytes of a row-major tensor in the memory of CUDA device
+    /// `ordinal`; any other place is an error naming the tensor.
+    #[cfg(feature = "cuda")]
+    pub fn device_data(&self, ordinal: usize) -> dsa_indexer::Result<(u64, usize)> {
+        let d = self.device;
+        if d.device_type != DLDeviceType::CUDA || usize::try_from(d.device_id) != Ok(ordinal) {
+            let place = if self.on_host() {
+                "host memory".to_string()
+            } else if d.device_type == DLDeviceType::CUDA {
+                format!("cuda:{}", d.device_id)
+            } else {
+                format!(
+                    "DLPack device type {} (id {})",
+                    d.device_type.0, d.device_id
+                )
+            };
+            return Err(bad(
+                self.name,
+                format!("in {place}, expected a CUDA tensor on cuda:{ordinal} (the device of q)"),
+            ));
+        }
+        let (ptr, bytes, _) = self.data()?;
+        Ok((ptr as u64, bytes))
     }
 
     /// Elements as `f32`: borrowed for `float32`, converted from `bfloat16`.
@@ -352,5 +413,36 @@ impl I32s<'_> {
             I32s::Borrowed(s) => s,
             I32s::Owned(v) => v,
         }
+    }
+}
+
+/// The CUDA stream a call queues its work on, the producer's current stream, as a
+/// DLPack consumer stream: the tensors are ready on it in stream order, so the producer
+/// is asked for no synchronisation (`stream=-1`; host tensors get `None`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub struct CurrentStream(pub usize);
+
+// SAFETY: `-1` and `None` name no stream; the raw handle is only compared.
+unsafe impl dlpark::python::DlpackStream for CurrentStream {
+    fn as_python_arg(
+        &self,
+        _py: Python<'_>,
+        device: DLDevice,
+    ) -> PyResult<dlpark::python::StreamArg> {
+        Ok(if device.device_type == DLDeviceType::CUDA {
+            dlpark::python::consumer::stream::no_sync()
+        } else {
+            dlpark::python::consumer::stream::none()
+        })
+    }
+
+    unsafe fn wait_for_producer(
+        &self,
+        device: DLDevice,
+        producer: *mut std::ffi::c_void,
+    ) -> PyResult<bool> {
+        // The producer's current stream is this one (or, on the host, none): nothing to
+        // order. Otherwise decline, and the Python protocol is used.
+        Ok(producer as usize == self.0 || device.device_type != DLDeviceType::CUDA)
     }
 }

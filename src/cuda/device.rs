@@ -58,8 +58,13 @@ pub struct Device {
     pub(super) allocated: AtomicU64,
     /// The test hooks every module of this device is compiled and launched under.
     hooks: Hooks,
-    modules: Mutex<Vec<(Variant, Arc<CudaModule>)>>,
+    /// The modules loaded into this context, shared by the devices of
+    /// [`Device::on_stream`].
+    modules: Arc<Modules>,
 }
+
+/// The modules loaded into a context, by variant.
+type Modules = Mutex<Vec<(Variant, Arc<CudaModule>)>>;
 
 impl Device {
     /// Open device `ordinal` (an sm_90 GPU) with a new stream.
@@ -129,7 +134,27 @@ impl Device {
             sms: sms as usize,
             allocated: AtomicU64::new(0),
             hooks,
-            modules: Mutex::new(Vec::new()),
+            modules: Arc::new(Mutex::new(Vec::new())),
+        }))
+    }
+
+    /// This device on another stream of its context (a framework's current stream,
+    /// which changes from call to call, e.g. to a CUDA graph's capture stream): the same
+    /// hooks and the same loaded modules, so that nothing is compiled or loaded again.
+    /// Its allocation count starts at 0.
+    pub fn on_stream(&self, stream: Arc<CudaStream>) -> Result<Arc<Device>> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(backend_err(
+                "Device::on_stream: the stream belongs to another CUDA context",
+            ));
+        }
+        Ok(Arc::new(Device {
+            ctx: stream.context().clone(),
+            stream,
+            sms: self.sms,
+            allocated: AtomicU64::new(0),
+            hooks: self.hooks,
+            modules: self.modules.clone(),
         }))
     }
 
