@@ -105,38 +105,3 @@ __device__ __forceinline__ void h64_keys(u32 (&raw)[2][H64_WORDS], float (&ksc)[
     }
   }
 }
-
-// Key tiles a block asks L2 to fetch ahead of the one its registers prefetch (0: none).
-// A tile of the keys' bytes is loaded into registers one tile ahead of its MMAs; the
-// tile after that one is only prefetched into L2 (no registers: four blocks still fit
-// an SM), so that the register load of a key stream that misses L2 (decode: every key
-// read once) waits on L2 rather than on HBM.
-#ifndef H64_L2_AHEAD
-#define H64_L2_AHEAD 1
-#endif
-
-// While tile c is computed: ask L2 for this thread's two keys of the block's tile
-// H64_L2_AHEAD + 1 strides on (codes: one 128-byte line a key at D = 128, asked by the
-// quad's first thread; scales: by its second).
-__device__ __forceinline__ void h64_keys_to_l2(const u8 *k, const float *k_scale32, const u32 ks,
-                                               const u32 nkeys, const u32 c, const u32 nchunks,
-                                               const int warp, const int gid,
-                                               const int tig PG_DECL) {
-#if H64_L2_AHEAD
-  const u32 ahead = c + (1 + H64_L2_AHEAD) * gridDim.x;
-  if (ahead >= nchunks || tig > 1) return;
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const u32 j = ahead * H64_KEYS + 16 * warp + gid + 8 * kk;
-    if (j >= nkeys) continue;
-#if DSA_PAGED
-    const PagedKey pk = paged_key(k, page_table, ks, j, page_log2);
-    const void *line = tig == 0 ? (const void *)pk.code : (const void *)pk.scale;
-#else
-    const void *line = tig == 0 ? (const void *)(k + (u64)(ks + j) * D)
-                                : (const void *)(k_scale32 + ks + j);
-#endif
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-  }
-#endif
-}

@@ -88,7 +88,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W16_MIN_BLOCKS) mqa_lo
     }
     const float kscale = odd ? ksc[1] : ksc[0];  // this lane's key after the head sum
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
-    h64_keys_to_l2(k, k_scale32, ks, grp.z, c, nchunks, warp, gid, tig PG_PASS);
 
     float acc[64];
     wgmma_fence();

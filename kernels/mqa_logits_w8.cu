@@ -23,10 +23,11 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// Blocks per SM the registers must allow (118 registers at D = 128, 120 paged).
+// Blocks per SM the registers must allow (123 registers at D = 128).
 #ifndef W8_MIN_BLOCKS
 #define W8_MIN_BLOCKS 4
 #endif
+
 // ==== kernel ====
 
 // block: rows grp.x + [0, 2) x 64 heads x keys 64 c + [0, 64) -> logits[row, key]
@@ -91,7 +92,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     const float kscale = odd ? ksc[1] : ksc[0];  // this lane's key after the head sum
 
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
-    h64_keys_to_l2(k, k_scale32, ks, grp.z, c, nchunks, warp, gid, tig PG_PASS);
     float acc[64];
     wgmma_fence();
 #pragma unroll
