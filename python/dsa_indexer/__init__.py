@@ -318,6 +318,17 @@ def plan(*, budget=DEFAULT_BUDGET, **inputs) -> dict:
     return _native.plan(_inputs(inputs), budget)
 
 
+def _cuda_row_bounds(*, precision="full", **inputs) -> np.ndarray:
+    """Per row of a layer (the arguments of :func:`reference`, host arrays): the largest
+    bound the CUDA backend states for its logits at ``precision`` over the row's visible
+    keys (``cuda::logit_bound``, SPEC 4; the fast mode's where it applies), float64
+    ``[T]``: the "row's largest bound" of SPEC 5's rule for a tolerance-class layer
+    (a test helper; a build with CUDA, no GPU needed)."""
+    if not _native.CUDA:
+        raise RuntimeError("dsa_indexer._cuda_row_bounds needs a build with the cuda feature")
+    return np.asarray(_native.row_bounds(_inputs(inputs), precision), dtype=np.float64)
+
+
 def _input_pointers(**inputs) -> dict:
     """The addresses of the buffers the crate reads for a layer (a test hook)."""
     return dict(_native._input_pointers(_inputs(inputs)))

@@ -38,6 +38,22 @@ def _cuda_device(q) -> torch.device:
     return q.device
 
 
+# Precision::parse's names. Only another value crosses into the native module, for the
+# crate's error (naming ``precision`` and the value): a valid name stays a constant that
+# torch.compile traces through.
+_PRECISIONS = ("full", "fast")
+
+
+def _precision(precision) -> str:
+    """``precision`` checked (``"full"`` or ``"fast"``), before any device work:
+    ``ValueError`` naming it and the value, ``RuntimeError`` without a CUDA build."""
+    if isinstance(precision, str) and precision in _PRECISIONS:
+        return precision
+    if not _native.CUDA:
+        raise RuntimeError(_NO_CUDA)
+    return _native.precision_name(precision)
+
+
 def _dl(x: Optional[torch.Tensor]):
     """``x`` as the native module imports it: detached (same memory), and viewed as its
     bytes when this torch cannot export its dtype through DLPack."""
@@ -77,6 +93,7 @@ def _decode_op(
     page_cols: int,
     ratio: int,
     check: bool,
+    precision: str,
 ) -> None:
     dev = _cuda_device(q)
     args = {
@@ -98,13 +115,13 @@ def _decode_op(
     }
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
-        _native.decode(args, dev.index, stream, check)
+        _native.decode(args, dev.index, stream, check, precision)
 
 
 @_decode_op.register_fake
 def _decode_fake(
     q, q_scale, weights, kv_cache, page_table, context_lens, raw, page, workspace,
-    next_n, topk, max_context, page_size, page_cols, ratio, check,
+    next_n, topk, max_context, page_size, page_cols, ratio, check, precision,
 ) -> None:
     return None
 
@@ -150,12 +167,15 @@ def decode_workspace_bytes(
     out=None,
     workspace=None,
     check=None,
+    precision="full",
 ) -> int:
     """Bytes of workspace :func:`decode` takes for its arguments (the same keywords;
     only the shapes of ``q``, ``kv_cache`` and ``page_table`` are read): the rows'
     metadata, the logits of every row at ``max_context``, the split top-k's scratch.
     ``sms``: the GPU's multiprocessors (default: those of the device of ``q``, which
-    needs a GPU; give it to size a workspace anywhere)."""
+    needs a GPU; give it to size a workspace anywhere). ``precision`` is checked but
+    changes nothing: both precisions write the same float32 logits."""
+    _precision(precision)
     if sms is None:
         ordinal = _cuda_device(q).index
     else:
@@ -185,6 +205,7 @@ def decode(
     out=None,
     workspace=None,
     check=False,
+    precision="full",
 ):
     """One decode step (SPEC 10) on CUDA tensors, on ``torch.cuda.current_stream()``:
     the ``next_n`` newest positions of each request against its keys in the paged KV
@@ -211,6 +232,10 @@ def decode(
     - ``check=True`` first checks the values (SPEC 8: ``context_lens`` in ``next_n ..=
       max_context``, codes, page ids, weights), which reads ``context_lens`` back (a
       host wait; not inside a CUDA graph capture).
+    - ``precision``: ``"full"`` (the default) or ``"fast"``, opt-in: E4M3 x E4M3 at
+      ``H = 64`` on fp8 tensor cores (DeepGEMM's arithmetic), held to SPEC 4's fast-mode
+      bound instead of the tolerance class's; every other case runs as under ``"full"``
+      (``Engine::with_precision``). Another value raises ``ValueError``.
 
     Every launch shape follows from these host scalars and the tensors' shapes, so the
     call is capturable by ``torch.cuda.graph``: replays read the ``context_lens`` and
@@ -218,6 +243,7 @@ def decode(
     torch and nothing is synchronised. Bad shapes, dtypes or devices raise
     ``ValueError`` naming the argument; no GPU or an NVRTC failure ``RuntimeError``.
     """
+    precision = _precision(precision)
     _cuda_device(q)
     rows = q.shape[0]
     cols = page_cols if page_cols is not None else -(-topk // 64) * 64
@@ -235,7 +261,7 @@ def decode(
         workspace = torch.empty(n, dtype=torch.uint8, device=q.device)
     torch.ops.dsa_indexer.decode(
         q, q_scale, weights, kv_cache, page_table, context_lens, raw, page, workspace,
-        next_n, topk, max_context, page_size, cols, ratio, check,
+        next_n, topk, max_context, page_size, cols, ratio, check, precision,
     )
     return raw, page
 
@@ -270,6 +296,7 @@ def _index_op(
     page_cols: Optional[int],
     page_size: Optional[int],
     budget: int,
+    precision: str,
 ) -> None:
     dev = _cuda_device(q)
     args = {
@@ -298,14 +325,14 @@ def _index_op(
     pub = _dl(published) if role == "source" else None
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
-        _native.index(args, _dl(raw), _dl(page), pub, budget, dev.index, stream)
+        _native.index(args, _dl(raw), _dl(page), pub, budget, dev.index, stream, precision)
 
 
 @_index_op.register_fake
 def _index_fake(
     q, q_scale, k, k_scale, weights, kv_cache, page_table, k_slots, candidates, raw, page,
     published, seq_lens, query_starts, row_requests, row_positions, topk, ratio, role, tail,
-    block_size, num_blocks, page_cols, page_size, budget,
+    block_size, num_blocks, page_cols, page_size, budget, precision,
 ) -> None:
     return None
 
@@ -359,6 +386,7 @@ def index(
     page_size=None,
     budget=2 << 30,
     out=None,
+    precision="full",
 ):
     """One layer-forward on CUDA tensors through the engine entry (``run_device``),
     on ``torch.cuda.current_stream()``: :func:`dsa_indexer.reference`'s arguments, the
@@ -373,6 +401,7 @@ def index(
     ``row_requests`` and ``row_positions`` (lists, numpy arrays or tensors; a CUDA
     tensor is read back, and ``torch.compile`` needs lists). ``out=(raw, page)`` or
     ``(raw, page, published)``: write there (default: new tensors from torch).
+    ``precision``: ``"full"`` (the default) or ``"fast"``, as in :func:`decode`.
 
     The engine entry checks the values on the device and reads its verdict back (one
     host wait for the stream), and takes its transient buffers from the CUDA driver's
@@ -380,6 +409,7 @@ def index(
     tensors on the stream. So this call is not capturable in a CUDA graph (the decode
     step is: :func:`dsa_indexer.decode`).
     """
+    precision = _precision(precision)
     _cuda_device(q)
     seq = _ints("seq_lens", seq_lens)
     qs = _ints("query_starts", query_starts)
@@ -405,7 +435,7 @@ def index(
         q, q_scale, k, k_scale, weights, kv_cache, page_table, k_slots, candidates, raw, page,
         pub, list(seq), None if qs is None else list(qs), None if rr is None else list(rr),
         None if rp is None else list(rp), topk, ratio, role, tail, block_size, num_blocks,
-        page_cols, page_size, budget,
+        page_cols, page_size, budget, precision,
     )
     return Output(
         raw=raw,

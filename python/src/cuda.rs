@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
-use dsa_indexer::cuda::{DecodeShape, Device, Engine};
+use dsa_indexer::cuda::{DecodeShape, Device, Engine, Hooks, Precision};
 use dsa_indexer::dump::RoleKind;
 use dsa_indexer::problem::Format;
 use dsa_indexer::{Error, Result};
@@ -59,8 +59,13 @@ fn base(ordinal: usize) -> Result<Arc<Device>> {
     Ok(d)
 }
 
-/// The engine of CUDA device `ordinal` on the caller's stream handle `stream`.
-fn engine(ordinal: usize, stream: usize) -> Result<(Engine, Arc<CudaStream>)> {
+/// The engine of CUDA device `ordinal` on the caller's stream handle `stream`, its
+/// tolerance-class logits under `precision`.
+fn engine(
+    ordinal: usize,
+    stream: usize,
+    precision: Precision,
+) -> Result<(Engine, Arc<CudaStream>)> {
     let base = base(ordinal)?;
     // SAFETY: `stream` is the caller's live stream of this device's primary context
     // (torch's current stream), alive for the call; the wrapper does not destroy it, and
@@ -70,7 +75,7 @@ fn engine(ordinal: usize, stream: usize) -> Result<(Engine, Arc<CudaStream>)> {
             .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
     };
     let dev = base.on_stream(s.clone())?;
-    Ok((Engine::on_device(dev), s))
+    Ok((Engine::on_device(dev).with_precision(precision), s))
 }
 
 // ==== the pointer hook ====
@@ -102,6 +107,23 @@ pub fn _kernel_pointers() -> Vec<(String, u64)> {
 }
 
 // ==== arguments ====
+
+/// `precision=` as a [`Precision`]: a string [`Precision::parse`] takes; anything else
+/// (another string, another type) is its error naming `precision` and the value.
+fn precision_arg(v: &Bound<'_, PyAny>) -> Result<Precision> {
+    match v.extract::<String>() {
+        Ok(name) => Precision::parse(&name),
+        Err(_) => Precision::parse(&v.repr().map(|r| r.to_string()).unwrap_or_default()),
+    }
+}
+
+/// The name of precision `precision` (`"full"` or `"fast"`), or the crate's
+/// `ValueError` naming `precision` and the value: the wrappers' check before any device
+/// work.
+#[pyfunction]
+pub fn precision_name(precision: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+    guard(|| precision_arg(precision).map(Precision::name).map_err(to_py))
+}
 
 fn count(args: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<usize>> {
     let Some(v) = args.get_item(key)?.filter(|v| !v.is_none()) else {
@@ -156,19 +178,24 @@ fn expect(t: &Tensor, dtype: Dt, shape: &[usize], what: &str) -> Result<()> {
 /// tensors `args` (`q`, `q_scale`, `weights`, `kv_cache`, `page_table`,
 /// `context_lens`, the outputs `raw` and `page`, the `workspace`; `next_n`, `topk`,
 /// `max_context`, `page_size`, `page_cols`, `ratio`) on stream `stream` of CUDA device
-/// `ordinal`: nothing allocated, nothing synchronised. `check` first runs the step's
-/// value checks (`Engine::decode_check`, which reads `context_lens` back).
+/// `ordinal`, the tolerance class's logits under `precision` (`"full"` or `"fast"`;
+/// `Engine::with_precision`): nothing allocated, nothing synchronised. `check` first
+/// runs the step's value checks (`Engine::decode_check`, which reads `context_lens`
+/// back).
 #[pyfunction]
-#[pyo3(signature = (args, ordinal, stream, check))]
+#[pyo3(signature = (args, ordinal, stream, check, precision = None))]
 pub fn decode(
     args: &Bound<'_, PyDict>,
     ordinal: usize,
     stream: usize,
     check: bool,
+    precision: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     guard(|| {
         let cs = CurrentStream(stream);
         let ve = to_py;
+        let precision = precision.map(precision_arg).transpose().map_err(ve)?;
+        let precision = precision.unwrap_or_default();
         let q = need(args, "q", &cs)?;
         let q_scale = tensor(args, "q_scale", &cs)?;
         let weights = need(args, "weights", &cs)?;
@@ -238,7 +265,7 @@ pub fn decode(
                 "uint8 [n] with n >= dsa_indexer.decode_workspace_bytes(...)",
             )));
         }
-        let (engine, s) = engine(ordinal, stream).map_err(ve)?;
+        let (engine, s) = engine(ordinal, stream, precision).map_err(ve)?;
         let bufs = layer.on_device(&s, ordinal).map_err(ve)?;
         let lens = DevBuf::<i32>::new(&context_lens, &s, ordinal).map_err(ve)?;
         let mut raw_b = DevBuf::<i32>::new(&raw, &s, ordinal).map_err(ve)?;
@@ -374,9 +401,12 @@ fn decode_shape(
 /// One layer-forward through `Engine::run_device` on the caller's device tensors
 /// (`args`: `reference`'s arguments, the index arguments on the host) on stream
 /// `stream` of CUDA device `ordinal`; its outputs are copied into `raw`, `page` and,
-/// for a source layer, `published` (the caller's tensors) on the same stream.
+/// for a source layer, `published` (the caller's tensors) on the same stream. The
+/// tolerance class's logits run under `precision` (`"full"` or `"fast"`;
+/// `Engine::with_precision`).
 #[pyfunction]
-#[pyo3(signature = (args, raw, page, published, budget, ordinal, stream))]
+#[pyo3(signature = (args, raw, page, published, budget, ordinal, stream, precision = None))]
+#[allow(clippy::too_many_arguments)]
 pub fn index(
     args: &Bound<'_, PyDict>,
     raw: &Bound<'_, PyAny>,
@@ -385,10 +415,13 @@ pub fn index(
     budget: i64,
     ordinal: usize,
     stream: usize,
+    precision: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     guard(|| {
         let cs = CurrentStream(stream);
         let ve = to_py;
+        let precision = precision.map(precision_arg).transpose().map_err(ve)?;
+        let precision = precision.unwrap_or_default();
         let layer = Layer::from_dict_on_device(args, &cs)?;
         let budget = crate::bytes_arg("budget", budget)?;
         let parts = layer.parts().map_err(ve)?;
@@ -416,7 +449,7 @@ pub fn index(
             (None, Some(_)) => return Err(ve(bad("published", "missing (role = source)"))),
             (_, None) => None,
         };
-        let (engine, s) = engine(ordinal, stream).map_err(ve)?;
+        let (engine, s) = engine(ordinal, stream, precision).map_err(ve)?;
         let dl = layer.on_device(&s, ordinal).map_err(ve)?;
         let mut raw_b = DevBuf::<i32>::new(&raw, &s, ordinal).map_err(ve)?;
         let mut page_b = DevBuf::<i32>::new(&page, &s, ordinal).map_err(ve)?;
@@ -455,5 +488,44 @@ pub fn index(
             copy(src, dst, "published").map_err(ve)?;
         }
         Ok(())
+    })
+}
+
+// ==== the stated bound ====
+
+/// Per row of the layer `args` (host arrays, `reference`'s arguments): the largest
+/// bound this backend states for its logits at `precision` over the row's visible keys
+/// (`cuda::logit_bound` with SPEC 4's `M`, under no test hooks, as the CUDA entries
+/// run), one float per row: SPEC 5's "row's largest bound" of a tolerance-class layer. No
+/// GPU needed. A list of floats.
+#[pyfunction]
+#[pyo3(signature = (args, precision))]
+pub fn row_bounds(
+    py: Python<'_>,
+    args: &Bound<'_, PyDict>,
+    precision: &Bound<'_, PyAny>,
+) -> PyResult<Vec<f64>> {
+    guard(|| {
+        let precision = precision_arg(precision).map_err(to_py)?;
+        let layer = Layer::from_dict(args)?;
+        let parts = layer.parts().map_err(to_py)?;
+        let p = layer.problem(&parts).map_err(to_py)?;
+        let t = p.batch.num_rows();
+        let bounds = py.detach(|| {
+            use rayon::prelude::*;
+            (0..t)
+                .into_par_iter()
+                .map(|i| {
+                    dsa_indexer::verdict::bound::magnitudes(&p, i)
+                        .into_iter()
+                        .enumerate()
+                        .map(|(j, m)| {
+                            dsa_indexer::cuda::logit_bound(&p, i, j, m, Hooks::default(), precision)
+                        })
+                        .fold(0.0, f64::max)
+                })
+                .collect()
+        });
+        Ok(bounds)
     })
 }

@@ -438,6 +438,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add_function(wrap_pyfunction!(cuda::index, m)?)?;
         m.add_function(wrap_pyfunction!(cuda::_pointer_hook, m)?)?;
         m.add_function(wrap_pyfunction!(cuda::_kernel_pointers, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::precision_name, m)?)?;
+        m.add_function(wrap_pyfunction!(cuda::row_bounds, m)?)?;
     }
     m.add("CUDA", cfg!(feature = "cuda"))?;
     Ok(())

@@ -1,6 +1,7 @@
 """The CUDA entries on the GPU: ``replay(device="cuda")``, ``index`` and ``decode`` on
 CUDA torch tensors against the reference, on a non-default stream, inside a CUDA graph,
-under ``torch.compile``, without copying their inputs, and their errors.
+under ``torch.compile``, without copying their inputs, ``precision="fast"`` against SPEC
+4's fast-mode bound, and their errors.
 
 The GPU tests skip without a CUDA build, torch or a GPU, and fail instead under
 ``DSA_REQUIRE_GPU=1``. The tests at the end run anywhere: the shape checks of a CUDA
@@ -8,6 +9,7 @@ build (before any device is touched), and ``RuntimeError`` without a GPU.
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -254,6 +256,113 @@ def test_decode_with_check_accepts_good_values_and_names_a_bad_one(torch):
     args["context_lens"][1] = case.max_context + 1
     with pytest.raises(ValueError, match=r"context_lens\[1\]"):
         di.decode(**args, check=True)
+
+
+# ==== the fast precision (SPEC 4, "fast mode") ====
+
+
+def spec5_rule(args, raw, page, precision, what):
+    """``raw`` and ``page`` (numpy) of a paged tolerance-class layer ``args`` (the
+    reference's arguments, ``query_starts`` form) against SPEC 5's rule: the selected
+    keys' reference scores at least the ``K``-th best minus the row's largest bound at
+    ``precision`` (``cuda::logit_bound``), the others at most it plus that bound; every
+    key of a row of at most ``K``; ascending, then -1; ``page`` their pool slots."""
+    ref = di.reference(**args, logits=True)
+    bounds = di._cuda_row_bounds(precision=precision, **args)
+    table, p = args["page_table"], args["page_size"]
+    starts, seq = np.asarray(args["query_starts"]), np.asarray(args["seq_lens"])
+    requests = np.repeat(np.arange(len(seq)), seq - starts)
+    k = raw.shape[1]
+    off = 0
+    for i in range(raw.shape[0]):
+        n = int(ref.ke[i] - ref.ks[i])
+        scores = ref.logits[off : off + n].astype(np.float64)
+        off += n
+        chosen = raw[i][raw[i] >= 0]
+        tag = f"{what}: row {i} ({n} keys, bound {bounds[i]:.6g})"
+        assert (raw[i][len(chosen) :] == -1).all() and (np.diff(chosen) > 0).all(), f"{tag}: raw {raw[i]}"
+        assert len(chosen) == min(n, k) and (chosen < n).all(), f"{tag}: raw {raw[i]}"
+        slots = table[requests[i], chosen // p] * p + chosen % p
+        assert (page[i, : len(chosen)] == slots).all() and (page[i, len(chosen) :] == -1).all(), f"{tag}: page"
+        if n <= k:
+            continue
+        key = np.where(np.isnan(scores), -np.inf, scores)  # NaN ranks as -inf (-0 == +0 here)
+        kth = np.sort(key)[::-1][k - 1]
+        sel = np.zeros(n, bool)
+        sel[chosen] = True
+        lo, hi = key[sel].min(), key[~sel].max()
+        assert lo >= kth - bounds[i], f"{tag}: a selected score {lo!r} < K-th best {kth!r} - bound"
+        assert hi <= kth + bounds[i], f"{tag}: an unselected score {hi!r} > K-th best {kth!r} + bound"
+
+
+def fast_case(seed, next_n):
+    """A random E4M3 x E4M3 decode batch at H = 64, D = 128: the fast mode's kernel."""
+    return Decode(seed, "e4m3", next_n, CTX, heads=64, dim=128)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_fast_decode_equals_fast_index_and_meets_the_fast_bound(torch, next_n):
+    for seed in range(3):
+        case = fast_case(60 + seed, next_n)
+        what = f"fast next_n={next_n} seed={seed}"
+        raw, page = di.decode(**case.gpu(torch), precision="fast")
+        args = case.reference_args()
+        out = di.index(**on_gpu(torch, args), precision="fast")
+        # The same kernels on the same problem: the same logits, the same selection.
+        assert_bitwise(host(raw), host(out.raw), f"{what}: decode raw vs index raw")
+        assert_bitwise(host(page), host(out.page), f"{what}: decode page vs index page")
+        spec5_rule(args, host(raw), host(page), "fast", what)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_full_precision_is_the_default_and_keeps_its_bound(torch, next_n):
+    case = fast_case(70, next_n)
+    args = case.reference_args()
+    raw, page = di.decode(**case.gpu(torch), precision="full")
+    raw0, page0 = di.decode(**case.gpu(torch))
+    assert_bitwise(host(raw), host(raw0), "decode: precision='full' vs default raw")
+    assert_bitwise(host(page), host(page0), "decode: precision='full' vs default page")
+    spec5_rule(args, host(raw), host(page), "full", f"full decode next_n={next_n}")
+    out = di.index(**on_gpu(torch, args), precision="full")
+    out0 = di.index(**on_gpu(torch, args))
+    assert_bitwise(host(out.raw), host(out0.raw), "index: precision='full' vs default raw")
+    assert_bitwise(host(out.page), host(out0.page), "index: precision='full' vs default page")
+    spec5_rule(args, host(out.raw), host(out.page), "full", f"full index next_n={next_n}")
+    case.judge(raw, page, f"full decode next_n={next_n}")
+
+
+def accumulator_case():
+    """One row of 64 keys (E4M3 x E4M3, H = 64, D = 128, key scales 1, weights 1, top 1)
+    whose choice tells the precisions apart: every head's query is 448 at dim 0 and 2 at
+    dim 1; key 0 is 448 at dim 0 (score 448^2 per head), key 1 also 7 at dim 1 (448^2 +
+    14), the others 0. Exactly, key 1 wins by 64 x 14, beyond the full bound (2^-16 M,
+    about 196); the fp8 accumulator cuts the pair 448^2 + 14 to 200704 (docs/numerics.md
+    section 4, seen on the H200), a tie that key 0 wins."""
+    case = Decode(80, "e4m3", 1, [64], heads=64, dim=128, topk=1, max_context=64)
+    case.q[:] = 0
+    case.q[:, :, 0], case.q[:, :, 1] = 0x7E, 0x40  # 448, 2
+    case.weights[:] = 1.0
+    d = case.dim
+    codes = np.zeros((case.num_pages, P * d), np.uint8)
+    first = case.table[0, 0]
+    codes[first, 0] = codes[first, d] = 0x7E  # keys 0 and 1: 448 at dim 0
+    codes[first, d + 1] = 0x4E  # key 1: 7 at dim 1
+    scales = np.ones((case.num_pages, P), "<f4").view(np.uint8)
+    case.kv = np.ascontiguousarray(np.concatenate([codes, scales], axis=1))
+    return case
+
+
+def test_the_precision_reaches_the_kernels(torch):
+    case = accumulator_case()
+    args = case.reference_args()
+    ref = di.reference(**args, logits=True)
+    assert ref.logits[1] - ref.logits[0] == 64 * 14 and ref.raw.tolist() == [[1]]
+    for precision, want in [("full", 1), ("fast", 0)]:
+        raw, page = di.decode(**case.gpu(torch), precision=precision)
+        out = di.index(**on_gpu(torch, args), precision=precision)
+        for name, got in [("decode", raw), ("index", out.raw)]:
+            assert host(got).tolist() == [[want]], f"{name}(precision={precision!r}): {host(got)}"
+        spec5_rule(args, host(raw), host(page), precision, f"accumulator case, {precision}")
 
 
 # ==== streams, graphs, compile ====
@@ -543,3 +652,76 @@ def test_decode_and_index_trace_into_one_graph_under_torch_compile(monkeypatch):
         assert code.count(f"torch.ops.dsa_indexer.{op}(") == 1, code
     # The outputs are allocated in the graph with the shapes the host arguments give.
     assert "torch.empty((4, 16)" in graphs[0].code and "torch.empty((2, 2048)" in graphs[1].code
+
+
+@pytest.mark.parametrize("bad", ["fp8", "FULL", "", 8])
+def test_a_bad_precision_raises_value_error_before_any_device_work(bad):
+    if not di.CUDA:
+        pytest.skip("built without the cuda feature")
+    shown = bad if isinstance(bad, str) else repr(bad)
+    match = rf"^precision = {re.escape(shown)}: full or fast$"
+    # The native entries, host arrays: refused before the device is opened.
+    with pytest.raises(ValueError, match=match):
+        di._native.decode(native_decode_args(), 0, 0, False, bad)
+    with pytest.raises(ValueError, match=match):
+        di._native.precision_name(bad)
+    try:
+        import torch
+    except ImportError:
+        return
+    a = {n: torch.from_numpy(v) for n, v in native_decode_args().items() if isinstance(v, np.ndarray)}
+    # The wrappers check it before they look for a GPU (host tensors, no GPU needed).
+    with pytest.raises(ValueError, match=match):
+        di.decode(q=a["q"], weights=a["weights"], kv_cache=a["kv_cache"], page_table=a["page_table"],
+                  context_lens=a["context_lens"], next_n=2, topk=64, max_context=128, page_size=P,
+                  precision=bad)
+    with pytest.raises(ValueError, match=match):
+        di.decode_workspace_bytes(q=a["q"], kv_cache=a["kv_cache"], page_table=a["page_table"], next_n=2,
+                                  topk=64, max_context=128, page_size=P, sms=132, precision=bad)
+    with pytest.raises(ValueError, match=match):
+        di.index(a["q"], None, torch.zeros((4, 128), dtype=torch.uint8), torch.ones(4), a["weights"],
+                 seq_lens=[2, 2], query_starts=[0, 0], topk=4, precision=bad)
+
+
+def test_the_fast_bound_applies_only_to_the_fast_kernels_shape():
+    if not di.CUDA:
+        pytest.skip("built without the cuda feature")
+    # H = 64, E4M3 x E4M3: the fast mode's bound, far above the full one (the accumulator
+    # keeps about 13 bits); H = 16: the fast mode runs the full kernels, the same bound.
+    for heads, wider in [(64, True), (16, False)]:
+        args = Decode(90, "e4m3", 2, CTX, heads=heads).reference_args()
+        full = di._cuda_row_bounds(precision="full", **args)
+        fast = di._cuda_row_bounds(precision="fast", **args)
+        assert full.shape == fast.shape == (len(CTX) * 2,) and (full > 0).all()
+        if wider:
+            assert (fast > 16 * full).all(), (heads, fast / full)
+        else:
+            assert_bitwise(fast, full, f"H = {heads}: fast vs full bounds")
+    case = accumulator_case()
+    full = di._cuda_row_bounds(precision="full", **case.reference_args())
+    fast = di._cuda_row_bounds(precision="fast", **case.reference_args())
+    # The row's M is 64 x (448^2 + 14); the exact gap between its two keys, 64 x 14,
+    # lies between the two bounds.
+    assert full[0] < 64 * 14 < fast[0], (full, fast)
+    with pytest.raises(ValueError, match=r"^precision = fp8: full or fast$"):
+        di._cuda_row_bounds(precision="fp8", **case.reference_args())
+
+
+def test_the_rule_takes_the_reference_and_the_fast_choice_only_under_the_fast_bound():
+    if not di.CUDA:
+        pytest.skip("built without the cuda feature")
+    for next_n in (1, 2):
+        args = fast_case(95, next_n).reference_args()
+        ref = di.reference(**args)
+        spec5_rule(args, ref.raw, ref.page, "full", f"the reference, next_n={next_n}")
+    case = accumulator_case()
+    args = case.reference_args()
+    first = case.table[0, 0] * P
+    fast = (np.array([[0]], np.int32), np.array([[first] + [-1] * 63], np.int32))
+    spec5_rule(args, *fast, "fast", "key 0 under the fast bound")
+    with pytest.raises(AssertionError, match="a selected score"):
+        spec5_rule(args, *fast, "full", "key 0 under the full bound")
+    wrong = fast[1].copy()
+    wrong[0, 0] += 1  # the next slot of the page
+    with pytest.raises(AssertionError, match="page"):
+        spec5_rule(args, fast[0], wrong, "fast", "a wrong slot")
