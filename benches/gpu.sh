@@ -28,7 +28,8 @@
 # beside DeepGEMM's when $OURS names a file of our logits of that problem.
 #
 # `pyengine` installs the Python package's wheel (.whl/dsa_indexer-*.whl, built by
-# python/build_wheel.sh) with the DeepGEMM wheels, runs python/examples/deepgemm_check.py
+# python/build_wheel.sh, or the CUDA one in .whl-cuda/ when it is carried: then
+# DSA_REQUIRE_GPU=1) with the DeepGEMM wheels, runs python/examples/deepgemm_check.py
 # (one V3.2 layer through DeepGEMM and torch.topk, judged by dsa_indexer.check;
 # deepgemm_check.txt, its JSON line in deepgemm_check.jsonl) and pytest python/tests
 # (pytest.txt) against this machine's torch.
@@ -293,7 +294,14 @@ if has pyengine; then
   grep -vE '^\{' "$OUT/deepgemm_check.txt" | head -20 | tee -a "$OUT/summary.txt"
   log "pyengine: pytest python/tests"
   [ -x $B/dsa-indexer ] && export DSA_INDEXER_BIN="$PWD/$B/dsa-indexer"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider python/tests > "$OUT/pytest.txt" 2>&1
+  # The CUDA wheel (python/build_wheel.sh .whl-cuda --features cuda), carried beside
+  # .whl, replaces the CPU one; then a skip of a CUDA test is a failure.
+  req=0
+  if ls .whl-cuda/dsa_indexer-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl-cuda/dsa_indexer-*.whl && export PYTHONPATH=/tmp/site && req=1
+  fi
+  DSA_REQUIRE_GPU=$req timeout 300 python3 -m pytest -q -rf -p no:cacheprovider python/tests > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?" | tee -a "$OUT/summary.txt"
   tail -3 "$OUT/pytest.txt" | tee -a "$OUT/summary.txt"
 fi
