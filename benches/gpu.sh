@@ -118,6 +118,12 @@ install_wheels() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
+  # The package's CUDA wheel (python/build_wheel.sh .whl-cuda --features cuda), when
+  # carried: it serves the CPU entries too.
+  if ls .whl-cuda/dsa_indexer-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl-cuda/dsa_indexer-*.whl && export PYTHONPATH=/tmp/site
+  fi
 }
 peers_run() {  # peers_run WORKLOAD...
   log "peers"
@@ -272,13 +278,25 @@ if has peers && ! has bench; then
   tail -40 "$OUT/peers.txt" >> "$OUT/summary.txt"
 fi
 
-if has accuracy && ! has bench && ! has peers; then
-  # peers.py's accuracy part alone (bench and peers run it too).
+if has accuracy; then
+  # peers.py's accuracy part (DeepGEMM's |x - ref| / M on random v32 data), its problem
+  # written to $OUT/accuracy_problem.safetensors; then ours on the same problem at both
+  # precisions (`dsa-indexer logits --device cuda --precision P`), each measured the same
+  # way beside DeepGEMM's (or $OURS, a file of other logits of that problem).
   log "peers accuracy"
   install_wheels
+  prob="$OUT/accuracy_problem.safetensors"
   PYTHONUNBUFFERED=1 timeout 300 python3 benches/peers.py --accuracy-only \
-    --accuracy-save "$OUT/accuracy_problem.safetensors" ${OURS:+--ours "$OURS"} > "$OUT/accuracy.txt" 2>&1
+    --accuracy-save "$prob" ${OURS:+--ours "$OURS"} > "$OUT/accuracy.txt" 2>&1
   echo "accuracy rc=$?" | tee -a "$OUT/summary.txt"
+  for p in full fast; do
+    if [ -s "$prob" ] && timeout 120 $B/dsa-indexer logits "$prob" --device cuda --precision $p \
+        --out "$OUT/ours_$p.safetensors" >> "$OUT/accuracy.txt" 2>&1; then
+      PYTHONUNBUFFERED=1 timeout 300 python3 benches/peers.py --accuracy-only \
+        --ours "$OUT/ours_$p.safetensors" 2>&1 | sed "s/\"peer\": \"ours\"/\"peer\": \"ours ($p)\"/" >> "$OUT/accuracy.txt"
+      rm -f "$OUT/ours_$p.safetensors"
+    fi
+  done
   grep '^{' "$OUT/accuracy.txt" > "$OUT/accuracy.jsonl"
   grep '"mode": "accuracy"' "$OUT/accuracy.jsonl" | tee -a "$OUT/summary.txt"
 fi
@@ -294,13 +312,9 @@ if has pyengine; then
   grep -vE '^\{' "$OUT/deepgemm_check.txt" | head -20 | tee -a "$OUT/summary.txt"
   log "pyengine: pytest python/tests"
   [ -x $B/dsa-indexer ] && export DSA_INDEXER_BIN="$PWD/$B/dsa-indexer"
-  # The CUDA wheel (python/build_wheel.sh .whl-cuda --features cuda), carried beside
-  # .whl, replaces the CPU one; then a skip of a CUDA test is a failure.
+  # With the CUDA wheel installed (install_wheels), a skip of a CUDA test is a failure.
   req=0
-  if ls .whl-cuda/dsa_indexer-*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl-cuda/dsa_indexer-*.whl && export PYTHONPATH=/tmp/site && req=1
-  fi
+  ls .whl-cuda/dsa_indexer-*.whl > /dev/null 2>&1 && req=1
   DSA_REQUIRE_GPU=$req timeout 300 python3 -m pytest -q -rf -p no:cacheprovider python/tests > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?" | tee -a "$OUT/summary.txt"
   tail -3 "$OUT/pytest.txt" | tee -a "$OUT/summary.txt"

@@ -120,7 +120,7 @@ def kv_cells(kv_bytes, t):
     return f"{gbs:.0f}", f"{100.0 * gbs / KV_COPY_CEILING_GBS:.1f} %"
 
 
-def label(o):
+def heading(o):
     """A workload's name, with `, fast precision` when ours ran in the fast mode."""
     return o["name"] + (", fast precision" if o.get("precision") == "fast" else "")
 
@@ -131,8 +131,8 @@ def decode_table(o, peers):
     kv = o.get("kv_bytes")
     e2e, lg, sel = o.get("median_ms"), o.get("logits_ms"), o.get("select_ms")
     lines = [
-        f"### {label(o)} (decode: {o.get('requests', '?')} requests x {o.get('next_n', '?')} rows, "
-        f"pages of {o.get('page_size', '?')}; KV floor {kv / 1e6:.1f} MB)" if isinstance(kv, (int, float)) else f"### {label(o)} (decode)",
+        f"### {heading(o)} (decode: {o.get('requests', '?')} requests x {o.get('next_n', '?')} rows, "
+        f"pages of {o.get('page_size', '?')}; KV floor {kv / 1e6:.1f} MB)" if isinstance(kv, (int, float)) else f"### {heading(o)} (decode)",
         "",
         "| part | median ms | KV GB/s | of 4.3 TB/s | peer / ours |",
         "|---|---|---|---|---|",
@@ -227,7 +227,7 @@ def table(o, peers):
     conv = peers.get(pw, "", "fp4_to_fp8_total")
     conv_ms = conv.get("median_ms") if conv and "error" not in conv else None
     lines = []
-    head = f"### {label(o)}"
+    head = f"### {heading(o)}"
     if pw != name:
         head += f" (peers: the {pw} shape)"
     if mode:

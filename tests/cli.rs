@@ -876,3 +876,48 @@ fn bad_paged_and_decode_options_exit_2() {
         assert!(se.contains(words), "{args:?}: {se}");
     }
 }
+
+/// `logits` on the CPU writes the dump back with the fast engine's logits, which equal
+/// the reference's bitwise (gen's `expected_logits`); the fast precision is a CUDA mode,
+/// refused on the CPU with exit 2 naming it.
+#[test]
+fn logits_writes_the_devices_logits_into_the_dump() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = gen(
+        dir.path(),
+        "v32.safetensors",
+        &["--preset", "small", "--logits", "yes"],
+    );
+    let dst = dir.path().join("ours.safetensors");
+    let (code, so, se) = run(&[
+        "logits",
+        src.to_str().unwrap(),
+        "--out",
+        dst.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{so}{se}");
+    let j: serde_json::Value = serde_json::from_str(so.trim()).unwrap();
+    let (a, b) = (
+        Dump::from_bytes(&std::fs::read(&src).unwrap()).unwrap(),
+        Dump::from_bytes(&std::fs::read(&dst).unwrap()).unwrap(),
+    );
+    let (want, got) = (a.expected.logits.unwrap(), b.expected.logits.unwrap());
+    assert_eq!(j["logits"].as_u64(), Some(want.len() as u64));
+    assert!(
+        want.iter()
+            .map(|x| x.to_bits())
+            .eq(got.iter().map(|x| x.to_bits())),
+        "the CPU's logits differ from the reference's"
+    );
+    assert_eq!(b.expected.raw, a.expected.raw, "the other tensors are kept");
+    let (code, _, se) = run(&[
+        "logits",
+        src.to_str().unwrap(),
+        "--out",
+        dst.to_str().unwrap(),
+        "--precision",
+        "fast",
+    ]);
+    assert_eq!(code, 2, "{se}");
+    assert!(se.contains("--precision fast"), "{se}");
+}

@@ -15,6 +15,8 @@ mod errors;
 mod bench;
 #[path = "cli/gen.rs"]
 mod gen;
+#[path = "cli/logits.rs"]
+mod logits;
 #[path = "cli/plan.rs"]
 mod plan;
 #[path = "cli/replay.rs"]
@@ -40,7 +42,7 @@ use workload::Shape;
 #[command(
     name = "dsa-indexer",
     version,
-    about = "The indexer of DeepSeek sparse attention under a memory budget: run, gen, replay, plan, bench",
+    about = "The indexer of DeepSeek sparse attention under a memory budget: run, gen, replay, plan, bench, logits",
     after_help = "Exit codes: 0 success, 1 replay found a difference, 2 bad input, \
                   3 no GPU, a CUDA or NVRTC failure, or an I/O error (docs/cli.md)."
 )]
@@ -70,6 +72,10 @@ enum Cmd {
     /// Benchmark the logits + top-k driver on a preset: median time and effective TFLOP/s;
     /// or, with `--device cuda WORKLOAD ...`, the named GPU workloads as JSON lines (`--json`).
     Bench(bench::BenchArgs),
+    /// Compute a dump's logits on a device (`--device cuda --precision fast`: the fast
+    /// mode) and write the dump with them as its `expected_logits`, to set one device's
+    /// arithmetic beside another's on the same inputs.
+    Logits(logits::LogitsArgs),
 }
 
 /// Where the indexer runs.
@@ -477,6 +483,7 @@ fn main() {
         }),
         Cmd::Plan(a) => plan::cmd_plan(a),
         Cmd::Bench(a) => bench::cmd_bench(a),
+        Cmd::Logits(a) => logits::cmd_logits(a),
     };
     match res {
         Ok(code) => std::process::exit(code),
