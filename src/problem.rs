@@ -216,6 +216,26 @@ impl Params {
 /// Largest `K` the reference accepts: its top-k keeps `K` entries per row in flight.
 pub const MAX_TOPK: usize = 1 << 16;
 
+/// Widest `page` row (SPEC 8): `page_cols` past it is an error, not an allocation of
+/// `T x page_cols` ids (the default, `K` rounded up to 64, never reaches it).
+pub const MAX_PAGE_COLS: usize = 1 << 16;
+const _: () = assert!(MAX_PAGE_COLS == 65536, "page_cols_for's message says 65536");
+
+/// The width of `page` for `K = topk` (SPEC 5): `page_cols`, which must lie in
+/// `topk ..= MAX_PAGE_COLS`, or by default `K` rounded up to a multiple of 64.
+pub fn page_cols_for(topk: usize, page_cols: Option<usize>) -> Result<usize> {
+    match page_cols {
+        Some(c) if c < topk => Err(Error::range("page_cols", c, "page_cols >= topk")),
+        Some(c) if c > MAX_PAGE_COLS => Err(Error::range(
+            "page_cols",
+            c,
+            "page_cols <= 65536",
+        )),
+        Some(c) => Ok(c),
+        None => Ok(topk.div_ceil(64) * 64),
+    }
+}
+
 /// A validated layer-forward: a batch, its inputs, parameters and role.
 #[derive(Debug, Clone, Copy)]
 pub struct Problem<'a> {
@@ -357,13 +377,7 @@ impl<'a> Problem<'a> {
         if params.topk == 0 || params.topk > MAX_TOPK {
             return Err(Error::range("topk", params.topk, "1 ..= 65536"));
         }
-        let page_cols = match params.page_cols {
-            Some(c) if c < params.topk => {
-                return Err(Error::range("page_cols", c, "page_cols >= topk"))
-            }
-            Some(c) => c,
-            None => params.topk.div_ceil(64) * 64,
-        };
+        let page_cols = page_cols_for(params.topk, params.page_cols)?;
         if params.block_size == 0 {
             return Err(Error::range("block_size", 0, "block_size >= 1"));
         }

@@ -218,6 +218,22 @@ fn parameters() {
         "page_cols",
         "3",
     );
+    // A page row past 65536 ids is refused, not allocated as T x page_cols (a dump found
+    // by the dump_struct fuzz target asked for 63 GB of them).
+    for wide in [65537usize, 1 << 31] {
+        names(
+            o.problem(
+                o.inputs(),
+                Params {
+                    page_cols: Some(wide),
+                    ..Params::new(4)
+                },
+                Role::Plain,
+            ),
+            "page_cols",
+            &wide.to_string(),
+        );
+    }
     names(
         o.problem(
             o.inputs(),
@@ -715,8 +731,8 @@ fn negative_infinite_weight_is_an_error_on_the_host_path() {
 /// `T * H * D` overflows usize only when `T >= 2^51` (`H * D <= 2^13`). Rows are
 /// materialised, so a batch of that many rows is refused as an overflow of `rows T`
 /// before any tensor is sized, contiguous or split over requests. The output sizes a
-/// caller's parameters set, `T * page_cols` and (for a source) `T * NB`, are checked
-/// the same way.
+/// caller's parameters set are checked too: `page_cols` past 65536 is refused by name
+/// (so `T * page_cols` cannot overflow), and (for a source) `T * NB` as an overflow.
 #[test]
 fn sizes_that_overflow_with_the_row_count() {
     let t = usize::MAX / (64 * 128) + 1;
@@ -740,7 +756,10 @@ fn sizes_that_overflow_with_the_row_count() {
             Role::Plain,
         )
         .unwrap_err();
-    assert_eq!(e.to_string(), "page [T, page_cols]: size overflows usize");
+    assert_eq!(
+        e.to_string(),
+        format!("page_cols = {}: page_cols <= 65536", usize::MAX / 4)
+    );
     let e = o
         .problem(
             o.inputs(),

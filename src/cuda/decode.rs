@@ -433,13 +433,7 @@ fn check_decode_shape(shape: &DecodeShape) -> Result<()> {
     if shape.topk == 0 || shape.topk > MAX_TOPK {
         return Err(Error::range("topk", shape.topk, "1 ..= 65536"));
     }
-    if shape.page_width() < shape.topk {
-        return Err(Error::range(
-            "page_cols",
-            shape.page_width(),
-            "page_cols >= topk",
-        ));
-    }
+    crate::problem::page_cols_for(shape.topk, shape.page_cols)?;
     if shape.max_context >= (1usize << 31) {
         return Err(Error::range(
             "max_context",

@@ -408,13 +408,7 @@ fn check_params(params: &Params, source_tail: Option<Option<usize>>) -> Result<u
     if params.topk == 0 {
         return Err(Error::range("topk", 0, "1 ..= 65536"));
     }
-    let page_cols = match params.page_cols {
-        Some(c) if c < params.topk => {
-            return Err(Error::range("page_cols", c, "page_cols >= topk"))
-        }
-        Some(c) => c,
-        None => params.topk.div_ceil(64) * 64,
-    };
+    let page_cols = crate::problem::page_cols_for(params.topk, params.page_cols)?;
     if params.block_size == 0 {
         return Err(Error::range("block_size", 0, "block_size >= 1"));
     }
