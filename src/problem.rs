@@ -219,7 +219,25 @@ pub const MAX_TOPK: usize = 1 << 16;
 /// Widest `page` row (SPEC 8): `page_cols` past it is an error, not an allocation of
 /// `T x page_cols` ids (the default, `K` rounded up to 64, never reaches it).
 pub const MAX_PAGE_COLS: usize = 1 << 16;
-const _: () = assert!(MAX_PAGE_COLS == 65536, "page_cols_for's message says 65536");
+const _: () = assert!(
+    MAX_PAGE_COLS == 65536 && MAX_NUM_BLOCKS == 65536,
+    "the messages say 65536"
+);
+
+/// Most candidate blocks kept per published row (SPEC 8): `NB` past it is an error, not
+/// an allocation of `rows x NB` block ids (the model's `NB` is 2048).
+pub const MAX_NUM_BLOCKS: usize = 1 << 16;
+
+/// `NB` must lie in `1 ..= MAX_NUM_BLOCKS`; an error naming `num_blocks` otherwise.
+pub fn check_num_blocks(num_blocks: usize) -> Result<()> {
+    if num_blocks == 0 {
+        return Err(Error::range("num_blocks", 0, "num_blocks >= 1"));
+    }
+    if num_blocks > MAX_NUM_BLOCKS {
+        return Err(Error::range("num_blocks", num_blocks, "num_blocks <= 65536"));
+    }
+    Ok(())
+}
 
 /// The width of `page` for `K = topk` (SPEC 5): `page_cols`, which must lie in
 /// `topk ..= MAX_PAGE_COLS`, or by default `K` rounded up to a multiple of 64.
@@ -381,9 +399,7 @@ impl<'a> Problem<'a> {
         if params.block_size == 0 {
             return Err(Error::range("block_size", 0, "block_size >= 1"));
         }
-        if params.num_blocks == 0 {
-            return Err(Error::range("num_blocks", 0, "num_blocks >= 1"));
-        }
+        check_num_blocks(params.num_blocks)?;
         // Output sizes must be addressable.
         crate::error::mul(t, page_cols, "page [T, page_cols]")?;
         crate::error::mul(crate::error::mul(t, heads, "q")?, dim, "q")?;

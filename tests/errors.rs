@@ -219,8 +219,21 @@ fn parameters() {
         "3",
     );
     // A page row past 65536 ids is refused, not allocated as T x page_cols (a dump found
-    // by the dump_struct fuzz target asked for 63 GB of them).
+    // by the dump_struct fuzz target asked for 63 GB of them); so is a published row of
+    // more than 65536 blocks.
     for wide in [65537usize, 1 << 31] {
+        names(
+            o.problem(
+                o.inputs(),
+                Params {
+                    num_blocks: wide,
+                    ..Params::new(4)
+                },
+                Role::Source { tail: None },
+            ),
+            "num_blocks",
+            &wide.to_string(),
+        );
         names(
             o.problem(
                 o.inputs(),
@@ -731,8 +744,8 @@ fn negative_infinite_weight_is_an_error_on_the_host_path() {
 /// `T * H * D` overflows usize only when `T >= 2^51` (`H * D <= 2^13`). Rows are
 /// materialised, so a batch of that many rows is refused as an overflow of `rows T`
 /// before any tensor is sized, contiguous or split over requests. The output sizes a
-/// caller's parameters set are checked too: `page_cols` past 65536 is refused by name
-/// (so `T * page_cols` cannot overflow), and (for a source) `T * NB` as an overflow.
+/// caller's parameters set are checked too: `page_cols` and `NB` past 65536 are refused
+/// by name, so `T * page_cols` and (for a source) `T * NB` cannot overflow.
 #[test]
 fn sizes_that_overflow_with_the_row_count() {
     let t = usize::MAX / (64 * 128) + 1;
@@ -770,7 +783,10 @@ fn sizes_that_overflow_with_the_row_count() {
             Role::Source { tail: None },
         )
         .unwrap_err();
-    assert_eq!(e.to_string(), "published [rows, NB]: size overflows usize");
+    assert_eq!(
+        e.to_string(),
+        format!("num_blocks = {}: num_blocks <= 65536", usize::MAX / 4)
+    );
 }
 
 /// SPEC 5: without `page_cols`, `page` is `K` rounded up to a multiple of 64 wide:

@@ -412,9 +412,7 @@ fn check_params(params: &Params, source_tail: Option<Option<usize>>) -> Result<u
     if params.block_size == 0 {
         return Err(Error::range("block_size", 0, "block_size >= 1"));
     }
-    if params.num_blocks == 0 {
-        return Err(Error::range("num_blocks", 0, "num_blocks >= 1"));
-    }
+    crate::problem::check_num_blocks(params.num_blocks)?;
     if let Some(Some(0)) = source_tail {
         return Err(Error::range("tail", 0, "tail >= 1"));
     }
