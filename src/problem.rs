@@ -234,7 +234,11 @@ pub fn check_num_blocks(num_blocks: usize) -> Result<()> {
         return Err(Error::range("num_blocks", 0, "num_blocks >= 1"));
     }
     if num_blocks > MAX_NUM_BLOCKS {
-        return Err(Error::range("num_blocks", num_blocks, "num_blocks <= 65536"));
+        return Err(Error::range(
+            "num_blocks",
+            num_blocks,
+            "num_blocks <= 65536",
+        ));
     }
     Ok(())
 }
@@ -244,11 +248,7 @@ pub fn check_num_blocks(num_blocks: usize) -> Result<()> {
 pub fn page_cols_for(topk: usize, page_cols: Option<usize>) -> Result<usize> {
     match page_cols {
         Some(c) if c < topk => Err(Error::range("page_cols", c, "page_cols >= topk")),
-        Some(c) if c > MAX_PAGE_COLS => Err(Error::range(
-            "page_cols",
-            c,
-            "page_cols <= 65536",
-        )),
+        Some(c) if c > MAX_PAGE_COLS => Err(Error::range("page_cols", c, "page_cols <= 65536")),
         Some(c) => Ok(c),
         None => Ok(topk.div_ceil(64) * 64),
     }

@@ -342,6 +342,13 @@ pub fn logits_tiles_per_block() -> usize {
     define_in("LG_PER_BLOCK", 1..=1024).unwrap_or(LOGITS_TILES_PER_BLOCK)
 }
 
+/// Rows per SM below which a tile's top-k splits each row across blocks: 1, or a
+/// `TK_SPLIT_ROWS=` override (1..=8) in `$DSA_CUDA_DEFINES` (`tuning` feature; a
+/// host-side number: the split's scratch grows with it).
+pub fn topk_split_rows_per_sm() -> usize {
+    define_in("TK_SPLIT_ROWS", 1..=8).unwrap_or(1)
+}
+
 /// Rows of at most this many keys select from shared memory (the row's keys, 4 bytes
 /// each, in the top-k block's dynamic shared memory): `topk.cu`'s shared-memory row.
 pub const TOPK_SHORT_CAP: usize = 16384;
