@@ -122,12 +122,19 @@ pub(super) struct TileGeom {
     pub(super) max_n: usize,
 }
 
-/// Rows x segments of a tile whose top-k is split across blocks (tiles of fewer than
-/// [`split_rows`] rows) on a GPU of `sms` SMs: at most this many segment selections of
-/// `K` ids each (two per row the split serves).
+/// Rows x segments of a tile whose top-k is split across blocks on a GPU of `sms` SMs
+/// ([`split_segments`]): at most this many segment selections of `K` ids each (two per
+/// row of a small tile, or two segments of each of fewer than four rows per SM).
 pub(super) fn split_segments_cap(sms: usize) -> usize {
-    2 * split_rows(sms)
+    (2 * split_rows(sms)).max(LONG_SPLIT_ROWS_PER_SM * 2 * sms)
 }
+/// Tiles of fewer than this many rows per SM whose rows reach [`LONG_SPLIT_KEYS`] keys
+/// split each row into two segments.
+const LONG_SPLIT_ROWS_PER_SM: usize = 4;
+/// Keys of a segment of a long row ([`split_segments`]): rows of at least twice this
+/// split in two (v41-1m at 2 GiB: tiles of 512 rows of a million keys, where the rows
+/// the sampled threshold misjudges twice held the tile's one block per row).
+pub(super) const LONG_SPLIT_KEYS: usize = 1 << 18;
 /// The path counters on the device: the top-k's, then the logits kernels'.
 pub(super) const PATHS_BYTES: usize = (kernels::TOPK_PATHS.len() + kernels::LOGITS_PATHS.len()) * 4;
 /// Tiles with fewer rows than this (one per SM of a GPU of `sms` SMs, or
@@ -156,15 +163,24 @@ pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
 }
 
 /// Segments per row for a tile of `rows` rows whose longest row has `max_n` keys on a
-/// GPU of `sms` SMs (1: no split). Each segment keeps at least 8 K keys.
+/// GPU of `sms` SMs (1: no split): a tile of fewer than [`split_rows`] rows splits its
+/// rows into up to 16 segments of at least 8 K keys, two segment selections per such
+/// row and SM; a tile of fewer than four rows per SM splits rows of at least
+/// `2 * LONG_SPLIT_KEYS` keys in two.
 pub(super) fn split_segments(rows: usize, max_n: usize, topk: usize, sms: usize) -> usize {
-    if rows == 0 || rows >= split_rows(sms) {
+    if rows == 0 {
         return 1;
     }
-    (split_segments_cap(sms) / rows)
-        .min(16)
-        .min(max_n / (8 * topk.max(1)))
-        .max(1)
+    if rows < split_rows(sms) {
+        return (2 * split_rows(sms) / rows)
+            .min(16)
+            .min(max_n / (8 * topk.max(1)))
+            .max(1);
+    }
+    if rows < LONG_SPLIT_ROWS_PER_SM * sms && max_n >= 2 * LONG_SPLIT_KEYS && max_n >= 16 * topk {
+        return 2;
+    }
+    1
 }
 
 /// The shared-memory row capacity (keys) of a tile's short-row top-k launch: the longest
@@ -432,25 +448,34 @@ mod tests {
                 }
             }
             assert!(split_segments(64, 1 << 20, 512, sms) > 1);
-            assert_eq!(split_segments(split_rows(sms), 1 << 20, 512, sms), 1);
+            assert_eq!(split_segments(split_rows(sms), 1 << 17, 512, sms), 1);
+            assert_eq!(split_segments(4 * sms, 1 << 20, 512, sms), 1);
         }
     }
 
-    /// The split geometry follows the GPU's SM count: on an H200 two segment
-    /// selections per SM (264) and tiles of fewer than 132 rows split.
+    /// The split geometry follows the GPU's SM count: on an H200 tiles of fewer than 132
+    /// rows split, two segment selections per row and SM; tiles of fewer than 528 rows
+    /// split rows of a million keys in two (scratch for 1056 selections).
     #[test]
     fn split_geometry_scales_with_the_sm_count() {
         #[cfg(feature = "tuning")]
         if std::env::var("DSA_CUDA_DEFINES").is_ok() {
             return; // TK_SPLIT_ROWS changes the figures on purpose
         }
-        assert_eq!(split_segments_cap(H200_SMS), 264);
+        assert_eq!(split_segments_cap(H200_SMS), 1056);
         assert_eq!(split_rows(H200_SMS), 132);
-        assert_eq!(split_segments_cap(H100_PCIE_SMS), 228);
+        assert_eq!(split_segments_cap(H100_PCIE_SMS), 912);
         assert_eq!(split_rows(H100_PCIE_SMS), 114);
-        // 120 rows: split on an H200 (264 / 120 = 2 segments), not on an H100 PCIe.
-        assert_eq!(split_segments(120, 1 << 20, 512, H200_SMS), 2);
-        assert_eq!(split_segments(120, 1 << 20, 512, H100_PCIE_SMS), 1);
+        // v41-1m at 2 GiB (tiles of 512 rows, K = 512) in two; at 256 MiB (64 rows) as
+        // before, in four; a V3.2 MTP decode batch (256 rows of 131,072 keys) not at all.
+        assert_eq!(split_segments(512, 1 << 20, 512, H200_SMS), 2);
+        assert_eq!(split_segments(64, 1 << 20, 512, H200_SMS), 4);
+        assert_eq!(split_segments(256, 131_072, 2048, H200_SMS), 1);
+        // 120 rows of 64K keys: split on an H200 (264 / 120 = 2 segments), not on an H100
+        // PCIe; of a million keys, in two on both (fewer than four rows per SM).
+        assert_eq!(split_segments(120, 1 << 16, 512, H200_SMS), 2);
+        assert_eq!(split_segments(120, 1 << 16, 512, H100_PCIE_SMS), 1);
+        assert_eq!(split_segments(120, 1 << 20, 512, H100_PCIE_SMS), 2);
     }
 
     #[test]
@@ -499,7 +524,7 @@ mod tests {
         assert_eq!(fp.align, ROW_ALIGN);
         assert_eq!(
             fp.worker_bytes,
-            1000 * META_BYTES_PER_ROW + 2 * H200_SMS * 512 * 4 + PATHS_BYTES
+            1000 * META_BYTES_PER_ROW + 8 * H200_SMS * 512 * 4 + PATHS_BYTES
         );
         assert_eq!(fp.row_bytes(17), 32 * 4);
     }
