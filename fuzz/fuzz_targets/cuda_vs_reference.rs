@@ -9,6 +9,10 @@
 //! reference's selection from the device's own logits (SPEC 5: same scores, same
 //! selection), and bitwise the same under both budgets. Defective inputs must come back
 //! as `Error`. No GPU is a failure at the first input, not a pass.
+//!
+//! `DSA_FUZZ_PRECISION=fast` runs the backend in the fast precision
+//! (`cuda::Precision::Fast`: E4M3 x E4M3 at H = 64 on fp8 `wgmma`) and holds it to the
+//! bound SPEC 4 states for it, through the same `cuda::logit_bound`.
 #![no_main]
 
 use arbitrary::{Arbitrary, Unstructured};
@@ -20,9 +24,19 @@ use libfuzzer_sys::fuzz_target;
 
 struct Cuda(CudaBackend);
 
-/// The bound the backend states for its production kernels (no test hook).
+/// The precision under test: `$DSA_FUZZ_PRECISION` (`full`, the default, or `fast`).
+fn precision() -> cuda::Precision {
+    static P: std::sync::OnceLock<cuda::Precision> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        let name = std::env::var("DSA_FUZZ_PRECISION").unwrap_or_else(|_| "full".into());
+        cuda::Precision::parse(&name).unwrap_or_else(|e| panic!("DSA_FUZZ_PRECISION: {e}"))
+    })
+}
+
+/// The bound the backend states for its production kernels (no test hook) at the
+/// precision under test.
 fn production_bound(p: &Problem, i: usize, j: usize, m: f64) -> f64 {
-    cuda::logit_bound(p, i, j, m, cuda::Hooks::default(), cuda::Precision::Full)
+    cuda::logit_bound(p, i, j, m, cuda::Hooks::default(), precision())
 }
 
 impl Subject for Cuda {
@@ -44,7 +58,9 @@ impl Subject for Cuda {
 
 thread_local! {
     static DEVICE: std::cell::RefCell<Cuda> = std::cell::RefCell::new(Cuda(
-        CudaBackend::new().unwrap_or_else(|e| panic!("cuda_vs_reference needs a CUDA GPU: {e}")),
+        CudaBackend::new()
+            .unwrap_or_else(|e| panic!("cuda_vs_reference needs a CUDA GPU: {e}"))
+            .with_precision(precision()),
     ));
 }
 
