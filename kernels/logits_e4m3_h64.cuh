@@ -105,3 +105,34 @@ __device__ __forceinline__ void h64_keys(u32 (&raw)[2][H64_WORDS], float (&ksc)[
     }
   }
 }
+
+// The block's two rows of weights into sw, and whether the block sums its heads in
+// SPEC 4's order: a row whose largest |w_h| reaches 2^96 may overflow a term or a partial
+// sum of its head sum (|a_h| < D * 448^2 < 2^25, 64 terms; fp8 wgmma's accumulator cuts
+// toward zero, so the same holds there). Where anything overflows, IEEE's inf and NaN
+// depend on the order of the steps, so such a block sums its heads in SPEC 4's order
+// (two_row_head_sum); below, no step of either order overflows, and the fma chain is
+// within the tolerance class's bound. Returns this thread's part of that test: the
+// caller ORs it over the block at its barrier (__syncthreads_or).
+__device__ __forceinline__ bool h64_stage_weights(float (*sw)[H], const float *w, const uint4 grp,
+                                                  const int tid) {
+  bool big_w = false;
+  for (int t = tid; t < H64_ROWS * H; t += H64_THREADS) {
+    const float wt = w[(u64)(grp.x + min((u32)(t / H), grp.y - 1)) * H + t % H];
+    sw[t / H][t % H] = wt;
+    big_w = big_w || !(fabsf(wt) < 0x1p96f);
+  }
+  return big_w;
+}
+
+// acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8): the
+// head sum over the eight n-tiles of each row, in SPEC 4's order when spec_order.
+__device__ __forceinline__ float h64_head_sum(const float (&acc)[64], const float (*sw)[H],
+                                              const bool spec_order, const int tig, const bool odd,
+                                              const bool hi) {
+  if (spec_order) return two_row_head_sum<8>(acc, sw, tig, odd, hi);
+  float p[2][2];
+  tol_lane_heads(&acc[0], sw[0], tig, p[0][0], p[0][1]);
+  tol_lane_heads(&acc[32], sw[1], tig, p[1][0], p[1][1]);
+  return tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
+}

@@ -42,17 +42,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W16_MIN_BLOCKS) mqa_lo
   const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
-  // A row whose largest |w_h| reaches 2^96 may overflow a term or a partial sum of its
-  // head sum (|a_h| < D * 448^2 < 2^25, 64 terms). Where anything overflows, IEEE's inf and
-  // NaN depend on the order of the steps, so such a block sums its heads in SPEC 4's
-  // order (two_row_head_sum); below, no step of either order overflows, and the fma chain
-  // is within the tolerance class's bound.
-  bool big_w = false;
-  for (int t = tid; t < H64_ROWS * H; t += H64_THREADS) {
-    const float wt = w[(u64)row_of(t / H) * H + t % H];
-    sw[t / H][t % H] = wt;
-    big_w = big_w || !(fabsf(wt) < 0x1p96f);
-  }
+  const bool big_w = h64_stage_weights(sw, w, grp, tid);
   // B: column n (row n / H, head n % H), k16 step s: chunk 2s holds k = 0..7 (e = 0, 1 of
   // the four quad threads' words), chunk 2s + 1 holds k = 8..15 (e = 2, 3).
   for (int t = tid; t < H64_N * 4; t += H64_THREADS) {
@@ -100,15 +90,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W16_MIN_BLOCKS) mqa_lo
 
     // acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8);
     // the head sum over the eight n-tiles of each row, then the key scale.
-    float hsum;
-    if (spec_order) {
-      hsum = two_row_head_sum<8>(acc, sw, tig, odd, hi);
-    } else {
-      float p[2][2];
-      tol_lane_heads(&acc[0], sw[0], tig, p[0][0], p[0][1]);
-      tol_lane_heads(&acc[32], sw[1], tig, p[1][0], p[1][1]);
-      hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
-    }
+    const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }

@@ -50,14 +50,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
-  // A row whose largest |w_h| reaches 2^96 sums its heads in SPEC 4's order, as in
-  // mqa_logits_w16 (|a_h| < D * 448^2 < 2^25 here too: the accumulator cuts toward zero).
-  bool big_w = false;
-  for (int t = tid; t < H64_ROWS * H; t += H64_THREADS) {
-    const float wt = w[(u64)row_of(t / H) * H + t % H];
-    sw[t / H][t % H] = wt;
-    big_w = big_w || !(fabsf(wt) < 0x1p96f);
-  }
+  const bool big_w = h64_stage_weights(sw, w, grp, tid);
   for (int t = tid; t < H64_N * 4; t += H64_THREADS) {
     const int n = t / 4, tg = t % 4;
     u32 x[H64_WORDS];
@@ -100,15 +93,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(acc);
-    float hsum;
-    if (spec_order) {
-      hsum = two_row_head_sum<8>(acc, sw, tig, odd, hi);
-    } else {
-      float p[2][2];
-      tol_lane_heads(&acc[0], sw[0], tig, p[0][0], p[0][1]);
-      tol_lane_heads(&acc[32], sw[1], tig, p[1][0], p[1][1]);
-      hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
-    }
+    const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }
