@@ -405,6 +405,12 @@ impl Precision {
         }
     }
 
+    /// Whether [`Precision::Fast`] has a kernel of its own for `heads` heads and formats
+    /// `q` x `k` (E4M3 x E4M3 at `H = 64`); elsewhere it runs as [`Precision::Full`].
+    pub fn has_kernel(heads: usize, q: Format, k: Format) -> bool {
+        heads == 64 && q == Format::E4m3 && k == Format::E4m3
+    }
+
     /// The name [`Precision::parse`] takes.
     pub fn name(self) -> &'static str {
         match self {
@@ -462,7 +468,7 @@ impl Variant {
         paged: bool,
         precision: Precision,
     ) -> Variant {
-        let fast_kernel = heads == 64 && q == Format::E4m3 && k == Format::E4m3;
+        let fast_kernel = Precision::has_kernel(heads, q, k);
         Variant::Logits {
             heads,
             groups,
