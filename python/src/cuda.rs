@@ -117,6 +117,13 @@ fn precision_arg(v: &Bound<'_, PyAny>) -> Result<Precision> {
     }
 }
 
+/// An optional `precision` keyword: [`precision_arg`], or the default when absent.
+fn optional_precision(v: Option<&Bound<'_, PyAny>>) -> Result<Precision> {
+    v.map(precision_arg)
+        .transpose()
+        .map(Option::unwrap_or_default)
+}
+
 /// The name of precision `precision` (`"full"` or `"fast"`), or the crate's
 /// `ValueError` naming `precision` and the value: the wrappers' check before any device
 /// work.
@@ -194,8 +201,7 @@ pub fn decode(
     guard(|| {
         let cs = CurrentStream(stream);
         let ve = to_py;
-        let precision = precision.map(precision_arg).transpose().map_err(ve)?;
-        let precision = precision.unwrap_or_default();
+        let precision = optional_precision(precision).map_err(ve)?;
         let q = need(args, "q", &cs)?;
         let q_scale = tensor(args, "q_scale", &cs)?;
         let weights = need(args, "weights", &cs)?;
@@ -420,8 +426,7 @@ pub fn index(
     guard(|| {
         let cs = CurrentStream(stream);
         let ve = to_py;
-        let precision = precision.map(precision_arg).transpose().map_err(ve)?;
-        let precision = precision.unwrap_or_default();
+        let precision = optional_precision(precision).map_err(ve)?;
         let layer = Layer::from_dict_on_device(args, &cs)?;
         let budget = crate::bytes_arg("budget", budget)?;
         let parts = layer.parts().map_err(ve)?;
