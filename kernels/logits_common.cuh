@@ -10,8 +10,8 @@
 //   score), else mqa_logits_wgr's tile (the int8_exact hook; off by default);
 // - mqa_logits_w16.cu: mqa_logits_w16, E4M3 x E4M3 for H = 64 on f16 wgmma (f32
 //   accumulation);
-// - mqa_logits_w8.cu: mqa_logits_w8, the same on fp8 wgmma (W8=1: it misses SPEC 4's
-//   bound on subnormal operands, see there).
+// - mqa_logits_w8.cu: mqa_logits_w8, the same on fp8 wgmma with chained k32 steps: the
+//   opt-in fast precision, held to SPEC 4's fast-mode bound (see there).
 // The two H = 64 kernels share logits_e4m3_h64.cuh, the two H = 32 ones logits_wgr.cuh.
 //
 // Every kernel takes the same arguments (mqa_logits_mma.cu names them) and computes
