@@ -2283,9 +2283,17 @@ fn engine_api_takes_device_inputs_on_the_callers_stream() {
         weights: w.as_view(),
         k_slots: None,
     };
-    let out = engine
-        .run_device(&c.batch, &inputs, Params::new(8), None, None, 1 << 12)
-        .unwrap();
+    let out = run_device_both_ways(
+        &stream,
+        &engine,
+        &c.batch,
+        &inputs,
+        Params::new(8),
+        None,
+        None,
+        1 << 12,
+    )
+    .unwrap();
     assert!(out.plan.tiles.len() > 1, "several tiles");
     assert!(out.measured_peak <= out.plan.peak.total());
     let raw = stream.clone_dtoh(&out.raw).unwrap();
@@ -2376,7 +2384,16 @@ fn engine_paged(
         ),
     };
     let cview = cand.as_ref().map(|c| c.as_view());
-    let out = engine.run_device(p.batch, &inputs, params, tail, cview.as_ref(), 1 << 16)?;
+    let out = run_device_both_ways(
+        stream,
+        engine,
+        p.batch,
+        &inputs,
+        params,
+        tail,
+        cview.as_ref(),
+        1 << 16,
+    )?;
     Ok((
         stream.clone_dtoh(&out.raw).unwrap(),
         stream.clone_dtoh(&out.page).unwrap(),
@@ -2758,8 +2775,114 @@ impl EngineCase {
             weights: w.slice(view(self.w.len())),
             k_slots: slots.as_ref().map(|s| s.slice(view(s.len() - lead - 1))),
         };
-        engine.run_device(&self.batch, &inputs, Params::new(4), None, None, 1 << 20)
+        run_device_both_ways(
+            stream,
+            engine,
+            &self.batch,
+            &inputs,
+            Params::new(4),
+            None,
+            None,
+            1 << 20,
+        )
     }
+}
+
+/// [`cuda::Engine::run_device`] on `inputs`, and the same layer through
+/// [`cuda::Engine::prepare_device`] and [`cuda::DeviceRun::launch`] into the caller's
+/// buffers: outputs prefilled with garbage, a workspace of exactly
+/// [`cuda::DeviceRun::workspace_bytes`] between guard bytes in a larger buffer. The two
+/// give the same outputs bitwise (or the same error); the launch allocates nothing
+/// (the engine's allocation count stays put) and writes nothing outside its workspace.
+/// Returns `run_device`'s result.
+#[allow(clippy::too_many_arguments)]
+fn run_device_both_ways(
+    stream: &Arc<CudaStream>,
+    engine: &cuda::Engine,
+    batch: &Batch,
+    inputs: &cuda::DeviceInputs<'_>,
+    params: Params,
+    tail: Option<Option<usize>>,
+    cands: Option<&cudarc::driver::CudaView<'_, i32>>,
+    budget: usize,
+) -> dsa_indexer::Result<cuda::DeviceOutput> {
+    let own = engine.run_device(batch, inputs, params, tail, cands, budget);
+    let caller = (|| {
+        let r = engine.prepare_device(batch, inputs, params, tail, cands, budget)?;
+        let ws = r.workspace_bytes();
+        assert_eq!(ws % cuda::WORKSPACE_ALIGN, 0, "workspace bytes aligned");
+        let (nraw, npage, npub) = r.output_lens();
+        let mut raw = stream
+            .clone_htod(&vec![0x5A5A_5A5Ai32; nraw.max(1)])
+            .unwrap();
+        let mut page = stream
+            .clone_htod(&vec![0x5A5A_5A5Ai32; npage.max(1)])
+            .unwrap();
+        let mut published = stream
+            .clone_htod(&vec![0x5A5A_5A5Ai32; npub.max(1)])
+            .unwrap();
+        let guard = cuda::WORKSPACE_ALIGN;
+        let mut wbuf = stream.clone_htod(&vec![0xABu8; ws + 2 * guard]).unwrap();
+        let before = engine.allocated_bytes();
+        let info = {
+            let mut raw_v = raw.slice_mut(..nraw);
+            let mut page_v = page.slice_mut(..npage);
+            let mut pub_v = published.slice_mut(..npub);
+            let mut ws_v = wbuf.slice_mut(guard..guard + ws);
+            r.launch(
+                &mut raw_v,
+                &mut page_v,
+                tail.is_some().then_some(&mut pub_v),
+                &mut ws_v,
+            )?
+        };
+        assert_eq!(
+            engine.allocated_bytes(),
+            before,
+            "the launch allocates nothing"
+        );
+        let wh = stream.clone_dtoh(&wbuf).unwrap();
+        assert!(
+            wh[..guard]
+                .iter()
+                .chain(&wh[guard + ws..])
+                .all(|&b| b == 0xAB),
+            "nothing written outside the workspace"
+        );
+        assert!(info.measured_peak <= ws);
+        let back = |b: &CudaSlice<i32>, n: usize| stream.clone_dtoh(b).unwrap()[..n].to_vec();
+        Ok((
+            back(&raw, nraw),
+            back(&page, npage),
+            tail.map(|_| back(&published, npub)),
+        ))
+    })();
+    match (&own, &caller) {
+        (Ok(o), Ok((raw, page, published))) => {
+            let back = |b: &CudaSlice<i32>| stream.clone_dtoh(b).unwrap();
+            assert_eq!(
+                &back(&o.raw),
+                raw,
+                "raw: caller's buffers and the run's own"
+            );
+            assert_eq!(
+                &back(&o.page),
+                page,
+                "page: caller's buffers and the run's own"
+            );
+            if let (Some(a), Some(b)) = (&o.published, published) {
+                let a = back(a);
+                assert_eq!(&a[..b.len()], &b[..], "published");
+            }
+        }
+        (Err(a), Err(b)) => assert!(same_error(a, b), "errors {a:?} and {b:?}"),
+        (a, b) => panic!(
+            "run_device {:?} but prepare/launch {:?}",
+            a.as_ref().err(),
+            b.as_ref().err()
+        ),
+    }
+    own
 }
 
 /// Equal errors, with a `BadFloat`'s value compared by its bits (NaN payloads, -0).

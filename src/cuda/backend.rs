@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::alloc::Fill;
+use super::alloc::{Buf, Fill, Space};
 use super::device::{backend_err, drv, Device};
 use super::geometry::{check_shape, footprint, Paging, Shape, MAX_TOPK};
 use super::kernels::{self, Precision};
 use super::paths::{FoldCounts, TopkPaths};
-use super::run::{Run, Uploads};
+use super::run::{OutPlace, Run, Uploads};
 use crate::error::{Error, Result};
 use crate::indexer::{Backend, RowFootprint};
 use crate::plan::{Footprint, Plan};
@@ -109,7 +109,7 @@ impl CudaBackend {
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
             run.tile(&self.dev, t)?;
-            let Some(l) = run.logits.as_ref() else {
+            let Some(l) = run.logits.as_ref().and_then(Buf::owned) else {
                 continue;
             };
             let all = self
@@ -147,7 +147,7 @@ impl CudaBackend {
         let mut src = 0usize;
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
-            if let Some(l) = run.logits.as_mut() {
+            if let Some(l) = run.logits.as_mut().and_then(Buf::owned_mut) {
                 let mut host = vec![0f32; l.len()];
                 let mut off = 0usize;
                 for i in plan.tiles[t].rows.clone() {
@@ -223,7 +223,17 @@ impl CudaBackend {
         }
         let ptrs = up.ptrs(&dev.stream);
         let publishes = |i: usize| p.publishes(i);
-        let run = Run::begin(&self.dev, p.batch, shape, ptrs, up, plan, &publishes)?;
+        let run = Run::begin(
+            &self.dev,
+            &mut Space::Own,
+            OutPlace::Own,
+            p.batch,
+            shape,
+            ptrs,
+            up,
+            plan,
+            &publishes,
+        )?;
         self.peak = run.transient;
         self.run = Some(run);
         Ok(())
@@ -332,9 +342,9 @@ impl CudaBackend {
         let Some(run) = self.run.take() else {
             return Ok(None);
         };
-        let s = &self.dev.stream;
-        let copy = |d: &CudaSlice<i32>, h: &mut ndarray::Array2<i32>, what: &str| -> Result<()> {
-            let v = s.clone_dtoh(d).map_err(drv(what))?;
+        let dev = &self.dev;
+        let copy = |d: &Buf<i32>, h: &mut ndarray::Array2<i32>, what: &str| -> Result<()> {
+            let v = dev.read_back(d, what)?;
             let n = h.len();
             let dst = h
                 .as_slice_mut()
@@ -347,12 +357,9 @@ impl CudaBackend {
         if let (Some(d), Some(pb)) = (run.published.as_ref(), out.published.as_mut()) {
             copy(d, &mut pb.blocks, "copy published back")?;
         }
-        let c = s
-            .clone_dtoh(&run.paths)
-            .map_err(drv("copy path counters back"))?;
+        let c = dev.read_back(&run.paths, "copy path counters back")?;
         self.paths = TopkPaths::from_device(&c);
         self.folds = FoldCounts::from_device(&c[kernels::TOPK_PATHS.len()..]);
-        s.synchronize().map_err(drv("synchronize"))?;
         Ok(Some(run.into_uploads()))
     }
 }

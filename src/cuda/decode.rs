@@ -24,6 +24,7 @@ use cudarc::driver::{
     CudaFunction, CudaView, CudaViewMut, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
+use super::alloc::Space;
 use super::device::{drv, vptr};
 use super::engine::{
     check_len, paged_shapes, pool_shape, validate_values, DeviceInputs, DeviceKeys, DeviceQueries,
@@ -408,7 +409,7 @@ impl Engine {
             shape.max_pages,
             shape.page_size,
         )?;
-        validate_values(&self.dev, &batch, &di, Some(pg))
+        validate_values(&self.dev, &Space::Own, &batch, &di, Some(pg)).map(drop)
     }
 }
 

@@ -4,13 +4,13 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut};
 
-use super::alloc::Fill;
+use super::alloc::{Buf, Fill, Space, WORKSPACE_ALIGN};
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
 use super::geometry::{check_shape, footprint, Paging, Shape};
 use super::kernels::{self, Hooks, Precision};
-use super::run::{Ptrs, Run, Uploads};
+use super::run::{OutPlace, Ptrs, Run, Uploads};
 use super::validate::{validate, validate_paged, Checked, PagedView};
 use crate::batch::Batch;
 use crate::error::{Error, Result};
@@ -165,6 +165,9 @@ impl Engine {
     /// table. Their shapes are checked on the host, then (between the queries' and the
     /// weights' checks) the used page-table entries and the slots some request reads
     /// on the device, two more launches and one more wait; `page` reports pool slots.
+    ///
+    /// The outputs and the transient buffers are the backend's own allocations; a caller
+    /// whose framework owns the memory uses [`Engine::prepare_device`] instead.
     #[allow(clippy::too_many_arguments)]
     pub fn run_device(
         &self,
@@ -175,6 +178,30 @@ impl Engine {
         candidates: Option<&CudaView<'_, i32>>,
         budget: usize,
     ) -> Result<DeviceOutput> {
+        let r = self.prepare_device(batch, inputs, params, source_tail, candidates, budget)?;
+        validate_values(&self.dev, &Space::Own, batch, inputs, r.paged)?;
+        check_alignment(&r.ptrs, r.keys_field())?;
+        if batch.num_rows() == 0 {
+            return empty_output(&self.dev, source_tail, r.plan);
+        }
+        self.run_tiles(batch, r.shape, r.ptrs, r.plan)
+    }
+
+    /// The host half of [`Engine::run_device`] for a caller that provides the memory:
+    /// every shape check and the plan, nothing queued. The [`DeviceRun`] says how many
+    /// workspace bytes the run takes ([`DeviceRun::workspace_bytes`]); its
+    /// [`DeviceRun::launch`] then checks the values and queues the run into the caller's
+    /// outputs and workspace, allocating nothing.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_device<'r, 'a>(
+        &'r self,
+        batch: &'r Batch,
+        inputs: &'r DeviceInputs<'a>,
+        params: Params,
+        source_tail: Option<Option<usize>>,
+        candidates: Option<&'r CudaView<'a, i32>>,
+        budget: usize,
+    ) -> Result<DeviceRun<'r, 'a>> {
         let s = self.dev.stream.clone();
         let t = batch.num_rows();
         let (mut ptrs, qf, kf, paged) = input_ptrs(&s, batch, inputs)?;
@@ -199,16 +226,55 @@ impl Engine {
         };
         check_shape(&shape, batch)?;
         let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;
-        validate_values(&self.dev, batch, inputs, paged)?;
-        check_alignment(&ptrs, if paged.is_some() { "kv_cache" } else { "k" })?;
-        if t == 0 {
-            return empty_output(&self.dev, source_tail, plan);
-        }
-        self.run_tiles(batch, shape, ptrs, plan)
+        let published_rows = match source_tail {
+            Some(tail) => batch
+                .rows()
+                .iter()
+                .filter(|r| crate::batch::publishes(r, batch.requests(), tail))
+                .count(),
+            None => 0,
+        };
+        let mut r = DeviceRun {
+            engine: self,
+            batch,
+            inputs,
+            shape,
+            ptrs,
+            plan,
+            paged,
+            published_rows,
+            workspace: 0,
+        };
+        // The workspace: the value checks' scratch (freed before the run takes its
+        // buffers: the checks wait for their verdict), or the run's buffers.
+        let checks = validate_values(&self.dev, &Space::Measure { at: 0 }, batch, inputs, paged)?;
+        let run = if t == 0 {
+            0
+        } else {
+            let mut space = Space::Measure { at: 0 };
+            r.begin(
+                &mut space,
+                OutPlace::At {
+                    raw: 0,
+                    page: 0,
+                    published: 0,
+                },
+            )?;
+            space.used()
+        };
+        r.workspace = checks.max(run);
+        Ok(r)
+    }
+
+    /// Device bytes this engine's backend has allocated itself so far (its
+    /// [`Device::allocated_bytes`]): 0 after any number of [`DeviceRun::launch`]es on an
+    /// engine made with [`Engine::on_device`] over a fresh [`Device::on_stream`].
+    pub fn allocated_bytes(&self) -> u64 {
+        self.dev.allocated_bytes()
     }
 
     /// Queue every tile of `plan` for a checked layer of shape `shape` whose inputs are
-    /// at `ptrs`; the outputs stay on the device.
+    /// at `ptrs`, in buffers of the backend's own; the outputs stay on the device.
     fn run_tiles(
         &self,
         batch: &Batch,
@@ -216,31 +282,214 @@ impl Engine {
         ptrs: Ptrs,
         plan: Plan,
     ) -> Result<DeviceOutput> {
-        let source_tail = shape.tail;
-        let publishes = |i: usize| {
-            source_tail.is_some_and(|tail| {
-                crate::batch::publishes(&batch.rows()[i], batch.requests(), tail)
-            })
-        };
-        let mut run = Run::begin(
+        let mut run = begin_run(
             &self.dev,
+            &mut Space::Own,
+            OutPlace::Own,
             batch,
             shape,
             ptrs,
-            Uploads::default(),
             &plan,
-            &publishes,
         )?;
         for ti in 0..plan.tiles.len() {
             run.tile(&self.dev, ti)?;
         }
         let measured_peak = run.transient;
+        let own = |b: Buf<i32>, what: &str| {
+            b.into_owned()
+                .ok_or_else(|| backend_err(format!("{what}: not the run's own buffer")))
+        };
         Ok(DeviceOutput {
-            raw: run.raw,
-            page: run.page,
-            published: run.published,
+            raw: own(run.raw, "raw")?,
+            page: own(run.page, "page")?,
+            published: run.published.map(|p| own(p, "published")).transpose()?,
             plan,
             measured_peak,
+        })
+    }
+}
+
+/// [`Run::begin`] of an engine run: no host uploads to keep, a source layer's published
+/// rows as SPEC 6 names them.
+fn begin_run(
+    dev: &Device,
+    space: &mut Space,
+    out: OutPlace,
+    batch: &Batch,
+    shape: Shape,
+    ptrs: Ptrs,
+    plan: &Plan,
+) -> Result<Run> {
+    let source_tail = shape.tail;
+    let publishes = |i: usize| {
+        source_tail
+            .is_some_and(|tail| crate::batch::publishes(&batch.rows()[i], batch.requests(), tail))
+    };
+    Run::begin(
+        dev,
+        space,
+        out,
+        batch,
+        shape,
+        ptrs,
+        Uploads::default(),
+        plan,
+        &publishes,
+    )
+}
+
+/// A checked and planned device run whose memory the caller provides
+/// ([`Engine::prepare_device`]): it borrows the inputs until it is launched.
+#[derive(Debug)]
+pub struct DeviceRun<'r, 'a> {
+    engine: &'r Engine,
+    batch: &'r Batch,
+    inputs: &'r DeviceInputs<'a>,
+    shape: Shape,
+    ptrs: Ptrs,
+    plan: Plan,
+    paged: Option<Paging>,
+    published_rows: usize,
+    workspace: usize,
+}
+
+/// What a [`DeviceRun::launch`] reports.
+#[derive(Debug, Clone)]
+pub struct DeviceRunInfo {
+    /// The plan it ran.
+    pub plan: Plan,
+    /// Bytes of the workspace its transient buffers took (the counted peak; the value
+    /// checks' scratch comes before and is not part of it).
+    pub measured_peak: usize,
+}
+
+impl DeviceRun<'_, '_> {
+    /// Bytes of device workspace [`DeviceRun::launch`] needs, a multiple of
+    /// [`WORKSPACE_ALIGN`].
+    pub fn workspace_bytes(&self) -> usize {
+        self.workspace
+    }
+
+    /// The plan the run will follow.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// `(raw, page, published)` lengths the outputs must have: `T x K`, `T x page_cols`,
+    /// and for a source layer `published rows x NB` (0 otherwise).
+    pub fn output_lens(&self) -> (usize, usize, usize) {
+        let t = self.batch.num_rows();
+        (
+            t * self.shape.topk,
+            t * self.shape.page_cols,
+            self.published_rows * self.shape.num_blocks,
+        )
+    }
+
+    fn keys_field(&self) -> &'static str {
+        if self.paged.is_some() {
+            "kv_cache"
+        } else {
+            "k"
+        }
+    }
+
+    fn begin(&self, space: &mut Space, out: OutPlace) -> Result<Run> {
+        let dev = &self.engine.dev;
+        begin_run(
+            dev, space, out, self.batch, self.shape, self.ptrs, &self.plan,
+        )
+    }
+
+    /// Check the inputs' values on the device (as [`Engine::run_device`] does: one wait
+    /// for the stream, two more over paged keys), then queue the run on the engine's
+    /// stream, its outputs into `raw` (`T x K`), `page` (`T x page_cols`) and, for a
+    /// source layer, `published` (`published rows x NB`), every transient buffer a
+    /// region of `workspace` (at least [`DeviceRun::workspace_bytes`] bytes, on a
+    /// [`WORKSPACE_ALIGN`]-byte boundary). Nothing is allocated; the outputs are ready
+    /// in stream order. The caller keeps `workspace` alive and untouched until the
+    /// stream has run the work queued here.
+    pub fn launch(
+        self,
+        raw: &mut CudaViewMut<'_, i32>,
+        page: &mut CudaViewMut<'_, i32>,
+        published: Option<&mut CudaViewMut<'_, i32>>,
+        workspace: &mut CudaViewMut<'_, u8>,
+    ) -> Result<DeviceRunInfo> {
+        let dev = &self.engine.dev;
+        let s = dev.stream.clone();
+        let (nraw, npage, npub) = self.output_lens();
+        check_len("raw", raw.len(), nraw)?;
+        check_len("page", page.len(), npage)?;
+        let published = match (published, self.shape.tail) {
+            (Some(p), Some(_)) => {
+                check_len("published", p.len(), npub)?;
+                Some(p)
+            }
+            (None, Some(_)) => {
+                return Err(Error::range(
+                    "published",
+                    "none",
+                    "a buffer (a source layer)",
+                ));
+            }
+            (Some(_), None) => {
+                return Err(Error::range(
+                    "published",
+                    "a buffer",
+                    "none (not a source layer)",
+                ))
+            }
+            (None, None) => None,
+        };
+        let ws_len = workspace.len();
+        if ws_len < self.workspace {
+            return Err(Error::range(
+                "workspace",
+                format!("{ws_len} bytes, of {} needed", self.workspace),
+                "at least DeviceRun::workspace_bytes bytes",
+            ));
+        }
+        let (base, _g) = workspace.device_ptr_mut(&s);
+        if !base.is_multiple_of(WORKSPACE_ALIGN as u64) {
+            return Err(Error::range(
+                "workspace",
+                format!("device address {base:#x}"),
+                "a 256-byte aligned device address",
+            ));
+        }
+        let carve = Space::Carve {
+            base,
+            len: ws_len,
+            at: 0,
+        };
+        validate_values(dev, &carve, self.batch, self.inputs, self.paged)?;
+        check_alignment(&self.ptrs, self.keys_field())?;
+        if self.batch.num_rows() == 0 {
+            return Ok(DeviceRunInfo {
+                plan: self.plan,
+                measured_peak: 0,
+            });
+        }
+        let (raw_p, _g1) = raw.device_ptr_mut(&s);
+        let (page_p, _g2) = page.device_ptr_mut(&s);
+        let pub_p = match published {
+            Some(p) => p.device_ptr_mut(&s).0,
+            None => 0,
+        };
+        let out = OutPlace::At {
+            raw: raw_p,
+            page: page_p,
+            published: pub_p,
+        };
+        let mut space = carve;
+        let mut run = self.begin(&mut space, out)?;
+        for ti in 0..self.plan.tiles.len() {
+            run.tile(dev, ti)?;
+        }
+        Ok(DeviceRunInfo {
+            measured_peak: run.transient,
+            plan: self.plan,
         })
     }
 }
@@ -441,12 +690,17 @@ fn plan_run(batch: &Batch, shape: &Shape, budget: usize, sms: usize) -> Result<P
 /// SPEC 8's value checks of `inputs` on the device, in Problem::new's order: over paged
 /// keys (`paged`, from [`paged_shapes`]) the queries, then the used page-table entries and
 /// the slots some request of `batch` reads, then the weights; else every tensor at once.
+///
+/// Each check's scratch is taken afresh from `space` (they wait for their verdicts, so
+/// one can reuse another's); returns the most workspace bytes one took (0 for
+/// [`Space::Own`]; under [`Space::Measure`] nothing runs).
 pub(super) fn validate_values(
     dev: &Device,
+    space: &Space,
     batch: &Batch,
     inputs: &DeviceInputs<'_>,
     paged: Option<Paging>,
-) -> Result<()> {
+) -> Result<usize> {
     let values = checked_values(inputs);
     match (&inputs.k, paged) {
         (
@@ -459,7 +713,7 @@ pub(super) fn validate_values(
             },
             Some(pg),
         ) => {
-            validate(dev, &values[..1])?;
+            let q = validate(dev, space.fresh(), &values[..1])?;
             let view = PagedView {
                 format: *format,
                 dim: inputs.dim,
@@ -470,10 +724,11 @@ pub(super) fn validate_values(
                 num_pages: kv_cache.len()
                     / (crate::paged::bytes_per_token(*format, inputs.dim) << pg.page_log2),
             };
-            validate_paged(dev, batch, &view)?;
-            validate(dev, &values[1..])
+            let pages = validate_paged(dev, space.fresh(), batch, &view)?;
+            let rest = validate(dev, space.fresh(), &values[1..])?;
+            Ok(q.max(pages).max(rest))
         }
-        _ => validate(dev, &values),
+        _ => validate(dev, space.fresh(), &values),
     }
 }
 

@@ -35,7 +35,8 @@
 //! One file per job:
 //!
 //! - `backend.rs`: [`CudaBackend`], the driver's backend for host inputs, and [`run_cuda`];
-//! - `engine.rs`: the device-input [`Engine`] ([`DeviceInputs`] in, [`DeviceOutput`] out);
+//! - `engine.rs`: the device-input [`Engine`] ([`DeviceInputs`] in, [`DeviceOutput`] out, or
+//!   the caller's buffers and workspace through [`DeviceRun`]);
 //! - `validate.rs`: the engine inputs' value checks on the device;
 //! - `run.rs`: one run's device buffers and its per-tile steps;
 //! - `launch.rs`: one launcher per kernel family, its parameters a typed struct;
@@ -64,13 +65,17 @@ mod run;
 mod tolerance;
 mod validate;
 
+pub use alloc::WORKSPACE_ALIGN;
 pub use backend::{reads_pages, run_cuda, CudaBackend};
 pub use decode::{
     decode_workspace_bytes, decode_workspace_terms, DecodeInputs, DecodeShape, DecodeStep,
 };
 use device::{backend_err, drv};
 pub use device::{libraries_present, DecodedCodes, Device};
-pub use engine::{DeviceInputs, DeviceKeys, DeviceOutput, DeviceQueries, Engine, INPUT_ALIGN};
+pub use engine::{
+    DeviceInputs, DeviceKeys, DeviceOutput, DeviceQueries, DeviceRun, DeviceRunInfo, Engine,
+    INPUT_ALIGN,
+};
 pub use geometry::{MAX_TOPK, ROW_ALIGN};
 pub use kernels::{Hooks, Precision, Variant};
 pub use paths::{FoldCounts, TopkPaths};

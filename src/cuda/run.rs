@@ -5,8 +5,8 @@
 
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
-use super::alloc::{allocated_on_this_thread, Fill};
-use super::device::{drv, ptr, Device};
+use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
+use super::device::{ptr, Device};
 use super::geometry::{footprint, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES};
 use super::kernels::{self, Variant};
 use super::launch::{
@@ -37,26 +37,27 @@ pub(super) struct Run {
     shape: Shape,
     ptrs: Ptrs,
     // Metadata (transient, counted).
-    row_n: CudaSlice<u32>,
-    row_ks: CudaSlice<u32>,
-    row_off: CudaSlice<u64>,
-    row_pub: CudaSlice<i32>,
-    row_boff: CudaSlice<u64>,
-    groups: CudaSlice<u32>,
-    pub(super) logits: Option<CudaSlice<f32>>,
-    bkeys: Option<CudaSlice<u32>>,
-    split: Option<CudaSlice<i32>>,
+    row_n: Buf<u32>,
+    row_ks: Buf<u32>,
+    row_off: Buf<u64>,
+    row_pub: Buf<i32>,
+    row_boff: Buf<u64>,
+    groups: Buf<u32>,
+    pub(super) logits: Option<Buf<f32>>,
+    bkeys: Option<Buf<u32>>,
+    split: Option<Buf<i32>>,
     geom: Vec<TileGeom>,
     // Outputs.
-    pub(super) raw: CudaSlice<i32>,
-    pub(super) page: CudaSlice<i32>,
-    pub(super) published: Option<CudaSlice<i32>>,
+    pub(super) raw: Buf<i32>,
+    pub(super) page: Buf<i32>,
+    pub(super) published: Option<Buf<i32>>,
     /// Path counters: the top-k's (`kernels::TOPK_PATHS`), then the logits kernels'
     /// (`kernels::LOGITS_PATHS`).
-    pub(super) paths: CudaSlice<u32>,
+    pub(super) paths: Buf<u32>,
     /// Host-input uploads kept alive for the run (not transient).
     uploads: Uploads,
-    /// Device bytes of the transient buffers, as `Device::allocate` counted them.
+    /// Device bytes of the transient buffers, as `Device::allocate` counted them (or
+    /// as the caller's workspace holds them).
     pub(super) transient: usize,
     bitmap_words: u32,
 }
@@ -82,21 +83,23 @@ struct RunAddrs {
 
 impl Run {
     fn addrs(&self, s: &CudaStream) -> RunAddrs {
-        let opt = |b: &Option<CudaSlice<_>>| b.as_ref().map_or(0, |b| ptr(b, s));
+        fn opt<T>(b: &Option<Buf<T>>, s: &CudaStream) -> u64 {
+            b.as_ref().map_or(0, |b| b.addr(s))
+        }
         RunAddrs {
-            logits: self.logits.as_ref().map_or(0, |l| ptr(l, s)),
-            row_n: ptr(&self.row_n, s),
-            row_ks: ptr(&self.row_ks, s),
-            row_off: ptr(&self.row_off, s),
-            row_pub: ptr(&self.row_pub, s),
-            row_boff: ptr(&self.row_boff, s),
-            groups: ptr(&self.groups, s),
-            bkeys: self.bkeys.as_ref().map_or(0, |b| ptr(b, s)),
-            split: opt(&self.split),
-            raw: ptr(&self.raw, s),
-            page: ptr(&self.page, s),
-            published: opt(&self.published),
-            paths: ptr(&self.paths, s),
+            logits: opt(&self.logits, s),
+            row_n: self.row_n.addr(s),
+            row_ks: self.row_ks.addr(s),
+            row_off: self.row_off.addr(s),
+            row_pub: self.row_pub.addr(s),
+            row_boff: self.row_boff.addr(s),
+            groups: self.groups.addr(s),
+            bkeys: opt(&self.bkeys, s),
+            split: opt(&self.split, s),
+            raw: self.raw.addr(s),
+            page: self.page.addr(s),
+            published: opt(&self.published, s),
+            paths: self.paths.addr(s),
         }
     }
 }
@@ -148,63 +151,71 @@ impl Uploads {
 
 /// A run's per-row metadata on the device (transient, counted).
 struct MetaBufs {
-    row_n: CudaSlice<u32>,
-    row_ks: CudaSlice<u32>,
-    row_off: CudaSlice<u64>,
-    row_pub: CudaSlice<i32>,
-    row_boff: CudaSlice<u64>,
-    groups: CudaSlice<u32>,
+    row_n: Buf<u32>,
+    row_ks: Buf<u32>,
+    row_off: Buf<u64>,
+    row_pub: Buf<i32>,
+    row_boff: Buf<u64>,
+    groups: Buf<u32>,
 }
 
 impl MetaBufs {
-    /// Upload `meta`'s per-row arrays and row groups.
-    fn upload(dev: &Device, meta: &RowMeta) -> Result<MetaBufs> {
+    /// Upload `meta`'s per-row arrays and row groups into `space`.
+    fn upload(dev: &Device, space: &mut Space, meta: &RowMeta) -> Result<MetaBufs> {
         Ok(MetaBufs {
-            row_n: upload(dev, "row_n", &meta.row_n)?,
-            row_ks: upload(dev, "row_ks", &meta.row_ks)?,
-            row_off: upload(dev, "row_off", &meta.row_off)?,
-            row_pub: upload(dev, "row_pub", &meta.row_pub)?,
-            row_boff: upload(dev, "row_boff", &meta.row_boff)?,
-            groups: upload(dev, "groups", &meta.groups)?,
+            row_n: upload(dev, space, "row_n", &meta.row_n)?,
+            row_ks: upload(dev, space, "row_ks", &meta.row_ks)?,
+            row_off: upload(dev, space, "row_off", &meta.row_off)?,
+            row_pub: upload(dev, space, "row_pub", &meta.row_pub)?,
+            row_boff: upload(dev, space, "row_boff", &meta.row_boff)?,
+            groups: upload(dev, space, "groups", &meta.groups)?,
         })
     }
 }
 
-/// One host array on the device, an upload error naming it (`upload row_n`).
+/// One host array on the device, in `space`, an upload error naming it (`upload row_n`).
 fn upload<T: DeviceRepr + ValidAsZeroBits>(
     dev: &Device,
+    space: &mut Space,
     what: &str,
     host: &[T],
-) -> Result<CudaSlice<T>> {
-    dev.allocate(Fill::Host(host))
-        .map_err(|e| drv(&format!("upload {what}"))(e))
+) -> Result<Buf<T>> {
+    dev.buffer(space, Fill::Host(host), &format!("upload {what}"))
 }
 
 /// A run's transient buffers, reused by every tile: the logits tile, the block keys
 /// and the split top-k's scratch (each absent when the plan needs none).
 struct TransientBufs {
-    logits: Option<CudaSlice<f32>>,
-    bkeys: Option<CudaSlice<u32>>,
-    split: Option<CudaSlice<i32>>,
+    logits: Option<Buf<f32>>,
+    bkeys: Option<Buf<u32>>,
+    split: Option<Buf<i32>>,
 }
 
 impl TransientBufs {
     /// Allocate the plan's logits tile and block keys and the scratch of the tile of
-    /// `geom` that splits the most ids.
-    fn alloc(dev: &Device, plan: &Plan, geom: &[TileGeom], topk: usize) -> Result<TransientBufs> {
+    /// `geom` that splits the most ids, in `space`.
+    fn alloc(
+        dev: &Device,
+        space: &mut Space,
+        plan: &Plan,
+        geom: &[TileGeom],
+        topk: usize,
+    ) -> Result<TransientBufs> {
         let logits = if plan.peak.logits_tile > 0 {
-            Some(
-                dev.allocate::<f32>(Fill::Zeros(plan.peak.logits_tile / 4))
-                    .map_err(drv("alloc logits tile"))?,
-            )
+            Some(dev.buffer::<f32>(
+                space,
+                Fill::Zeros(plan.peak.logits_tile / 4),
+                "alloc logits tile",
+            )?)
         } else {
             None
         };
         let bkeys = if plan.peak.block_scores > 0 {
-            Some(
-                dev.allocate::<u32>(Fill::Zeros(plan.peak.block_scores / 4))
-                    .map_err(drv("alloc block keys"))?,
-            )
+            Some(dev.buffer::<u32>(
+                space,
+                Fill::Zeros(plan.peak.block_scores / 4),
+                "alloc block keys",
+            )?)
         } else {
             None
         };
@@ -220,10 +231,7 @@ impl TransientBufs {
             .max()
             .unwrap_or(0);
         let split = if split_ids > 0 {
-            Some(
-                dev.allocate::<i32>(Fill::Zeros(split_ids))
-                    .map_err(drv("alloc split top-k scratch"))?,
-            )
+            Some(dev.buffer::<i32>(space, Fill::Zeros(split_ids), "alloc split top-k scratch")?)
         } else {
             None
         };
@@ -237,44 +245,89 @@ impl TransientBufs {
 
 /// A run's outputs on the device.
 struct OutputBufs {
-    raw: CudaSlice<i32>,
-    page: CudaSlice<i32>,
-    published: Option<CudaSlice<i32>>,
+    raw: Buf<i32>,
+    page: Buf<i32>,
+    published: Option<Buf<i32>>,
+}
+
+/// Where a run writes its outputs.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum OutPlace {
+    /// Buffers of its own ([`Device::allocate`]), all zero.
+    Own,
+    /// The caller's `raw [t, K]`, `page [t, page_cols]` and, for a source layer,
+    /// `published [npub, NB]` (0: none) at these device addresses, zeroed first in
+    /// stream order as the run's own would be.
+    At { raw: u64, page: u64, published: u64 },
 }
 
 impl OutputBufs {
-    /// Allocate `raw [t, K]`, `page [t, page_cols]`, for a source layer the `npub`
-    /// published rows (at least one), all zero.
-    fn alloc(dev: &Device, t: usize, shape: &Shape, npub: i32) -> Result<OutputBufs> {
-        let raw = dev
-            .allocate::<i32>(Fill::Zeros(t * shape.topk))
-            .map_err(drv("alloc raw"))?;
-        let page = dev
-            .allocate::<i32>(Fill::Zeros(t * shape.page_cols))
-            .map_err(drv("alloc page"))?;
-        let published = if shape.tail.is_some() {
-            Some(
-                dev.allocate::<i32>(Fill::Zeros((npub as usize).max(1) * shape.num_blocks))
-                    .map_err(drv("alloc published"))?,
-            )
-        } else {
-            None
-        };
-        Ok(OutputBufs {
-            raw,
-            page,
-            published,
-        })
+    /// `raw [t, K]`, `page [t, page_cols]`, for a source layer the `npub` published
+    /// rows, all zero, at `place` (nothing written when `measuring`): allocated ones
+    /// hold at least one published row.
+    fn alloc(
+        dev: &Device,
+        place: OutPlace,
+        measuring: bool,
+        t: usize,
+        shape: &Shape,
+        npub: i32,
+    ) -> Result<OutputBufs> {
+        let npub = npub.max(0) as usize;
+        let lens = (
+            t * shape.topk,
+            t * shape.page_cols,
+            shape.tail.map(|_| npub * shape.num_blocks),
+        );
+        match place {
+            OutPlace::Own => {
+                let mut own = Space::Own;
+                let mut zeros =
+                    |n: usize, what: &str| dev.buffer::<i32>(&mut own, Fill::Zeros(n), what);
+                Ok(OutputBufs {
+                    raw: zeros(lens.0, "alloc raw")?,
+                    page: zeros(lens.1, "alloc page")?,
+                    published: match lens.2 {
+                        Some(n) => Some(zeros(n.max(shape.num_blocks), "alloc published")?),
+                        None => None,
+                    },
+                })
+            }
+            OutPlace::At {
+                raw,
+                page,
+                published,
+            } => {
+                let at = |addr: u64, len: usize, what: &str| -> Result<Buf<i32>> {
+                    if !measuring {
+                        dev.zero(addr, 4 * len, what)?;
+                    }
+                    Ok(Buf::At { addr, len })
+                };
+                Ok(OutputBufs {
+                    raw: at(raw, lens.0, "zero raw")?,
+                    page: at(page, lens.1, "zero page")?,
+                    published: match lens.2 {
+                        Some(n) => Some(at(published, n, "zero published")?),
+                        None => None,
+                    },
+                })
+            }
+        }
     }
 }
 
 impl Run {
-    /// Upload the metadata of `batch`'s rows for `plan`'s tiles and allocate the
-    /// transient buffers and the outputs (in that order), for a layer of shape `shape`
-    /// whose inputs are at `ptrs` (`uploads`: host-input uploads the run keeps alive).
+    /// Upload the metadata of `batch`'s rows for `plan`'s tiles and take the transient
+    /// buffers (in that order) from `space`, and the outputs at `out`, for a layer of
+    /// shape `shape` whose inputs are at `ptrs` (`uploads`: host-input uploads the run
+    /// keeps alive). Under [`Space::Measure`] nothing is written: the run only sizes
+    /// its workspace ([`Space::used`]) and must not be launched.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn begin(
         dev: &Device,
+        space: &mut Space,
+        out: OutPlace,
         batch: &Batch,
         shape: Shape,
         ptrs: Ptrs,
@@ -294,16 +347,19 @@ impl Run {
             dev.hooks(),
         );
         // The transient buffers (metadata, logits tile, block keys, split scratch, path
-        // counters), counted as Device::allocate allocates them on this thread.
-        let before = allocated_on_this_thread();
-        let md = MetaBufs::upload(dev, &meta)?;
-        let tr = TransientBufs::alloc(dev, plan, &meta.geom, shape.topk)?;
-        let paths = dev
-            .allocate::<u32>(Fill::Zeros(PATHS_BYTES / 4))
-            .map_err(drv("alloc path counters"))?;
-        let transient = usize::try_from(allocated_on_this_thread() - before)
-            .map_err(|_| super::backend_err("transient bytes past usize"))?;
-        let out = OutputBufs::alloc(dev, t, &shape, meta.npub)?;
+        // counters), counted as Device::allocate allocates them on this thread, or as
+        // the workspace's regions span them.
+        let before = (allocated_on_this_thread(), space.used());
+        let md = MetaBufs::upload(dev, space, &meta)?;
+        let tr = TransientBufs::alloc(dev, space, plan, &meta.geom, shape.topk)?;
+        let paths =
+            dev.buffer::<u32>(space, Fill::Zeros(PATHS_BYTES / 4), "alloc path counters")?;
+        let transient = match space {
+            Space::Own => usize::try_from(allocated_on_this_thread() - before.0)
+                .map_err(|_| super::backend_err("transient bytes past usize"))?,
+            _ => space.used() - before.1,
+        };
+        let out = OutputBufs::alloc(dev, out, space.measuring(), t, &shape, meta.npub)?;
         Ok(Run {
             shape,
             ptrs,

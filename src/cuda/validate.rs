@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaView, LaunchConfig, PushKernelArg};
 
-use super::alloc::Fill;
+use super::alloc::{Fill, Space};
 use super::device::{backend_err, drv, vptr, Device};
 use super::kernels::{self, Variant};
 use crate::error::{Error, Result};
@@ -132,8 +132,13 @@ impl Checked<'_, '_> {
 /// SPEC 8's value checks of `tensors` (in the order their errors take precedence) on
 /// the device: one `validate_inputs` launch over every non-empty tensor, one 8-byte copy
 /// back (which waits for the stream), and for an offender one more element copy for its
-/// value. Empty tensors launch nothing.
-pub(super) fn validate(dev: &Device, tensors: &[Checked<'_, '_>]) -> Result<()> {
+/// value. Empty tensors launch nothing. Its 8-byte verdict word is taken from `space`
+/// (under [`Space::Measure`] nothing runs); returns the workspace bytes it took.
+pub(super) fn validate(
+    dev: &Device,
+    mut space: Space,
+    tensors: &[Checked<'_, '_>],
+) -> Result<usize> {
     let s = &dev.stream;
     let mut segs = ValSegs::default();
     let mut used: Vec<&Checked> = Vec::with_capacity(tensors.len());
@@ -166,19 +171,25 @@ pub(super) fn validate(dev: &Device, tensors: &[Checked<'_, '_>]) -> Result<()> 
         max_chunks = max_chunks.max((seg.len * esize).div_ceil(16));
     }
     if used.is_empty() {
-        return Ok(());
+        return Ok(0);
+    }
+    let first = dev.buffer(
+        &mut space,
+        Fill::Host(&[u64::MAX]),
+        "upload validation word",
+    )?;
+    if space.measuring() {
+        return Ok(space.used());
     }
     let f = dev.function(Variant::Validate, "validate_inputs")?;
-    let mut first = dev
-        .allocate(Fill::Host(&[u64::MAX]))
-        .map_err(drv("upload validation word"))?;
+    let first_p = first.addr(s);
     // One 16-byte chunk per thread and pass; up to 1024 blocks per tensor (about 8 per
     // SM of an H200), grid-stride beyond.
     let gx = max_chunks
         .div_ceil(kernels::VALIDATE_THREADS as u64)
         .clamp(1, 1024) as u32;
     let mut l = s.launch_builder(&f);
-    l.arg(&segs).arg(&mut first);
+    l.arg(&segs).arg(&first_p);
     // SAFETY: segment y reads elements [0, len) of a live device tensor of at least that
     // length (checked against the batch) whose address is a multiple of its element
     // size; the kernel writes only the one u64 of `first`.
@@ -190,13 +201,10 @@ pub(super) fn validate(dev: &Device, tensors: &[Checked<'_, '_>]) -> Result<()> 
         })
     }
     .map_err(drv("launch validate_inputs"))?;
-    let key = s
-        .clone_dtoh(&first)
-        .map_err(drv("copy validation word back"))?;
-    s.synchronize().map_err(drv("synchronize"))?;
+    let key = dev.read_back(&first, "copy validation word back")?;
     let key = key.first().copied().unwrap_or(u64::MAX);
     if key == u64::MAX {
-        return Ok(());
+        return Ok(space.used());
     }
     let (seg, index) = (
         (key >> VAL_INDEX_BITS) as usize,
@@ -232,31 +240,40 @@ pub(super) struct PagedView<'v, 'a> {
 /// (`validate_page_ids`), then every slot some request reads (`validate_slots`: codes
 /// not NaN, scales finite and > 0 or not UE8M0 255). Unused entries and pages, and the
 /// slots of a page past its readers' keys, are not read. One copy back of the two
-/// verdict words (which waits for the stream), one more for an offending value.
+/// verdict words (which waits for the stream), one more for an offending value. Its
+/// buffers are taken from `space` (under [`Space::Measure`] nothing runs); returns the
+/// workspace bytes they took.
 pub(super) fn validate_paged(
     dev: &Device,
+    mut space: Space,
     batch: &crate::batch::Batch,
     v: &PagedView<'_, '_>,
-) -> Result<()> {
+) -> Result<usize> {
     let s = &dev.stream;
     let reqs = batch.requests();
     if reqs.is_empty() || v.cols == 0 {
-        return Ok(());
+        return Ok(0);
     }
     let keys: Vec<u32> = reqs.iter().map(|r| r.keys as u32).collect();
-    let req_keys = dev
-        .allocate(Fill::Host(&keys))
-        .map_err(drv("upload request keys"))?;
-    let mut used = dev
-        .allocate::<u32>(if v.num_pages > 0 {
+    let req_keys = dev.buffer(&mut space, Fill::Host(&keys), "upload request keys")?;
+    let used = dev.buffer::<u32>(
+        &mut space,
+        if v.num_pages > 0 {
             Fill::Zeros(v.num_pages)
         } else {
             Fill::OneUnread
-        })
-        .map_err(drv("alloc used slots"))?;
-    let mut first = dev
-        .allocate(Fill::Host(&[u64::MAX, u64::MAX]))
-        .map_err(drv("upload validation words"))?;
+        },
+        "alloc used slots",
+    )?;
+    let first = dev.buffer(
+        &mut space,
+        Fill::Host(&[u64::MAX, u64::MAX]),
+        "upload validation words",
+    )?;
+    if space.measuring() {
+        return Ok(space.used());
+    }
+    let (req_keys, used, first_b, first) = (req_keys.addr(s), used.addr(s), first.addr(s), first);
     let threads = kernels::VALIDATE_THREADS as u64;
     let grid = |n: u64| n.div_ceil(threads).clamp(1, 1024) as u32;
     let cfg = |gx: u32| LaunchConfig {
@@ -275,8 +292,8 @@ pub(super) fn validate_paged(
         .arg(&req_keys)
         .arg(&v.page_log2)
         .arg(&num_pages)
-        .arg(&mut used)
-        .arg(&mut first);
+        .arg(&used)
+        .arg(&first_b);
     // SAFETY: reads the B x cols page table (checked length) and B request key counts;
     // writes `used` only at ids in [0, num_pages) and the two words of `first`.
     unsafe { l.launch(cfg(grid(reqs.len() as u64 * v.cols as u64))) }
@@ -292,16 +309,13 @@ pub(super) fn validate_paged(
             .arg(&e2m1)
             .arg(&dim)
             .arg(&used)
-            .arg(&mut first);
+            .arg(&first_b);
         // SAFETY: reads slots t < used[page] of pages of the pool (checked length, a
         // whole number of pages, 16-byte aligned pages) and writes the second word.
         unsafe { l.launch(cfg(grid((v.num_pages as u64) << v.page_log2))) }
             .map_err(drv("launch validate_slots"))?;
     }
-    let words = s
-        .clone_dtoh(&first)
-        .map_err(drv("copy validation words back"))?;
-    s.synchronize().map_err(drv("synchronize"))?;
+    let words = dev.read_back(&first, "copy validation words back")?;
     let one = |view: CudaView<'_, u8>, what: &str| -> Result<Vec<u8>> {
         s.clone_dtoh(&view).map_err(drv(what))
     };
@@ -321,7 +335,7 @@ pub(super) fn validate_paged(
         ));
     }
     if words[1] == u64::MAX {
-        return Ok(());
+        return Ok(space.used());
     }
     let g = v.dim / 32;
     let p = 1usize << v.page_log2;
