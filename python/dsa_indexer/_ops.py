@@ -323,9 +323,27 @@ def _index_op(
         "page_size": page_size,
     }
     pub = _dl(published) if role == "source" else None
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "dsa_indexer.index cannot be captured in a CUDA graph: its tiles are planned "
+            "on the host from the batch and its value checks read a verdict back; "
+            "dsa_indexer.decode is the capturable entry"
+        )
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
-        _native.index(args, _dl(raw), _dl(page), pub, budget, dev.index, stream, precision)
+        # The workspace, sized by the engine, from torch's caching allocator on this
+        # stream (stream-ordered: its memory returns to the cache for later work on the
+        # same stream only).
+        held = []
+
+        def workspace(nbytes):
+            ws = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=dev)
+            held.append(ws)
+            return _dl(ws)
+
+        _native.index(
+            args, _dl(raw), _dl(page), pub, workspace, budget, dev.index, stream, precision
+        )
 
 
 @_index_op.register_fake
@@ -388,7 +406,7 @@ def index(
     out=None,
     precision="full",
 ):
-    """One layer-forward on CUDA tensors through the engine entry (``run_device``),
+    """One layer-forward on CUDA tensors through the engine entry (``prepare_device``),
     on ``torch.cuda.current_stream()``: :func:`dsa_indexer.reference`'s arguments, the
     tensors on the GPU and read in place. Returns an :class:`dsa_indexer.Output` whose
     ``raw``, ``page`` and (source layers) ``published`` are CUDA int32 tensors, and
@@ -403,11 +421,16 @@ def index(
     ``(raw, page, published)``: write there (default: new tensors from torch).
     ``precision``: ``"full"`` (the default) or ``"fast"``, as in :func:`decode`.
 
+    Memory: the outputs are torch tensors (or ``out=``), written in place, and the
+    run's transient buffers (row metadata, the logits tile under ``budget``, block
+    scores, top-k scratch) are regions of one uint8 workspace that the engine sizes and
+    torch's caching allocator provides on the current stream: the call allocates no
+    device memory outside torch's view.
+
     The engine entry checks the values on the device and reads its verdict back (one
-    host wait for the stream), and takes its transient buffers from the CUDA driver's
-    stream-ordered allocator, not from torch; its outputs are copied into the torch
-    tensors on the stream. So this call is not capturable in a CUDA graph (the decode
-    step is: :func:`dsa_indexer.decode`).
+    host wait for the stream), and plans its tiles on the host from the batch. So this
+    call cannot be captured in a CUDA graph; under capture it raises ``RuntimeError``
+    (the decode step is capturable: :func:`dsa_indexer.decode`).
     """
     precision = _precision(precision)
     _cuda_device(q)

@@ -404,20 +404,23 @@ fn decode_shape(
 
 // ==== the engine entry ====
 
-/// One layer-forward through `Engine::run_device` on the caller's device tensors
-/// (`args`: `reference`'s arguments, the index arguments on the host) on stream
-/// `stream` of CUDA device `ordinal`; its outputs are copied into `raw`, `page` and,
-/// for a source layer, `published` (the caller's tensors) on the same stream. The
-/// tolerance class's logits run under `precision` (`"full"` or `"fast"`;
-/// `Engine::with_precision`).
+/// One layer-forward through `Engine::prepare_device` and `DeviceRun::launch` on the
+/// caller's device tensors (`args`: `reference`'s arguments, the index arguments on the
+/// host) on stream `stream` of CUDA device `ordinal`, writing into `raw`, `page` and, for
+/// a source layer, `published` (the caller's tensors). Its workspace is the tensor that
+/// `workspace(nbytes)` returns (a uint8 CUDA tensor of at least `nbytes` bytes, from the
+/// framework's allocator): the call allocates no device memory of its own. The value
+/// checks wait once for the stream. The tolerance class's logits run under `precision`
+/// (`"full"` or `"fast"`; `Engine::with_precision`).
 #[pyfunction]
-#[pyo3(signature = (args, raw, page, published, budget, ordinal, stream, precision = None))]
+#[pyo3(signature = (args, raw, page, published, workspace, budget, ordinal, stream, precision = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn index(
     args: &Bound<'_, PyDict>,
     raw: &Bound<'_, PyAny>,
     page: &Bound<'_, PyAny>,
     published: Option<&Bound<'_, PyAny>>,
+    workspace: &Bound<'_, PyAny>,
     budget: i64,
     ordinal: usize,
     stream: usize,
@@ -462,36 +465,36 @@ pub fn index(
             Some(p) => Some(DevBuf::<i32>::new(p, &s, ordinal).map_err(ve)?),
             None => None,
         };
+        let inputs = dl.inputs();
+        let cands = dl.candidates();
+        let run = engine
+            .prepare_device(batch, &inputs, params, tail, cands.as_ref(), budget)
+            .map_err(ve)?;
+        let nbytes = run.workspace_bytes();
+        let ws_obj = workspace.call1((nbytes,))?;
+        let ws = Tensor::import_on("workspace", &ws_obj, &cs)?;
+        if ws.dtype != Dt::U8 || ws.shape.len() != 1 || ws.shape[0] < nbytes {
+            return Err(ve(ws.error(format!("uint8 [n] with n >= {nbytes}"))));
+        }
+        let mut ws_b = DevBuf::<u8>::new(&ws, &s, ordinal).map_err(ve)?;
         let mut addrs = dl.addrs();
-        addrs.extend([("raw", raw_b.addr()), ("page", page_b.addr())]);
+        addrs.extend([
+            ("raw", raw_b.addr()),
+            ("page", page_b.addr()),
+            ("workspace", ws_b.addr()),
+        ]);
         if let Some(b) = &pub_b {
             addrs.push(("published", b.addr()));
         }
-        let inputs = dl.inputs();
-        let cands = dl.candidates();
-        let out = engine
-            .run_device(batch, &inputs, params, tail, cands.as_ref(), budget)
+        let (mut rv, mut pv, mut wv) = (raw_b.view_mut(), page_b.view_mut(), ws_b.view_mut());
+        let mut pubv = pub_b.as_mut().map(|b| b.view_mut());
+        run.launch(&mut rv, &mut pv, pubv.as_mut(), &mut wv)
             .map_err(ve)?;
+        // What the backend allocated itself during the call (its device is this call's):
+        // 0, every buffer being the caller's.
+        addrs.push(("backend_allocated_bytes", engine.allocated_bytes()));
+        addrs.push(("workspace_bytes", nbytes as u64));
         record(addrs);
-        let copy = |src: &CudaSlice<i32>, dst: &mut DevBuf<'_, i32>, what: &str| -> Result<()> {
-            if src.is_empty() {
-                return Ok(());
-            }
-            if dst.view().len() != src.len() {
-                return Err(backend(format!(
-                    "{what}: the engine wrote {} values for {} places",
-                    src.len(),
-                    dst.view().len()
-                )));
-            }
-            s.memcpy_dtod(src, dst.slice_mut())
-                .map_err(|e| backend(format!("copy {what} out: {e:?}")))
-        };
-        copy(&out.raw, &mut raw_b, "raw").map_err(ve)?;
-        copy(&out.page, &mut page_b, "page").map_err(ve)?;
-        if let (Some(src), Some(dst)) = (&out.published, pub_b.as_mut()) {
-            copy(src, dst, "published").map_err(ve)?;
-        }
         Ok(())
     })
 }

@@ -855,11 +855,6 @@ pub mod device {
             let s = self.slice.stream().clone();
             crate::cuda::addr(&*self.slice, &s)
         }
-
-        /// The slice itself.
-        pub fn slice_mut(&mut self) -> &mut CudaSlice<T> {
-            &mut self.slice
-        }
     }
 
     /// Bytes of a [`Bytes::View`] on the device; converted ones are an error there.

@@ -485,9 +485,50 @@ def test_no_input_of_index_is_copied(torch, pointer_hook, path):
     gpu = on_gpu(torch, golden_inputs(meta, t))
     out = di.index(**gpu)
     got = di._kernel_pointers()
+    for n in ("workspace", "backend_allocated_bytes", "workspace_bytes"):
+        assert n in got, n
+        got.pop(n)
     want = {n: gpu[n].data_ptr() for n in DEVICE_ARGS if gpu.get(n) is not None}
     want.update(raw=out.raw.data_ptr(), page=out.page.data_ptr())
     assert got == want
+
+
+@pytest.mark.parametrize("path", [GOLDEN_FILES[-1], PAGED_FILES[2]], ids=lambda p: p.stem)
+def test_index_takes_all_its_device_memory_from_torch(torch, pointer_hook, path):
+    """The backend allocates nothing itself (its own count stays 0); its workspace is a
+    torch tensor (torch's peak grows by at least the workspace's bytes), and out=
+    tensors are written in place."""
+    meta, t = read_safetensors(path)
+    gpu = on_gpu(torch, golden_inputs(meta, t))
+    want = di.index(**gpu)
+    raw = torch.full_like(want.raw, 12345)
+    page = torch.full_like(want.page, 12345)
+    out = (raw, page) if want.published is None else (raw, page, torch.full_like(want.published, 7))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    got = di.index(**gpu, out=out)
+    torch.cuda.synchronize()
+    ptrs = di._kernel_pointers()
+    assert ptrs["backend_allocated_bytes"] == 0
+    assert ptrs["workspace_bytes"] > 0
+    assert torch.cuda.max_memory_allocated() - base >= ptrs["workspace_bytes"]
+    assert ptrs["raw"] == raw.data_ptr() and ptrs["page"] == page.data_ptr()
+    assert got.raw is raw and torch.equal(raw, want.raw)
+    assert torch.equal(page, want.page)
+    if want.published is not None:
+        assert torch.equal(out[2], want.published)
+
+
+def test_index_under_cuda_graph_capture_raises_runtime_error(torch):
+    meta, t = read_safetensors(GOLDEN_FILES[-1])
+    gpu = on_gpu(torch, golden_inputs(meta, t))
+    di.index(**gpu)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="dsa_indexer.decode is the capturable entry"):
+        with torch.cuda.graph(g):
+            di.index(**gpu)
 
 
 # ==== errors on the GPU ====
