@@ -150,18 +150,22 @@ if has bench; then
 fi
 
 if has ab; then
-  # workload:NAME=VALUE ..., where NAME=VALUE is a define or hooks=NAME[,NAME], each
-  # against the same call's default run above ($AB: a shorter list). Needs the `tuning`
-  # build.
+  # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
+  # precision=fast, each against the same call's default run above ($AB: a shorter
+  # list). Needs the `tuning` build.
   AB="${AB:-v41-chunk:hooks=int8_exact;v41-chunk-wide:hooks=int8_exact;v41-chunk:hooks=int8_exact WGI8_MIN_BLOCKS=4;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
-    wl="${ab%%:*}" defs="" hooks=""
+    wl="${ab%%:*}" defs="" hooks="" prec=full
     for tok in ${ab#*:}; do
-      if [[ $tok == hooks=* ]]; then hooks="${tok#hooks=}"; else defs="${defs:+$defs }$tok"; fi
+      case $tok in
+        hooks=*) hooks="${tok#hooks=}" ;;
+        precision=*) prec="${tok#precision=}" ;;
+        *) defs="${defs:+$defs }$tok" ;;
+      esac
     done
-    log "A/B $wl: ${hooks:+hooks $hooks }$defs"
-    DSA_CUDA_HOOKS="$hooks" DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
+    log "A/B $wl: ${hooks:+hooks $hooks }$defs (precision $prec)"
+    DSA_CUDA_HOOKS="$hooks" DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json --precision "$prec" "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
   done
 fi
 
