@@ -2212,6 +2212,95 @@ fn e4m3_h64_engine_like_data_error_at_both_precisions() {
     }
 }
 
+/// `mqa_logits_w16` and `mqa_logits_w8` blocks that walk many key tiles: four requests of
+/// about 10^5 keys, two rows each, so that the launch gives each block several tiles
+/// (8 on 132 SMs; every other H = 64 test runs one tile per block), with last tiles of
+/// 48, 9, 1 and 64 keys. Every dim, flat keys and pages of 16 (and of 64 at `D = 128`),
+/// both precisions: every logit within the bound of the fast CPU engine's (bitwise the
+/// reference's). The path that prefetches keys across a block's tiles (a register
+/// prefetch, or the `H64_RING` ring with `tuning`) is what this holds to the bound.
+#[test]
+fn e4m3_h64_blocks_of_many_tiles_meet_the_bound() {
+    let Some(full) = gpu() else { return };
+    let seq_lens = vec![150_000usize, 149_001, 96_321, 120_000];
+    // The launch's tiles per block (cuda::run's logits step, one tile of all rows).
+    let chunks = seq_lens
+        .iter()
+        .max()
+        .unwrap()
+        .div_ceil(kernels::LOGITS_KEYS);
+    let per_block = (chunks * seq_lens.len() / (8 * full.device().sm_count()))
+        .clamp(1, kernels::logits_tiles_per_block());
+    assert!(per_block >= 4, "{per_block} tiles per block: too few");
+    for dim in [128usize, 64, 32] {
+        let s = common::strategies::Shape {
+            query_starts: seq_lens.iter().map(|&n| n - 2).collect(),
+            seq_lens: seq_lens.clone(),
+            explicit: false,
+            repeats: false,
+            ratio: 1,
+            heads: 64,
+            dim,
+            q_format: Format::E4m3,
+            k_format: Format::E4m3,
+            topk: 64,
+            block_size: 4,
+            num_blocks: 8,
+            role: RoleKind::Plain,
+            tail: None,
+            narrow: false,
+            seed: 0x711E5 + dim as u64,
+        };
+        let flat = build(&s);
+        let mut layouts = vec![("flat".to_string(), flat.clone())];
+        let pages: &[usize] = if dim == 128 { &[64, 16] } else { &[16] };
+        for &ps in pages {
+            let paged = paged_from_flat(&mut flat.clone(), ps, false, 0x5EED + ps as u64);
+            layouts.push((format!("pages of {ps}"), paged));
+        }
+        // One problem in every layout (paged_from_flat without sharing): one oracle.
+        let want = {
+            let (batch, _) = dump_problem(&flat);
+            engine_logits(&flat.problem(&batch, None).unwrap(), Isa::detect())
+        };
+        for (layout, d) in &layouts {
+            let (batch, _) = dump_problem(d);
+            let p = d.problem(&batch, None).unwrap();
+            let mut start = vec![0usize];
+            for r in p.batch.rows() {
+                start.push(start.last().unwrap() + r.n);
+            }
+            for prec in [Precision::Full, Precision::Fast] {
+                let mut b = gpu().unwrap().with_precision(prec);
+                let tag = format!(
+                    "H=64 D={dim}, {layout}, {per_block} tiles a block, {}",
+                    prec.name()
+                );
+                let got = b.logits(&p, usize::MAX).unwrap();
+                assert_eq!(got.len(), want.len(), "{tag}: logits length");
+                // check_logits_bound, in parallel over the logits.
+                (0..got.len())
+                    .into_par_iter()
+                    .with_min_len(4096)
+                    .for_each(|x| {
+                        let (g, r) = (got[x], want[x]);
+                        if g.to_bits() == r.to_bits() || (g.is_nan() && r.is_nan()) {
+                            return;
+                        }
+                        let i = start.partition_point(|&o| o <= x) - 1;
+                        let j = x - start[i];
+                        let bd = bound(&p, i, j, prec);
+                        assert!(
+                            abs_diff_eq!(g as f64, r as f64, epsilon = bd),
+                            "{tag}: row {i}, key {j}: cuda {g:e}, engine {r:e}, bound {bd:e}"
+                        );
+                    });
+                eprintln!("{tag}: {} logits within the bound", got.len());
+            }
+        }
+    }
+}
+
 #[test]
 fn same_bits_for_every_budget_and_every_run() {
     let Some(mut b) = gpu() else { return };
