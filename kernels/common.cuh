@@ -186,12 +186,6 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, u32 src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem),
                "r"(src_bytes));
 }
-// 8-byte variant (.ca: .cg takes only 16-byte copies).
-__device__ __forceinline__ void cp_async8(void *smem, const void *gmem, u32 src_bytes) {
-  u32 addr = (u32)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(addr), "l"(gmem),
-               "r"(src_bytes));
-}
 // 4-byte variant.
 __device__ __forceinline__ void cp_async4(void *smem, const void *gmem, u32 src_bytes) {
   u32 addr = (u32)__cvta_generic_to_shared(smem);

@@ -5,11 +5,11 @@
 // Compiled after common.cuh and logits_common.cuh, before the kernel's file.
 //
 // A (keys) comes from registers, in the mma.sync A fragment layout of each warp's 16
-// keys: no shared memory (but for the opt-in key ring, H64_RING below) and no barrier
-// for keys. The dot product does not care in which order the dims are paired, so the
-// fragments use a permuted dim order in which thread tig of a quad reads D / 4
-// contiguous bytes of each key (H64_WORDS words), and B (the queries, staged once per
-// block) uses the same order; each kernel says how its MMA steps take the words.
+// keys: no shared memory and no barrier for keys. The dot product does not care in
+// which order the dims are paired, so the fragments use a permuted dim order in which
+// thread tig of a quad reads D / 4 contiguous bytes of each key (H64_WORDS words), and B
+// (the queries, staged once per block) uses the same order; each kernel says how its
+// MMA steps take the words.
 
 // ==== configuration ====
 
@@ -105,159 +105,6 @@ __device__ __forceinline__ void h64_keys(u32 (&raw)[2][H64_WORDS], float (&ksc)[
     }
   }
 }
-
-// ==== the key ring (H64_RING) ====
-
-// H64_RING = N (1..=6; 0, the default, is h64_keys' one-tile-ahead prefetch into
-// registers): the thread's two keys of its next N tiles are in flight while it computes
-// one, copied by cp.async into a ring of N stages in shared memory that is the thread's
-// own. Stage s = i mod N holds the block's i-th tile c = blockIdx.x + i gridDim.x (what
-// h64_keys would load for c: the same words, zeros and 0.0f past nkeys); once the thread
-// has read it into raw / ksc, the stage takes the tile N ahead. The bytes in flight are
-// then bounded by shared memory, not by registers (the prefetched tile holds
-// 2 H64_WORDS + 2 of them through the MMA and the head sum).
-//
-// No barrier: a thread reads only the stage entries it copied itself. cp.async is a weak
-// memory operation of the generic proxy, and the completion of cp.async.wait_group on a
-// group makes that group's writes visible to the executing thread (PTX ISA,
-// cp.async.wait_group); the copy that refills a stage comes after the thread's loads of
-// it in program order. Each thread commits one group per tile of its sequence, empty past
-// the last tile, so that wait_group N - 1 always completes the tile about to be read.
-#ifndef H64_RING
-#define H64_RING 0
-#endif
-#if H64_RING < 0 || H64_RING > 6
-#error "H64_RING must be 0 or 1..=6"
-#endif
-// Bytes of one stage: each thread's two keys, D / 4 code bytes and an f32 scale each.
-#define H64_RING_STAGE_BYTES (H64_THREADS * 2 * (D / 4 + 4))
-// Stages a kernel with `other` bytes of other static shared memory takes: H64_RING, or
-// the most that keep the block within the 48 KB of static shared memory a kernel may
-// declare (0 if none fits: the register prefetch). At D = 128 (9 KB a stage) that is 3
-// for mqa_logits_w8 and 1 for mqa_logits_w16 (32 KB of f16 B).
-#define H64_RING_FIT(other) ((48 * 1024 - (other)) / H64_RING_STAGE_BYTES)
-#define H64_RING_DEPTH(other) (H64_RING < H64_RING_FIT(other) ? H64_RING : H64_RING_FIT(other))
-
-#if H64_RING
-// A thread's D / 4 bytes of a key row as 16-byte chunks (D = 32: one 8-byte chunk; cp.async
-// copies 4, 8 or 16 bytes).
-#if G == 1
-typedef uint2 H64Chunk;
-#define H64_CHUNK_WORDS 2
-#else
-typedef uint4 H64Chunk;
-#define H64_CHUNK_WORDS 4
-#endif
-#define H64_CHUNKS (H64_WORDS / H64_CHUNK_WORDS)
-
-// The ring: [stage][kk][chunk][thread], so that a warp's copies and loads of one chunk
-// are 32 consecutive chunks (no bank conflicts).
-template <int N>
-struct H64Ring {
-  H64Chunk code[N][2][H64_CHUNKS][H64_THREADS];
-  float scale[N][2][H64_THREADS];
-};
-
-// Where the thread's keys come from: the kernel's key arguments and the thread's place.
-struct H64KeySrc {
-  const u8 *k;
-  const float *k_scale32;
-  u32 ks, nkeys, nchunks;
-  int warp, gid, tig, tid;
-#if DSA_PAGED
-  const int *page_table;
-  u32 page_log2;
-#endif
-};
-
-// The ring's loads, as volatile asms: cp_async* and cp_async_wait are volatile asms
-// without a memory clobber, so the compiler does not know that they write the ring, and
-// could move a plain load of it above the wait or below the next copy into the same
-// stage; volatile asms keep their order.
-__device__ __forceinline__ void h64_lds(u32 (&x)[4], const void *p) {
-  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3])
-               : "r"((u32)__cvta_generic_to_shared(p)));
-}
-__device__ __forceinline__ void h64_lds(u32 (&x)[2], const void *p) {
-  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n"
-               : "=r"(x[0]), "=r"(x[1])
-               : "r"((u32)__cvta_generic_to_shared(p)));
-}
-__device__ __forceinline__ float h64_lds_f32(const float *p) {
-  float x;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"((u32)__cvta_generic_to_shared(p)));
-  return x;
-}
-
-// Issues the copies of the thread's two keys of tile c (< nchunks) into stage st:
-// h64_keys' addresses, and past nkeys zero-size copies (zero fill) from the tile's first
-// key, which exists.
-template <int N>
-__device__ __forceinline__ void h64_ring_issue(H64Ring<N> &ring, const int st, const H64KeySrc &a,
-                                               const u32 c) {
-  const u32 j0 = c * H64_KEYS;
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const u32 j = j0 + 16 * a.warp + a.gid + 8 * kk;
-    const bool in = j < a.nkeys;
-    const u32 js = in ? j : j0;
-#if DSA_PAGED
-    const PagedKey pk = paged_key(a.k, a.page_table, a.ks, js, a.page_log2);
-    const u8 *code = pk.code + (D / 4) * a.tig;
-    const void *scale = pk.scale;
-#else
-    const u8 *code = a.k + (u64)(a.ks + js) * D + (D / 4) * a.tig;
-    const void *scale = a.k_scale32 + a.ks + js;
-#endif
-#pragma unroll
-    for (int ch = 0; ch < H64_CHUNKS; ++ch) {
-#if G == 1
-      cp_async8(&ring.code[st][kk][ch][a.tid], code, in ? 8u : 0u);
-#else
-      cp_async16(&ring.code[st][kk][ch][a.tid], code + 16 * ch, in ? 16u : 0u);
-#endif
-    }
-    cp_async4(&ring.scale[st][kk][a.tid], scale, in ? 4u : 0u);
-  }
-}
-
-// Stages 0 .. N - 1: the block's first N tiles c = blockIdx.x + s gridDim.x (an empty
-// group for each past nchunks).
-template <int N>
-__device__ __forceinline__ void h64_ring_start(H64Ring<N> &ring, const H64KeySrc &a) {
-#pragma unroll
-  for (int s = 0; s < N; ++s) {
-    const u32 c = blockIdx.x + s * gridDim.x;
-    if (c < a.nchunks) h64_ring_issue(ring, s, a, c);
-    cp_async_commit();
-  }
-}
-
-// Tile c's two keys from stage st (h64_keys' raw and ksc); then the stage takes tile
-// c + N gridDim.x, and st moves on to the next stage.
-template <int N>
-__device__ __forceinline__ void h64_ring_next(u32 (&raw)[2][H64_WORDS], float (&ksc)[2],
-                                              H64Ring<N> &ring, int &st, const H64KeySrc &a,
-                                              const u32 c) {
-  cp_async_wait<N - 1>();  // tile c's group; the N - 1 newer ones may still be pending
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-#pragma unroll
-    for (int ch = 0; ch < H64_CHUNKS; ++ch) {
-      u32 x[H64_CHUNK_WORDS];
-      h64_lds(x, &ring.code[st][kk][ch][a.tid]);
-#pragma unroll
-      for (int e = 0; e < H64_CHUNK_WORDS; ++e) raw[kk][H64_CHUNK_WORDS * ch + e] = x[e];
-    }
-    ksc[kk] = h64_lds_f32(&ring.scale[st][kk][a.tid]);
-  }
-  const u32 cn = c + N * gridDim.x;
-  if (cn < a.nchunks) h64_ring_issue(ring, st, a, cn);
-  cp_async_commit();
-  st = st == N - 1 ? 0 : st + 1;
-}
-#endif  // H64_RING
 
 // The block's two rows of weights into sw, and whether the block sums its heads in
 // SPEC 4's order: a row whose largest |w_h| reaches 2^96 may overflow a term or a partial

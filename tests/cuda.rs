@@ -2217,8 +2217,8 @@ fn e4m3_h64_engine_like_data_error_at_both_precisions() {
 /// (8 on 132 SMs; every other H = 64 test runs one tile per block), with last tiles of
 /// 48, 9, 1 and 64 keys. Every dim, flat keys and pages of 16 (and of 64 at `D = 128`),
 /// both precisions: every logit within the bound of the fast CPU engine's (bitwise the
-/// reference's). The path that prefetches keys across a block's tiles (a register
-/// prefetch, or the `H64_RING` ring with `tuning`) is what this holds to the bound.
+/// reference's). The register prefetch of the next tile's keys across a block's tiles
+/// is what this holds to the bound.
 #[test]
 fn e4m3_h64_blocks_of_many_tiles_meet_the_bound() {
     let Some(full) = gpu() else { return };
