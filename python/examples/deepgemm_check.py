@@ -33,11 +33,15 @@ Then:
   every visible (row, key), with SPEC 4's `M = kscale * sum_h |w_h| sum_d |q_d k_d|`;
   SPEC 4's tolerance class bounds it by 2^-8.
 
-Not here: `dsa_indexer.index`, the crate's CUDA kernels on the same CUDA tensors, is
-not in the package yet; when it is, its selections on these tensors belong beside
-DeepGEMM's. The CPU reference bounds `--rows` by time: the default layer (2048 rows
-x 8192 keys) takes `check` 29 s on two busy cores, 51 s with the engine's logits judged
-too, linear in rows x keys (the JSON line gives `check_s`).
+- `dsa_indexer.index(q8, None, k8, kscale, w, ...)`, the crate's CUDA kernels on the same
+  CUDA tensors (a build with CUDA, on a GPU; both precisions), each judged by
+  `dsa_indexer.check` the same way (without engine logits: SPEC 9's default tolerance of
+  the class), and the rows whose selected set differs from DeepGEMM's (`"ours"` in the
+  JSON line; absent under `--emulate` or without the CUDA build).
+
+The CPU reference bounds `--rows` by time: the default layer (2048 rows x 8192 keys)
+takes `check` 29 s on two busy cores, 51 s with the engine's logits judged too, linear
+in rows x keys (the JSON line gives `check_s`).
 
 Output: one JSON line (`"emulated": true` and every figure labelled EMULATED under
 `--emulate`), then a short summary. `--emulate` replaces deep_gemm by the torch
@@ -126,6 +130,26 @@ def max_err_over_m(q8, k8, kscale, w, logits, ke, chunk_bytes=1 << 30):
     return worst
 
 
+def theirs_vs_ours(q8, k8, kscale, w, engine_raw, layer):
+    """The crate's CUDA entry on the same CUDA tensors at both precisions, each judged
+    by `dsa_indexer.check` like the engine's (without logits: the class's default
+    tolerance), with the rows whose selected set differs from the engine's."""
+    out = {}
+    for prec in ("full", "fast"):
+        o = dsa_indexer.index(q8, None, k8, kscale, w, seq_lens=layer["seq_lens"],
+                              query_starts=layer["query_starts"], topk=K, precision=prec)
+        raw = o.raw.cpu()
+        rep = dsa_indexer.check(raw, **layer)
+        sel = rep.tensors.get("raw", {})
+        out[prec] = {
+            "verdict": rep.verdict,
+            "rows_within_ties_and_tolerance": sel.get("rows_tolerant"),
+            "rows_different": sel.get("rows_different"),
+            "rows_differing_from_engine": int((raw != engine_raw).any(dim=1).sum()),
+        }
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=2048, help="query rows, the request's last positions (default 2048)")
@@ -181,6 +205,7 @@ def main():
     per_tensor = {
         name: {key: v for key, v in t.items() if key != "notes"} for name, t in report.tensors.items()
     }
+    ours = theirs_vs_ours(q8, k8, kscale, w, raw, layer) if dev.type == "cuda" and dsa_indexer.CUDA else None
     sel = per_tensor.get("raw", {})
     different = report.verdict == "different"
     rec = {
@@ -205,6 +230,7 @@ def main():
         "torch": torch.__version__,
         "deep_gemm": getattr(dg, "__version__", "?"),
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "ours": ours,
     }
     print(json.dumps(rec), flush=True)
 
@@ -216,6 +242,10 @@ def main():
               f"{t.get('rows_tolerant')}, different: {t.get('rows_different')}")
     print(f"{tag}max |engine logit - ref| / M = {err} (SPEC 4 bound 2^{SPEC_BOUND_LOG2})")
     print(f"{tag}engine {engine_s:.2f} s (first call), f64 reference {f64_s:.2f} s, check {check_s:.2f} s")
+    for prec, o in (ours or {}).items():
+        print(f"dsa_indexer.index ({prec}): {o['verdict']}; rows within ties and tolerance "
+              f"{o['rows_within_ties_and_tolerance']}, different {o['rows_different']}; "
+              f"rows whose set differs from DeepGEMM + torch.topk's: {o['rows_differing_from_engine']}")
     if different:
         print(report, file=sys.stderr)
         if args.dump:
