@@ -626,13 +626,11 @@ mod tests {
         assert!(workload("v41-chunk-narrow").is_err());
     }
 
-    /// The JSON line `dsa-indexer bench --device cuda --json` prints names every path
-    /// counter, per run, and both device-memory figures.
-    #[test]
-    fn json_has_the_path_counters_per_run() {
-        let runs = 12;
-        let r = BenchResult {
-            name: "v32-16k".into(),
+    /// A result of workload `name` whose figures are all 1 (no decode figures, full
+    /// precision, no path counted): the JSON tests change the fields they check.
+    fn result(name: &str) -> BenchResult {
+        BenchResult {
+            name: name.into(),
             device: "none".into(),
             rows: 1,
             valid_pairs: 1,
@@ -648,13 +646,27 @@ mod tests {
             rows_per_s: 1.0,
             counted_peak: 1,
             planned_peak: 1,
+            driver: DriverMemory::default(),
+            reps: 5,
+            topk_paths: TopkPaths::default(),
+            fold_counts: FoldCounts::default(),
+            decode: None,
+            precision: "full",
+        }
+    }
+
+    /// The JSON line `dsa-indexer bench --device cuda --json` prints names every path
+    /// counter, per run, and both device-memory figures.
+    #[test]
+    fn json_has_the_path_counters_per_run() {
+        let runs = 12;
+        let r = BenchResult {
             driver: DriverMemory {
                 before: 100,
                 high: 350,
                 after: 120,
                 samples: 7,
             },
-            reps: 5,
             topk_paths: TopkPaths {
                 all: 12,
                 short: 24,
@@ -673,8 +685,7 @@ mod tests {
                 tiles_int8_fallback: 36,
             }
             .per_run(runs),
-            decode: None,
-            precision: "full",
+            ..result("v32-16k")
         };
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert!(v.get("kv_gbs").is_none() && v.get("next_n").is_none());
@@ -774,28 +785,15 @@ mod tests {
         let j = serde_json::json!({"requests": 2, "next_n": 1, "page_size": 64, "pool_pages": 4,
             "bytes_per_token": 132, "kv_bytes": 4 * 64 * 132});
         let r = BenchResult {
-            name: "v32-decode-b64-32k".into(),
-            device: "none".into(),
             rows: 2,
             valid_pairs: 228,
-            tiles: 1,
-            budget: 1,
             median_ms: 0.25,
             min_ms: 0.25,
             logits_ms: 0.2,
             select_ms: 0.05,
-            tflops: 1.0,
-            logits_tflops: 1.0,
-            topk_gbs: 1.0,
-            rows_per_s: 1.0,
-            counted_peak: 1,
-            planned_peak: 1,
-            driver: DriverMemory::default(),
-            reps: 5,
-            topk_paths: TopkPaths::default(),
-            fold_counts: FoldCounts::default(),
             decode: Some(d),
             precision: "fast",
+            ..result("v32-decode-b64-32k")
         };
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert_eq!(v["precision"], "fast");
