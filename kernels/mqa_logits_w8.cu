@@ -23,19 +23,9 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// Two accumulator sets (W8_PIPE=1, opt-in): tile c + gridDim.x's wgmma runs while tile
-// c's head sum and store do, instead of each warpgroup waiting on its own MMA before
-// its epilogue. It takes 64 + 16 more registers, so 2 blocks per SM.
-#ifndef W8_PIPE
-#define W8_PIPE 0
-#endif
 // Blocks per SM the registers must allow (123 registers at D = 128).
 #ifndef W8_MIN_BLOCKS
-#if W8_PIPE
-#define W8_MIN_BLOCKS 2
-#else
 #define W8_MIN_BLOCKS 4
-#endif
 #endif
 
 // ==== kernel ====
@@ -81,66 +71,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   auto prefetch = [&](u32 c) { h64_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig PG_PASS); };
   prefetch(blockIdx.x);
   constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
-#if W8_PIPE
-  // Tile c's MMA into acc from its A fragments af (the words of raw, as below), its key
-  // scale into kc, the next tile's keys prefetched; committed as one group.
-  u64 desc[W8_S];
-#pragma unroll
-  for (int s = 0; s < W8_S; ++s) desc[s] = wgmma_desc(sB + 2 * s * lbo, lbo, 128);
-  auto issue = [&](float (&acc)[64], u32 (&af)[W8_S][4], float &kc, const u32 c) {
-#pragma unroll
-    for (int s = 0; s < W8_S; ++s) {
-      af[s][0] = raw[0][2 * s];
-      af[s][1] = raw[1][2 * s];
-      af[s][2] = raw[0][2 * s + 1];
-      af[s][3] = raw[1][2 * s + 1];
-    }
-    kc = odd ? ksc[1] : ksc[0];
-    fence_regs_a(af);
-    fence_regs(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n128k32_e4m3_rs(acc, af[s], desc[s], s > 0 ? 1u : 0u);
-    wgmma_commit();
-    fence_regs(acc);
-    fence_regs_a(af);
-    if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
-  };
-  // Tile c's head sum and store from acc, once its group has completed.
-  auto finish = [&](float (&acc)[64], const float kc, const u32 c) {
-    fence_regs(acc);
-    const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
-    store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, c * H64_KEYS + 16 * warp + gid, odd,
-                __fmul_rn(hsum, kc));
-  };
-  float acc0[64], acc1[64];
-  u32 a0[W8_S][4], a1[W8_S][4];
-  float k0 = 0.0f, k1 = 0.0f;
-  u32 c = blockIdx.x;
-  issue(acc0, a0, k0, c);
-  for (;;) {
-    const u32 c1 = c + gridDim.x;
-    if (c1 >= nchunks) {
-      wgmma_wait<0>();
-      finish(acc0, k0, c);
-      break;
-    }
-    issue(acc1, a1, k1, c1);
-    wgmma_wait<1>();  // tile c's group; tile c1's may still run
-    finish(acc0, k0, c);
-    const u32 c2 = c1 + gridDim.x;
-    if (c2 >= nchunks) {
-      wgmma_wait<0>();
-      finish(acc1, k1, c1);
-      break;
-    }
-    issue(acc0, a0, k0, c2);
-    wgmma_wait<1>();
-    finish(acc1, k1, c1);
-    c = c2;
-  }
-#else
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * H64_KEYS;
     // A fragment of k32 step s: words 2 s and 2 s + 1 of the thread's two keys.
@@ -167,5 +97,4 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }
-#endif
 }
