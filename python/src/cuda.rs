@@ -443,29 +443,33 @@ pub fn index(
         let page = Tensor::import_on("page", page, &cs)?;
         expect(&raw, Dt::I32, &[t, params.topk], " [T, topk]").map_err(ve)?;
         expect(&page, Dt::I32, &[t, cols], " [T, page_cols]").map_err(ve)?;
-        let (engine, s) = engine(ordinal, stream, precision).map_err(ve)?;
-        let dl = layer.on_device(&s, ordinal).map_err(ve)?;
-        let inputs = dl.inputs();
-        let cands = dl.candidates();
-        let run = engine
-            .prepare_device(batch, &inputs, params, tail, cands.as_ref(), budget)
-            .map_err(ve)?;
         let published = match (published, tail) {
-            (Some(p), Some(_)) => {
+            (Some(p), Some(tail)) => {
                 let p = Tensor::import_on("published", p, &cs)?;
-                let rows = run.output_lens().2 / m.num_blocks.max(1);
+                let rows = (0..t)
+                    .filter(|&i| {
+                        dsa_indexer::batch::publishes(&batch.rows()[i], batch.requests(), tail)
+                    })
+                    .count();
                 expect(&p, Dt::I32, &[rows, m.num_blocks], " [P, num_blocks]").map_err(ve)?;
                 Some(p)
             }
             (None, Some(_)) => return Err(ve(bad("published", "missing (role = source)"))),
             (_, None) => None,
         };
+        let (engine, s) = engine(ordinal, stream, precision).map_err(ve)?;
+        let dl = layer.on_device(&s, ordinal).map_err(ve)?;
         let mut raw_b = DevBuf::<i32>::new(&raw, &s, ordinal).map_err(ve)?;
         let mut page_b = DevBuf::<i32>::new(&page, &s, ordinal).map_err(ve)?;
         let mut pub_b = match &published {
             Some(p) => Some(DevBuf::<i32>::new(p, &s, ordinal).map_err(ve)?),
             None => None,
         };
+        let inputs = dl.inputs();
+        let cands = dl.candidates();
+        let run = engine
+            .prepare_device(batch, &inputs, params, tail, cands.as_ref(), budget)
+            .map_err(ve)?;
         let nbytes = run.workspace_bytes();
         let ws_obj = workspace.call1((nbytes,))?;
         let ws = Tensor::import_on("workspace", &ws_obj, &cs)?;

@@ -109,7 +109,7 @@ impl CudaBackend {
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
             run.tile(&self.dev, t)?;
-            let Some(l) = run.tr.logits.as_ref().and_then(Buf::owned) else {
+            let Some(l) = run.logits.as_ref().and_then(Buf::owned) else {
                 continue;
             };
             let all = self
@@ -147,7 +147,7 @@ impl CudaBackend {
         let mut src = 0usize;
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
-            if let Some(l) = run.tr.logits.as_mut().and_then(Buf::owned_mut) {
+            if let Some(l) = run.logits.as_mut().and_then(Buf::owned_mut) {
                 let mut host = vec![0f32; l.len()];
                 let mut off = 0usize;
                 for i in plan.tiles[t].rows.clone() {
@@ -222,17 +222,17 @@ impl CudaBackend {
             )?);
         }
         let ptrs = up.ptrs(&dev.stream);
-        let meta = Run::meta(&self.dev, p.batch, &shape, plan);
+        let publishes = |i: usize| p.publishes(i);
         let run = Run::begin(
             &self.dev,
             &mut Space::Own,
             OutPlace::Own,
-            p.batch.num_rows(),
+            p.batch,
             shape,
             ptrs,
             up,
             plan,
-            &meta,
+            &publishes,
         )?;
         self.peak = run.transient;
         self.run = Some(run);
@@ -352,9 +352,9 @@ impl CudaBackend {
             dst.copy_from_slice(&v[..n]);
             Ok(())
         };
-        copy(&run.out.raw, &mut out.raw, "copy raw back")?;
-        copy(&run.out.page, &mut out.page, "copy page back")?;
-        if let (Some(d), Some(pb)) = (run.out.published.as_ref(), out.published.as_mut()) {
+        copy(&run.raw, &mut out.raw, "copy raw back")?;
+        copy(&run.page, &mut out.page, "copy page back")?;
+        if let (Some(d), Some(pb)) = (run.published.as_ref(), out.published.as_mut()) {
             copy(d, &mut pb.blocks, "copy published back")?;
         }
         let c = dev.read_back(&run.paths, "copy path counters back")?;

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut}
 
 use super::alloc::{Buf, Fill, Space, WORKSPACE_ALIGN};
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
-use super::geometry::{check_shape, footprint, Paging, RowMeta, Shape};
+use super::geometry::{check_shape, footprint, Paging, Shape};
 use super::kernels::{self, Hooks, Precision};
 use super::run::{OutPlace, Ptrs, Run, Uploads};
 use super::validate::{validate, validate_paged, Checked, PagedView};
@@ -226,23 +226,13 @@ impl Engine {
         };
         check_shape(&shape, batch)?;
         let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;
-        let meta = Run::meta(&self.dev, batch, &shape, &plan);
-        // The workspace: the value checks' scratch (freed before the run takes its
-        // buffers: the checks wait for their verdict), or the run's buffers, measured by
-        // the code that carves them.
-        let checks = validate_values(&self.dev, &Space::Measure { at: 0 }, batch, inputs, paged)?;
-        let run = if t == 0 {
-            0
-        } else {
-            let mut space = Space::Measure { at: 0 };
-            let at0 = OutPlace::At {
-                raw: 0,
-                page: 0,
-                published: 0,
-            };
-            let (u, m) = (Uploads::default(), &meta);
-            Run::begin(&self.dev, &mut space, at0, t, shape, ptrs, u, &plan, m)?;
-            space.used()
+        let published_rows = match source_tail {
+            Some(tail) => batch
+                .rows()
+                .iter()
+                .filter(|r| crate::batch::publishes(r, batch.requests(), tail))
+                .count(),
+            None => 0,
         };
         let mut r = DeviceRun {
             engine: self,
@@ -252,8 +242,25 @@ impl Engine {
             ptrs,
             plan,
             paged,
-            meta,
+            published_rows,
             workspace: 0,
+        };
+        // The workspace: the value checks' scratch (freed before the run takes its
+        // buffers: the checks wait for their verdict), or the run's buffers.
+        let checks = validate_values(&self.dev, &Space::Measure { at: 0 }, batch, inputs, paged)?;
+        let run = if t == 0 {
+            0
+        } else {
+            let mut space = Space::Measure { at: 0 };
+            r.begin(
+                &mut space,
+                OutPlace::At {
+                    raw: 0,
+                    page: 0,
+                    published: 0,
+                },
+            )?;
+            space.used()
         };
         r.workspace = checks.max(run);
         Ok(r)
@@ -275,18 +282,14 @@ impl Engine {
         ptrs: Ptrs,
         plan: Plan,
     ) -> Result<DeviceOutput> {
-        let meta = Run::meta(&self.dev, batch, &shape, &plan);
-        let (t, u) = (batch.num_rows(), Uploads::default());
-        let mut run = Run::begin(
+        let mut run = begin_run(
             &self.dev,
             &mut Space::Own,
             OutPlace::Own,
-            t,
+            batch,
             shape,
             ptrs,
-            u,
             &plan,
-            &meta,
         )?;
         for ti in 0..plan.tiles.len() {
             run.tile(&self.dev, ti)?;
@@ -296,15 +299,43 @@ impl Engine {
             b.into_owned()
                 .ok_or_else(|| backend_err(format!("{what}: not the run's own buffer")))
         };
-        let out = run.out;
         Ok(DeviceOutput {
-            raw: own(out.raw, "raw")?,
-            page: own(out.page, "page")?,
-            published: out.published.map(|p| own(p, "published")).transpose()?,
+            raw: own(run.raw, "raw")?,
+            page: own(run.page, "page")?,
+            published: run.published.map(|p| own(p, "published")).transpose()?,
             plan,
             measured_peak,
         })
     }
+}
+
+/// [`Run::begin`] of an engine run: no host uploads to keep, a source layer's published
+/// rows as SPEC 6 names them.
+fn begin_run(
+    dev: &Device,
+    space: &mut Space,
+    out: OutPlace,
+    batch: &Batch,
+    shape: Shape,
+    ptrs: Ptrs,
+    plan: &Plan,
+) -> Result<Run> {
+    let source_tail = shape.tail;
+    let publishes = |i: usize| {
+        source_tail
+            .is_some_and(|tail| crate::batch::publishes(&batch.rows()[i], batch.requests(), tail))
+    };
+    Run::begin(
+        dev,
+        space,
+        out,
+        batch,
+        shape,
+        ptrs,
+        Uploads::default(),
+        plan,
+        &publishes,
+    )
 }
 
 /// A checked and planned device run whose memory the caller provides
@@ -318,8 +349,7 @@ pub struct DeviceRun<'r, 'a> {
     ptrs: Ptrs,
     plan: Plan,
     paged: Option<Paging>,
-    /// The rows' metadata, measured with and uploaded by the launch.
-    meta: RowMeta,
+    published_rows: usize,
     workspace: usize,
 }
 
@@ -352,7 +382,7 @@ impl DeviceRun<'_, '_> {
         (
             t * self.shape.topk,
             t * self.shape.page_cols,
-            self.meta.npub.max(0) as usize * self.shape.num_blocks,
+            self.published_rows * self.shape.num_blocks,
         )
     }
 
@@ -362,6 +392,13 @@ impl DeviceRun<'_, '_> {
         } else {
             "k"
         }
+    }
+
+    fn begin(&self, space: &mut Space, out: OutPlace) -> Result<Run> {
+        let dev = &self.engine.dev;
+        begin_run(
+            dev, space, out, self.batch, self.shape, self.ptrs, &self.plan,
+        )
     }
 
     /// Check the inputs' values on the device (as [`Engine::run_device`] does: one wait
@@ -446,9 +483,7 @@ impl DeviceRun<'_, '_> {
             published: pub_p,
         };
         let mut space = carve;
-        let (t, u) = (self.batch.num_rows(), Uploads::default());
-        let (sh, p) = (self.shape, self.ptrs);
-        let mut run = Run::begin(dev, &mut space, out, t, sh, p, u, &self.plan, &self.meta)?;
+        let mut run = self.begin(&mut space, out)?;
         for ti in 0..self.plan.tiles.len() {
             run.tile(dev, ti)?;
         }

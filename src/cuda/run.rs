@@ -36,13 +36,21 @@ pub(super) struct Ptrs {
 pub(super) struct Run {
     shape: Shape,
     ptrs: Ptrs,
-    /// Per-row metadata (transient, counted).
-    md: MetaBufs,
-    /// Logits tile, block keys, split top-k scratch (transient, counted).
-    pub(super) tr: TransientBufs,
+    // Metadata (transient, counted).
+    row_n: Buf<u32>,
+    row_ks: Buf<u32>,
+    row_off: Buf<u64>,
+    row_pub: Buf<i32>,
+    row_boff: Buf<u64>,
+    groups: Buf<u32>,
+    pub(super) logits: Option<Buf<f32>>,
+    bkeys: Option<Buf<u32>>,
+    split: Option<Buf<i32>>,
     geom: Vec<TileGeom>,
-    /// Outputs.
-    pub(super) out: OutputBufs,
+    // Outputs.
+    pub(super) raw: Buf<i32>,
+    pub(super) page: Buf<i32>,
+    pub(super) published: Option<Buf<i32>>,
     /// Path counters: the top-k's (`kernels::TOPK_PATHS`), then the logits kernels'
     /// (`kernels::LOGITS_PATHS`).
     pub(super) paths: Buf<u32>,
@@ -78,20 +86,19 @@ impl Run {
         fn opt<T>(b: &Option<Buf<T>>, s: &CudaStream) -> u64 {
             b.as_ref().map_or(0, |b| b.addr(s))
         }
-        let (md, tr, out) = (&self.md, &self.tr, &self.out);
         RunAddrs {
-            logits: opt(&tr.logits, s),
-            row_n: md.row_n.addr(s),
-            row_ks: md.row_ks.addr(s),
-            row_off: md.row_off.addr(s),
-            row_pub: md.row_pub.addr(s),
-            row_boff: md.row_boff.addr(s),
-            groups: md.groups.addr(s),
-            bkeys: opt(&tr.bkeys, s),
-            split: opt(&tr.split, s),
-            raw: out.raw.addr(s),
-            page: out.page.addr(s),
-            published: opt(&out.published, s),
+            logits: opt(&self.logits, s),
+            row_n: self.row_n.addr(s),
+            row_ks: self.row_ks.addr(s),
+            row_off: self.row_off.addr(s),
+            row_pub: self.row_pub.addr(s),
+            row_boff: self.row_boff.addr(s),
+            groups: self.groups.addr(s),
+            bkeys: opt(&self.bkeys, s),
+            split: opt(&self.split, s),
+            raw: self.raw.addr(s),
+            page: self.page.addr(s),
+            published: opt(&self.published, s),
             paths: self.paths.addr(s),
         }
     }
@@ -178,8 +185,8 @@ fn upload<T: DeviceRepr + ValidAsZeroBits>(
 
 /// A run's transient buffers, reused by every tile: the logits tile, the block keys
 /// and the split top-k's scratch (each absent when the plan needs none).
-pub(super) struct TransientBufs {
-    pub(super) logits: Option<Buf<f32>>,
+struct TransientBufs {
+    logits: Option<Buf<f32>>,
     bkeys: Option<Buf<u32>>,
     split: Option<Buf<i32>>,
 }
@@ -237,10 +244,10 @@ impl TransientBufs {
 }
 
 /// A run's outputs on the device.
-pub(super) struct OutputBufs {
-    pub(super) raw: Buf<i32>,
-    pub(super) page: Buf<i32>,
-    pub(super) published: Option<Buf<i32>>,
+struct OutputBufs {
+    raw: Buf<i32>,
+    page: Buf<i32>,
+    published: Option<Buf<i32>>,
 }
 
 /// Where a run writes its outputs.
@@ -311,50 +318,39 @@ impl OutputBufs {
 }
 
 impl Run {
-    /// The metadata of `batch`'s rows for a layer of shape `shape` run in `plan`'s tiles
-    /// on `dev` (a source layer's publishing rows as SPEC 6 names them, from the shape's
-    /// tail), what [`Run::begin`] uploads.
-    pub(super) fn meta(dev: &Device, batch: &Batch, shape: &Shape, plan: &Plan) -> RowMeta {
-        let fp = footprint(batch.rows().len(), shape.topk, dev.sm_count());
-        let publishes = |i: usize| {
-            shape.tail.is_some_and(|tail| {
-                crate::batch::publishes(&batch.rows()[i], batch.requests(), tail)
-            })
-        };
-        RowMeta::new(
-            batch,
-            shape,
-            plan,
-            &fp,
-            &publishes,
-            dev.sm_count(),
-            dev.hooks(),
-        )
-    }
-
-    /// Upload `meta` (the rows' metadata for `plan`'s tiles, [`Run::meta`]) and take the
-    /// transient buffers (in that order) from `space`, and the outputs at `out`, for a
-    /// layer of `t` rows of shape `shape` whose inputs are at `ptrs` (`uploads`:
-    /// host-input uploads the run keeps alive). Under [`Space::Measure`] nothing is
-    /// written: the run only sizes its workspace ([`Space::used`]) and must not be
-    /// launched.
+    /// Upload the metadata of `batch`'s rows for `plan`'s tiles and take the transient
+    /// buffers (in that order) from `space`, and the outputs at `out`, for a layer of
+    /// shape `shape` whose inputs are at `ptrs` (`uploads`: host-input uploads the run
+    /// keeps alive). Under [`Space::Measure`] nothing is written: the run only sizes
+    /// its workspace ([`Space::used`]) and must not be launched.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn begin(
         dev: &Device,
         space: &mut Space,
         out: OutPlace,
-        t: usize,
+        batch: &Batch,
         shape: Shape,
         ptrs: Ptrs,
         uploads: Uploads,
         plan: &Plan,
-        meta: &RowMeta,
+        publishes: &dyn Fn(usize) -> bool,
     ) -> Result<Run> {
+        let t = batch.rows().len();
+        let fp = footprint(t, shape.topk, dev.sm_count());
+        let meta = RowMeta::new(
+            batch,
+            &shape,
+            plan,
+            &fp,
+            publishes,
+            dev.sm_count(),
+            dev.hooks(),
+        );
         // The transient buffers (metadata, logits tile, block keys, split scratch, path
         // counters), counted as Device::allocate allocates them on this thread, or as
         // the workspace's regions span them.
         let before = (allocated_on_this_thread(), space.used());
-        let md = MetaBufs::upload(dev, space, meta)?;
+        let md = MetaBufs::upload(dev, space, &meta)?;
         let tr = TransientBufs::alloc(dev, space, plan, &meta.geom, shape.topk)?;
         let paths =
             dev.buffer::<u32>(space, Fill::Zeros(PATHS_BYTES / 4), "alloc path counters")?;
@@ -367,10 +363,19 @@ impl Run {
         Ok(Run {
             shape,
             ptrs,
-            md,
-            tr,
-            geom: meta.geom.clone(),
-            out,
+            row_n: md.row_n,
+            row_ks: md.row_ks,
+            row_off: md.row_off,
+            row_pub: md.row_pub,
+            row_boff: md.row_boff,
+            groups: md.groups,
+            logits: tr.logits,
+            bkeys: tr.bkeys,
+            split: tr.split,
+            geom: meta.geom,
+            raw: out.raw,
+            page: out.page,
+            published: out.published,
             paths,
             uploads,
             transient,
