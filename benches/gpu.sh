@@ -48,10 +48,8 @@
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
 # #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, W16_MIN_BLOCKS,
-#   W8_MIN_BLOCKS, H64_BULK (1..=8: mqa_logits_w8/w16 keys through a ring of that many
-#   tiles in shared memory, each copied whole by bulk copies; fewer where static shared
-#   memory would pass 48 KB), TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS; host
-#   side: LG_PER_BLOCK.
+#   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS; host side:
+#   LG_PER_BLOCK.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -91,9 +89,6 @@ if has tests; then
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   }
-  # The H = 64 E4M3 kernels with their keys through the bulk ring (H64_BULK): every test
-  # of those kernels, flat and paged, at both precisions.
-  knob_tests "H64_BULK=3" e4m3_h64 fp8_wgmma golden paged decode_step same_bits engine_api tolerance_class
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"

@@ -193,58 +193,6 @@ __device__ __forceinline__ void cp_async4(void *smem, const void *gmem, u32 src_
                "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// ==== mbarriers and bulk copies (sm_90) ====
-
-// A shared-memory barrier that completes a phase once `count` arrivals and the bytes
-// announced by arrive_expect_tx have come. Every asm here clobbers memory, so the
-// compiler keeps plain shared-memory loads after the wait that makes them valid.
-__device__ __forceinline__ void mbar_init(u64 *bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(
-                   (u32)__cvta_generic_to_shared(bar)),
-               "r"(count)
-               : "memory");
-}
-// Makes the initialised barriers visible to the async proxy (the bulk copies' arrivals).
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// One arrival that also announces `bytes` to come by complete_tx.
-__device__ __forceinline__ void mbar_arrive_expect_tx(u64 *bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
-                   (u32)__cvta_generic_to_shared(bar)),
-               "r"(bytes)
-               : "memory");
-}
-// An arrival when every cp.async this thread issued so far has landed (counted in the
-// barrier's init count: .noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive(u64 *bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
-                   (u32)__cvta_generic_to_shared(bar))
-               : "memory");
-}
-// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(u64 *bar, u32 parity) {
-  const u32 addr = (u32)__cvta_generic_to_shared(bar);
-  u32 done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory
-// by the async proxy, completing that many bytes of `bar`'s transaction count.
-__device__ __forceinline__ void bulk_g2s(void *smem, const void *gmem, u32 bytes, u64 *bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-          (u32)__cvta_generic_to_shared(smem)),
-      "l"(gmem), "r"(bytes), "r"((u32)__cvta_generic_to_shared(bar))
-      : "memory");
-}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));

@@ -27,10 +27,6 @@
 #ifndef W8_MIN_BLOCKS
 #define W8_MIN_BLOCKS 4
 #endif
-// Static shared memory besides the bulk key ring (sB, sw), and the ring's stages
-// (H64_BULK_DEPTH: H64_BULK, or fewer where the ring would not fit; 0 = none).
-#define W8_SMEM (H64_N * D + H64_ROWS * H * 4)
-#define W8_BULK H64_BULK_DEPTH(W8_SMEM)
 
 // ==== kernel ====
 
@@ -44,12 +40,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS) {
   __shared__ __align__(128) u8 sB[H64_N * D];
   __shared__ __align__(8) float sw[H64_ROWS][H];
-#if W8_BULK
-  __shared__ __align__(128) H64Bulk<W8_BULK> ring;
-  static_assert(sizeof(sB) + sizeof(sw) == W8_SMEM, "W8_SMEM is sB and sw");
-  static_assert(sizeof(H64Stage) == H64_STAGE_BYTES, "a stage's bytes");
-  static_assert(W8_SMEM + sizeof(ring) <= 48 * 1024, "static shared memory within 48 KB");
-#endif
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + H64_KEYS - 1) / H64_KEYS;
@@ -59,11 +49,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   const int gid = lane >> 2, tig = lane & 3;
   const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
-#if W8_BULK
-  // The first tiles' keys are in flight while the block stages its queries.
-  const H64BulkSrc ka = {k, k_scale32, ks, grp.z, nchunks PG_PASS};
-  u32 pg = h64_bulk_start(ring, ka, tid);
-#endif
 
   const bool big_w = h64_stage_weights(sw, w, grp, tid);
   for (int t = tid; t < H64_N * 4; t += H64_THREADS) {
@@ -80,23 +65,14 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   const bool spec_order = __syncthreads_or(big_w) != 0;  // block-uniform
 
   // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
-  // tile's bytes and scales are loaded while this one is computed (with the bulk ring,
-  // the next W8_BULK tiles' are in flight).
+  // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][H64_WORDS];
   float ksc[2];
-#if W8_BULK
-  int st = 0;
-  u32 par = 0;
-#else
   auto prefetch = [&](u32 c) { h64_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig PG_PASS); };
   prefetch(blockIdx.x);
-#endif
   constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * H64_KEYS;
-#if W8_BULK
-    h64_bulk_next(raw, ksc, ring, st, par, pg, ka, c, tid);
-#endif
     // A fragment of k32 step s: words 2 s and 2 s + 1 of the thread's two keys.
     u32 a[W8_S][4];
 #pragma unroll
@@ -108,9 +84,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     }
     const float kscale = odd ? ksc[1] : ksc[0];  // this lane's key after the head sum
 
-#if !W8_BULK
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
-#endif
     float acc[64];
     wgmma_fence();
 #pragma unroll

@@ -16,9 +16,7 @@
 //!   the tests can run that path on every input;
 //! - with the `tuning` cargo feature only, `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
 //!   separated by spaces): occupancy and tile numbers for experiments (`LG_ROWS`,
-//!   `LG_PER_BLOCK`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`, `H64_BULK`: the
-//!   H = 64 E4M3 kernels' keys through a ring of that many tiles in shared memory, each
-//!   copied whole by bulk copies, see `logits_e4m3_h64.cuh`),
+//!   `LG_PER_BLOCK`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`),
 //!   prepended to every kernel source as `#define`s. Without the feature the variable
 //!   is never read, so a stray one in a serving process changes nothing.
 
