@@ -19,7 +19,9 @@
 //   total order), then an ordered pass writes the ids in place with one block scan per
 //   chunk: output position = (keys > T before) + min(ties before, taken).
 // The sampled threshold and the two passes end with the selected ids sorted in shared
-// memory (or hand T to the ordered pass when the row is short next to K).
+// memory (or hand T to the ordered pass when the row is short next to K); a sampled row
+// of at most 32 * TK_SEL_CAP keys marks its selected ids in a bitmap of the row instead
+// and writes them out in ascending order from a scan of its bits.
 //
 // Kernels: topk_ragged_f32 and topk_short_f32 (one row per block, split by length),
 // topk_segments_f32 and topk_merge_f32 (a long row over several blocks), block_keys_f32
@@ -58,6 +60,11 @@
 // Loads in flight per thread in the sampled path's collecting pass.
 #ifndef TK_UNROLL
 #define TK_UNROLL 4
+#endif
+// Sampled rows of at most 32 * TK_SEL_CAP keys emit their selected ids from a bitmap of
+// the row in shared memory instead of sorting them (0: the sort, a tuning define).
+#ifndef TK_BITMAP
+#define TK_BITMAP 1
 #endif
 // Rows of at most TK_ORDERED_RATIO * K keys finish a fast path with the ordered pass from
 // the exact threshold, cheaper there than the sort of the selected ids.
@@ -625,10 +632,48 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   if (take < ties)
     radix_select<false>(sm.h256, sm.misc, ncand, take,
                         [&](u32 i) { return sm.ckey[i] == T ? ~sm.cid[i] : 0u; }, Tj, take);
-  for (u32 i = tid; i < ncand; i += TK_THREADS) {
+  auto taken = [&](u32 i) {
     const u32 key = sm.ckey[i];
-    if (key > T || (key == T && ~sm.cid[i] >= Tj)) sm.sel[atomicAdd(&sm.misc[3], 1u)] = sm.cid[i];
+    return key > T || (key == T && ~sm.cid[i] >= Tj);
+  };
+#if TK_BITMAP
+  // A sampled row of at most 32 TK_SEL_CAP keys: every candidate came from the one pass,
+  // and sel (free since the sample) holds a bit per key: the K selected ids come out in
+  // ascending order from a scan of the bits, no sort.
+  if (sampled != TK_SAMPLE_MISS && n <= 32u * TK_SEL_CAP) {
+    u32 *bits = sm.sel;
+    const u32 words = (n + 31u) / 32u;
+    for (u32 w = tid; w < words; w += TK_THREADS) bits[w] = 0u;
+    __syncthreads();
+    for (u32 i = tid; i < ncand; i += TK_THREADS)
+      if (taken(i)) atomicOr(&bits[sm.cid[i] >> 5], 1u << (sm.cid[i] & 31u));
+    __syncthreads();
+    // Thread tid's words: a run of W, so that its ids follow those of the threads before.
+    const u32 W = (words + TK_THREADS - 1u) / TK_THREADS;
+    const u32 w0 = min(tid * W, words), w1 = min(w0 + W, words);
+    u32 cnt = 0;
+    for (u32 w = w0; w < w1; ++w) cnt += __popc(bits[w]);
+    u32 total;
+    u32 c = block_exclusive_scan(cnt, sm.scan, &total);  // total == K
+    (void)total;
+    for (u32 w = w0; w < w1; ++w) {
+      for (u32 b = bits[w]; b != 0u; b &= b - 1u, ++c) {
+        const i32 j = out_id<MODE>(src, w * 32u + (u32)(__ffs(b) - 1));
+        if (c < out_cols) out_ids[c] = j;
+        if (out_page && c < page_cols) out_page[c] = k_slots ? k_slots[ks + j] : (i32)(ks + j);
+      }
+    }
+    for (u32 c2 = K + tid; c2 < out_cols; c2 += TK_THREADS) {
+      out_ids[c2] = -1;
+      if (out_page && c2 < page_cols) out_page[c2] = -1;
+    }
+    if (out_page)
+      for (u32 c2 = out_cols + tid; c2 < page_cols; c2 += TK_THREADS) out_page[c2] = -1;
+    return TK_DONE;
   }
+#endif
+  for (u32 i = tid; i < ncand; i += TK_THREADS)
+    if (taken(i)) sm.sel[atomicAdd(&sm.misc[3], 1u)] = sm.cid[i];
   __syncthreads();
   // Sort the K selected ids ascending (bitonic, padded to a power of two).
   u32 size = 1;
