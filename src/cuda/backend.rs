@@ -222,7 +222,6 @@ impl CudaBackend {
             )?);
         }
         let ptrs = up.ptrs(&dev.stream);
-        let publishes = |i: usize| p.publishes(i);
         let run = Run::begin(
             &self.dev,
             &mut Space::Own,
@@ -232,7 +231,6 @@ impl CudaBackend {
             ptrs,
             up,
             plan,
-            &publishes,
         )?;
         self.peak = run.transient;
         self.run = Some(run);

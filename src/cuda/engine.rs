@@ -226,14 +226,11 @@ impl Engine {
         };
         check_shape(&shape, batch)?;
         let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;
-        let published_rows = match source_tail {
-            Some(tail) => batch
-                .rows()
-                .iter()
-                .filter(|r| crate::batch::publishes(r, batch.requests(), tail))
-                .count(),
-            None => 0,
-        };
+        let published_rows = batch
+            .rows()
+            .iter()
+            .filter(|r| shape.publishes(r, batch.requests()))
+            .count();
         let mut r = DeviceRun {
             engine: self,
             batch,
@@ -282,13 +279,14 @@ impl Engine {
         ptrs: Ptrs,
         plan: Plan,
     ) -> Result<DeviceOutput> {
-        let mut run = begin_run(
+        let mut run = Run::begin(
             &self.dev,
             &mut Space::Own,
             OutPlace::Own,
             batch,
             shape,
             ptrs,
+            Uploads::default(),
             &plan,
         )?;
         for ti in 0..plan.tiles.len() {
@@ -307,35 +305,6 @@ impl Engine {
             measured_peak,
         })
     }
-}
-
-/// [`Run::begin`] of an engine run: no host uploads to keep, a source layer's published
-/// rows as SPEC 6 names them.
-fn begin_run(
-    dev: &Device,
-    space: &mut Space,
-    out: OutPlace,
-    batch: &Batch,
-    shape: Shape,
-    ptrs: Ptrs,
-    plan: &Plan,
-) -> Result<Run> {
-    let source_tail = shape.tail;
-    let publishes = |i: usize| {
-        source_tail
-            .is_some_and(|tail| crate::batch::publishes(&batch.rows()[i], batch.requests(), tail))
-    };
-    Run::begin(
-        dev,
-        space,
-        out,
-        batch,
-        shape,
-        ptrs,
-        Uploads::default(),
-        plan,
-        &publishes,
-    )
 }
 
 /// A checked and planned device run whose memory the caller provides
@@ -378,12 +347,10 @@ impl DeviceRun<'_, '_> {
     /// `(raw, page, published)` lengths the outputs must have: `T x K`, `T x page_cols`,
     /// and for a source layer `published rows x NB` (0 otherwise).
     pub fn output_lens(&self) -> (usize, usize, usize) {
-        let t = self.batch.num_rows();
-        (
-            t * self.shape.topk,
-            t * self.shape.page_cols,
-            self.published_rows * self.shape.num_blocks,
-        )
+        let (raw, page, published) = self
+            .shape
+            .output_lens(self.batch.num_rows(), self.published_rows);
+        (raw, page, published.unwrap_or(0))
     }
 
     fn keys_field(&self) -> &'static str {
@@ -396,8 +363,15 @@ impl DeviceRun<'_, '_> {
 
     fn begin(&self, space: &mut Space, out: OutPlace) -> Result<Run> {
         let dev = &self.engine.dev;
-        begin_run(
-            dev, space, out, self.batch, self.shape, self.ptrs, &self.plan,
+        Run::begin(
+            dev,
+            space,
+            out,
+            self.batch,
+            self.shape,
+            self.ptrs,
+            Uploads::default(),
+            &self.plan,
         )
     }
 

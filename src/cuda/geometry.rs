@@ -6,7 +6,7 @@
 use super::kernels::{self, Hooks, Precision, Variant};
 use std::ops::Range;
 
-use crate::batch::{Batch, Row};
+use crate::batch::{Batch, Request, Row};
 use crate::error::{Error, Result};
 use crate::indexer::RowFootprint;
 use crate::plan::{Footprint, Plan};
@@ -93,6 +93,24 @@ impl Paging {
 }
 
 impl Shape {
+    /// Whether `row` (of a batch of `requests`) publishes its kept blocks: a source
+    /// layer's rows within its tail (SPEC 6).
+    pub(super) fn publishes(&self, row: &Row, requests: &[Request]) -> bool {
+        self.tail
+            .is_some_and(|tail| crate::batch::publishes(row, requests, tail))
+    }
+
+    /// The lengths of a run's outputs over `t` rows of which `npub` publish: `raw`
+    /// (`t x K`), `page` (`t x page_cols`) and, for a source layer, `published`
+    /// (`npub x NB`).
+    pub(super) fn output_lens(&self, t: usize, npub: usize) -> (usize, usize, Option<usize>) {
+        (
+            t * self.topk,
+            t * self.page_cols,
+            self.tail.map(|_| npub * self.num_blocks),
+        )
+    }
+
     /// The logits module of this layer.
     pub(super) fn logits_variant(&self) -> Variant {
         Variant::logits(
@@ -284,9 +302,9 @@ pub(super) struct RowMeta {
 /// What every tile's geometry is computed from.
 struct Layout<'a> {
     rows: &'a [Row],
+    requests: &'a [Request],
     shape: &'a Shape,
     fp: &'a RowFootprint,
-    publishes: &'a dyn Fn(usize) -> bool,
     /// Rows of one logits block (a row group's most).
     lg_rows: usize,
     /// The GPU's SMs.
@@ -298,14 +316,13 @@ struct Layout<'a> {
 impl RowMeta {
     /// The metadata of `batch`'s rows for a layer of shape `shape` run in `plan`'s
     /// tiles on a GPU of `sms` SMs whose kernels run under `hooks`, each row taking
-    /// `fp.row_bytes(n)` of its tile's logits buffer; rows `i` with `publishes(i)`
-    /// publish their kept blocks.
+    /// `fp.row_bytes(n)` of its tile's logits buffer; the rows [`Shape::publishes`]
+    /// names publish their kept blocks.
     pub(super) fn new(
         batch: &Batch,
         shape: &Shape,
         plan: &Plan,
         fp: &RowFootprint,
-        publishes: &dyn Fn(usize) -> bool,
         sms: usize,
         hooks: Hooks,
     ) -> RowMeta {
@@ -340,9 +357,9 @@ impl RowMeta {
         };
         let layout = Layout {
             rows,
+            requests: batch.requests(),
             shape,
             fp,
-            publishes,
             lg_rows,
             sms,
             short_cap: kernels::topk_short_cap(hooks),
@@ -370,7 +387,7 @@ impl RowMeta {
         for i in tile.clone() {
             self.row_off[i] = off;
             off += (l.fp.row_bytes(rows[i].n) / 4) as u64;
-            if (l.publishes)(i) {
+            if shape.publishes(&rows[i], l.requests) {
                 self.row_pub[i] = self.npub;
                 self.npub += 1;
                 self.row_boff[i] = boff;

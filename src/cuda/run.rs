@@ -36,13 +36,8 @@ pub(super) struct Ptrs {
 pub(super) struct Run {
     shape: Shape,
     ptrs: Ptrs,
-    // Metadata (transient, counted).
-    row_n: Buf<u32>,
-    row_ks: Buf<u32>,
-    row_off: Buf<u64>,
-    row_pub: Buf<i32>,
-    row_boff: Buf<u64>,
-    groups: Buf<u32>,
+    /// Per-row metadata (transient, counted).
+    meta: MetaBufs,
     pub(super) logits: Option<Buf<f32>>,
     bkeys: Option<Buf<u32>>,
     split: Option<Buf<i32>>,
@@ -88,12 +83,12 @@ impl Run {
         }
         RunAddrs {
             logits: opt(&self.logits, s),
-            row_n: self.row_n.addr(s),
-            row_ks: self.row_ks.addr(s),
-            row_off: self.row_off.addr(s),
-            row_pub: self.row_pub.addr(s),
-            row_boff: self.row_boff.addr(s),
-            groups: self.groups.addr(s),
+            row_n: self.meta.row_n.addr(s),
+            row_ks: self.meta.row_ks.addr(s),
+            row_off: self.meta.row_off.addr(s),
+            row_pub: self.meta.row_pub.addr(s),
+            row_boff: self.meta.row_boff.addr(s),
+            groups: self.meta.groups.addr(s),
             bkeys: opt(&self.bkeys, s),
             split: opt(&self.split, s),
             raw: self.raw.addr(s),
@@ -273,12 +268,7 @@ impl OutputBufs {
         shape: &Shape,
         npub: i32,
     ) -> Result<OutputBufs> {
-        let npub = npub.max(0) as usize;
-        let lens = (
-            t * shape.topk,
-            t * shape.page_cols,
-            shape.tail.map(|_| npub * shape.num_blocks),
-        );
+        let lens = shape.output_lens(t, npub.max(0) as usize);
         match place {
             OutPlace::Own => {
                 let mut own = Space::Own;
@@ -333,19 +323,10 @@ impl Run {
         ptrs: Ptrs,
         uploads: Uploads,
         plan: &Plan,
-        publishes: &dyn Fn(usize) -> bool,
     ) -> Result<Run> {
         let t = batch.rows().len();
         let fp = footprint(t, shape.topk, dev.sm_count());
-        let meta = RowMeta::new(
-            batch,
-            &shape,
-            plan,
-            &fp,
-            publishes,
-            dev.sm_count(),
-            dev.hooks(),
-        );
+        let meta = RowMeta::new(batch, &shape, plan, &fp, dev.sm_count(), dev.hooks());
         // The transient buffers (metadata, logits tile, block keys, split scratch, path
         // counters), counted as Device::allocate allocates them on this thread, or as
         // the workspace's regions span them.
@@ -363,12 +344,7 @@ impl Run {
         Ok(Run {
             shape,
             ptrs,
-            row_n: md.row_n,
-            row_ks: md.row_ks,
-            row_off: md.row_off,
-            row_pub: md.row_pub,
-            row_boff: md.row_boff,
-            groups: md.groups,
+            meta: md,
             logits: tr.logits,
             bkeys: tr.bkeys,
             split: tr.split,
