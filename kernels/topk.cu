@@ -10,8 +10,9 @@
 //   there give the exact K-th key (or a threshold that takes exactly K keys), and the
 //   ordered pass below reads the keys from there and stages the selected ids there
 //   before one coalesced copy out;
-// - sampled threshold (long rows, K <= 2048): a sample gives a threshold t, one pass
-//   collects the keys >= t into shared memory, and the exact selection runs there;
+// - sampled threshold (long rows, K <= 2048): a sample gives a threshold t (two 11-bit
+//   digit passes over it), one pass collects the keys >= t into shared memory, and the
+//   exact selection runs there;
 // - two passes: an 11-bit histogram finds the K-th key's bin, a second pass collects
 //   the keys above it (selected) and in it (candidates, resolved in shared memory);
 // - general path: radix_select's four 8-bit digit passes over the row give the exact
@@ -65,6 +66,23 @@
 // the row in shared memory instead of sorting them (0: the sort, a tuning define).
 #ifndef TK_BITMAP
 #define TK_BITMAP 1
+#endif
+// The sample's threshold from two 11-bit digit passes (the 22-bit bucket of its rank-r
+// key); 0: the exact rank-r key from radix_select's four 8-bit passes (a tuning define).
+#ifndef TK_SAMPLE_DIGITS2
+#define TK_SAMPLE_DIGITS2 1
+#endif
+// The collecting pass reserves a warp's candidates with one shared-memory atomic per
+// four keys of each lane (a warp scan of the lanes' hit counts); 0: one ballot and
+// atomic per key position (a tuning define).
+#ifndef TK_COLLECT_SCAN
+#define TK_COLLECT_SCAN 1
+#endif
+// Profiling only (a tuning define; outputs are left unwritten): a sampled row stops
+// after its phase TK_STOP (1: the sample's threshold, 2: the collecting pass, 3: the
+// exact threshold among the candidates, 4: the ties), 9 every row at once; 0 runs whole.
+#ifndef TK_STOP
+#define TK_STOP 0
 #endif
 // Rows of at most TK_ORDERED_RATIO * K keys finish a fast path with the ordered pass from
 // the exact threshold, cheaper there than the sort of the selected ids.
@@ -426,6 +444,31 @@ __device__ __forceinline__ void collect_at_least(TopkSmem &sm, const RowSrc &src
 #pragma unroll
         for (int i = 0; i < 4; ++i) h[i] = q < n4 && x[i] >= ft && 4u * q + i < n;
         if (__ballot_sync(FULL_MASK, h[0] || h[1] || h[2] || h[3]) == 0u) continue;
+#if TK_COLLECT_SCAN
+        {
+          const u32 cnt = (u32)h[0] + (u32)h[1] + (u32)h[2] + (u32)h[3];
+          u32 incl = cnt;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) {
+            const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+            if (lane >= o) incl += y;
+          }
+          u32 at = 0;
+          if (lane == 31) at = atomicAdd(&sm.misc[4], incl);
+          at = __shfl_sync(FULL_MASK, at, 31) + incl - cnt;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            if (h[i]) {
+              if (at < TK_CAND_CAP) {
+                sm.ckey[at] = rank_key(x[i]);
+                sm.cid[at] = 4u * q + i;
+              }
+              ++at;
+            }
+          }
+          continue;
+        }
+#endif
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const u32 m = __ballot_sync(FULL_MASK, h[i]);
@@ -478,9 +521,61 @@ __device__ __forceinline__ void collect_at_least(TopkSmem &sm, const RowSrc &src
 // threshold, so the candidates hold every key the exact selection can take, ties
 // included (keys left out are below it). TK_SAMPLE_MISS otherwise (the caller starts
 // over). The result is the same in every thread.
+// A threshold from the sample in sel (TK_SEL_CAP keys, 0 for none): two digit passes of
+// 11 bits find the 22-bit bucket that holds the sample's rank-r key; t is that bucket's
+// lowest key, so at least r sample keys are >= t, fewer than r above its bucket.
+// `sampled`: the non-zero keys of the sample (when below r, t is 0). Uses hist (ckey's
+// memory: dead until the collecting pass), scan and misc[5..6]; ends with a barrier.
+__device__ u32 sample_threshold_22(TopkSmem &sm, const u32 r, u32 &sampled) {
+  const int tid = threadIdx.x;
+  u32 prefix = 0, need = r;
+  for (int pass = 0; pass < 2; ++pass) {
+    const int shift = pass == 0 ? 21 : 10;
+    for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
+    __syncthreads();
+    for (u32 i = tid; i < TK_SEL_CAP; i += TK_THREADS) {
+      const u32 k = sm.sel[i];
+      if (pass == 0 ? k != 0u : (k >> 21) == (prefix >> 21))
+        atomicAdd(&sm.hist[(k >> shift) & (TK_BINS - 1u)], 1u);
+    }
+    __syncthreads();
+    // Thread t owns digits 2047-4t .. 2044-4t (descending).
+    u32 c[4], local = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      c[i] = sm.hist[TK_BINS - 1u - (4u * tid + i)];
+      local += c[i];
+    }
+    u32 total;
+    const u32 before = block_exclusive_scan(local, sm.scan, &total);
+    if (pass == 0) {
+      sampled = total;
+      if (total < need) return 0u;  // block-wide: every thread returns
+    }
+    if (before < need && before + local >= need) {
+      u32 cum = before;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (cum + c[i] >= need) {
+          sm.misc[5] = prefix | ((TK_BINS - 1u - (4u * tid + i)) << shift);
+          sm.misc[6] = need - cum;
+          break;
+        }
+        cum += c[i];
+      }
+    }
+    __syncthreads();
+    prefix = sm.misc[5];
+    need = sm.misc[6];
+    __syncthreads();  // misc and hist are rewritten next
+  }
+  return prefix;
+}
+
 #define TK_SAMPLE_MISS 0
 #define TK_SAMPLE_FIRST 1
 #define TK_SAMPLE_SECOND 2
+#define TK_SAMPLE_STOP 3
 template <int MODE>
 __device__ int sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, const u32 K) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -494,14 +589,21 @@ __device__ int sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, 
   const u32 target = 3u * K <= TK_CAND_CAP ? TK_CAND_CAP / 2 : (K + TK_CAND_CAP) / 2;
   const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
   u32 t, unused;
+#if TK_SAMPLE_DIGITS2
+  u32 sampled;
+  t = sample_threshold_22(sm, r, sampled);
+#else
   radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
   const u32 sampled = sm.misc[7];  // non-zero keys in the sample
+#endif
+  if (TK_STOP == 1) return TK_SAMPLE_STOP;
   if (sampled < r) {  // fewer than r candidates sampled (a consumer's bitmap)
     __syncthreads();  // every thread has read misc before the caller's fallback resets it
     return TK_SAMPLE_MISS;
   }
   collect_at_least<MODE>(sm, src, n, t);
   __syncthreads();
+  if (TK_STOP == 2) return TK_SAMPLE_STOP;
   const u32 c = sm.misc[4];
   if (c >= K && c <= TK_CAND_CAP) return TK_SAMPLE_FIRST;
   // The second threshold (radix_select starts and ends with barriers: every thread has
@@ -548,6 +650,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
                        n > (u32)TK_SAMPLE_RATIO * K && 3u * K <= 2u * TK_CAND_CAP)
                           ? sampled_candidates<MODE>(sm, src, n, K)
                           : TK_SAMPLE_MISS;
+  if (sampled == TK_SAMPLE_STOP) return TK_DONE;
   if (sampled != TK_SAMPLE_MISS) {
     need = K;  // every candidate is a key >= the threshold; none selected yet
     *path = sampled == TK_SAMPLE_FIRST ? TK_PATH_SAMPLED : TK_PATH_RESAMPLED;
@@ -615,6 +718,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   // Exact threshold among the bin's keys, then the lowest ids among its ties.
   u32 T, take;
   radix_select<false>(sm.h256, sm.misc, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T, take);
+  if (TK_STOP == 3 && sampled != TK_SAMPLE_MISS) return TK_DONE;
   if (n <= (u32)TK_ORDERED_RATIO * K) {
     *T_out = T;
     *take_out = take;
@@ -632,6 +736,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   if (take < ties)
     radix_select<false>(sm.h256, sm.misc, ncand, take,
                         [&](u32 i) { return sm.ckey[i] == T ? ~sm.cid[i] : 0u; }, Tj, take);
+  if (TK_STOP == 4 && sampled != TK_SAMPLE_MISS) return TK_DONE;
   auto taken = [&](u32 i) {
     const u32 key = sm.ckey[i];
     return key > T || (key == T && ~sm.cid[i] >= Tj);
@@ -890,7 +995,7 @@ __device__ __forceinline__ void topk_tile_row(
     u32 *smem) {
   const u32 row = row0 + blockIdx.x;
   const u32 n = row_n[row];
-  if (SHORT ? n > row_cap : n < n_min) return;
+  if (TK_STOP == 9 || (SHORT ? n > row_cap : n < n_min)) return;
   if (cblocks) consumer_bitmap(smem, cblocks, row, num_blocks, bitmap_words);
   const RowSrc src{logits + row_off[row], 0u, cblocks ? smem : nullptr, block_size, ~0u,
                    nullptr};
