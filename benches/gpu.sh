@@ -43,7 +43,8 @@
 # (comma-separated): mma_sync_only (mma.sync where wgmma is the default), no_scale_fold
 # (the exact class's two-multiply epilogue), no_short_rows (no shared-memory row),
 # no_sampled_threshold (no sampled threshold), int8_exact (the exact class at H = 32 on
-# s8 wgmma where the int8 guard admits a tile, mqa_logits_wgi8; opt-in, not a fallback). The GPU tests read it in any build (and
+# s8 wgmma where the int8 guard admits a tile, mqa_logits_wgi8; opt-in, not a fallback),
+# no_wide_topk (topk_ragged_f32 where tiles of few rows take topk_ragged_wide_f32). The GPU tests read it in any build (and
 # one test runs every hook in-process); the benchmark only with `tuning`.
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
@@ -82,6 +83,7 @@ if has tests; then
   hook_tests no_scale_fold exact_class boundary special golden same_bits
   hook_tests no_short_rows boundary topk_ special golden same_bits
   hook_tests no_sampled_threshold boundary topk_ golden same_bits decode_step
+  hook_tests no_wide_topk boundary topk_ golden same_bits decode_step paged engine
   # The int8 exact path (mqa_logits_wgi8) on every exact-class test, and its fallback tile
   # unfolded.
   hook_tests int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step

@@ -24,7 +24,8 @@
 // of at most 32 * TK_SEL_CAP keys marks its selected ids in a bitmap of the row instead
 // and writes them out in ascending order from a scan of its bits.
 //
-// Kernels: topk_ragged_f32 and topk_short_f32 (one row per block, split by length),
+// Kernels: topk_ragged_f32 and topk_short_f32 (one row per block, split by length;
+// topk_ragged_wide_f32 for tiles of few rows: more candidate slots, fewer blocks per SM),
 // topk_segments_f32 and topk_merge_f32 (a long row over several blocks), block_keys_f32
 // and kept_blocks_u32 (SPEC 6), paged_slots (index assembly over paged keys),
 // decode_codes (the device codec check).
@@ -45,6 +46,16 @@
 // Candidate keys held for the exact resolution; with it TopkSmem is 41 KiB, so that four
 // blocks share an SM (kernels::TOPK_CAND_CAP).
 #define TK_CAND_CAP 3072
+// Candidate keys of topk_ragged_wide_f32 (kernels::TOPK_WIDE_CAP): tiles of at most
+// TK_WIDE_MIN_BLOCKS rows per SM (one wave either way) take it, its TopkWideSmem in
+// dynamic shared memory. The wider window K .. TK_WIDE_CAP makes a second pass rare: at
+// K = 2048 and 131,072 keys its margins are 4 and 6.8 standard deviations of the sample's
+// estimate, against 1.8 at TK_CAND_CAP, where about one row in twenty took a second pass,
+// and the launch's time is its slowest row's.
+#define TK_WIDE_CAP 6144
+#ifndef TK_WIDE_MIN_BLOCKS
+#define TK_WIDE_MIN_BLOCKS 3
+#endif
 // Longest row the host sends to the shared-memory row: 64 KiB of keys in dynamic shared
 // memory (kernels::TOPK_SHORT_CAP).
 #define TK_SHORT_CAP 16384
@@ -183,18 +194,27 @@ __device__ __forceinline__ void load_keys(u32 (&key)[U], const RowSrc &src, cons
 
 // ==== radix select ====
 
-// The fast paths' shared memory (the sampled threshold and the two passes).
-struct TopkSmem {
+// The fast paths' shared memory (the sampled threshold and the two passes), for CAP
+// candidate keys.
+template <u32 CAP>
+struct TopkSmemT {
+  static constexpr u32 cap = CAP;
   union {  // the pass-1 histogram is dead before the candidates are written
     u32 hist[TK_BINS];
-    u32 ckey[TK_CAND_CAP];
+    u32 ckey[CAP];
   };
   u32 sel[TK_SEL_CAP];
-  u32 cid[TK_CAND_CAP];
+  u32 cid[CAP];
   u32 h256[256];
   u32 scan[33];
   u32 misc[8];  // 0: bin, 1: remaining, 2: total, 3: nsel, 4: ncand, 5..6: select results
 };
+using TopkSmem = TopkSmemT<TK_CAND_CAP>;
+using TopkWideSmem = TopkSmemT<TK_WIDE_CAP>;
+// TopkWideSmem's bytes (kernels::TOPK_WIDE_SMEM).
+#define TK_WIDE_SMEM 66724
+static_assert(sizeof(TopkWideSmem) == TK_WIDE_SMEM, "the host sizes the wide launch");
+static_assert(TK_WIDE_CAP >= TK_BINS && TK_CAND_CAP >= TK_BINS, "hist shares ckey");
 
 // Radix select over `count` keys key(i), largest first (key 0 is "not a candidate" and
 // never counted): four 8-bit digit passes, each a histogram of the keys that match the
@@ -387,33 +407,35 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
 // ==== the sampled threshold ====
 
 // Sampled threshold (one pass over long rows): a sample of TK_SEL_CAP keys in chunks of
-// 32, its rank-r key t with about `target` keys of the row expected at or above it:
-// TK_CAND_CAP / 2 when 3 K <= TK_CAND_CAP (K <= 1024), else (K + TK_CAND_CAP) / 2,
-// midway between too few (< K) and too many (> TK_CAND_CAP), for K up to 2048
-// (3 K <= 2 TK_CAND_CAP); rows of at least TK_SAMPLE_MIN keys and n > TK_SAMPLE_RATIO K.
-// The narrowest margin is K = 2048's, +-20 %: for n <= 64 K that is at least 2.5
-// standard deviations of the sampled estimate (rank r >= 160), and a miss only costs the
-// two-pass path. (The midpoint for every K misses often at small K: at K = 512 and
+// 32, a threshold t near its rank-r key with about `target` keys of the row expected at
+// or above it, for CAP candidate slots (TK_CAND_CAP, or TK_WIDE_CAP in
+// topk_ragged_wide_f32): CAP / 2 when 3 K <= CAP (K <= 1024 at TK_CAND_CAP), else
+// (K + CAP) / 2, midway between too few (< K) and too many (> CAP), for K up to 2048
+// at TK_CAND_CAP (3 K <= 2 CAP); rows of at least TK_SAMPLE_MIN keys and
+// n > TK_SAMPLE_RATIO K. At TK_CAND_CAP the narrowest margin is K = 2048's, +-20 %: for
+// n <= 64 K that is at least 2.5 standard deviations of the sampled estimate (rank
+// r >= 160), and a miss costs a second pass. (The midpoint for every K misses often at small K: at K = 512 and
 // n = 1 M the rank is 7, and the upper margin is narrower.)
 
 // The end of the sampled threshold's collecting pass: whether its count of keys >= t
-// (misc[4]) lies in K .. TK_CAND_CAP. Every thread reads the count after the pass's
+// (misc[4]) lies in K .. CAP. Every thread reads the count after the pass's
 // barrier; on a miss a second barrier follows, because the caller's two-pass path then
 // resets misc (and the histogram over ckey) while a slower warp could still be reading it.
 // The result is the same in every thread, so both barriers are reached by all.
-__device__ __forceinline__ bool sampled_count_fits(TopkSmem &sm, const u32 K) {
+template <class Sm>
+__device__ __forceinline__ bool sampled_count_fits(Sm &sm, const u32 K) {
   __syncthreads();
   const u32 count = sm.misc[4];
-  const bool fits = count >= K && count <= TK_CAND_CAP;
+  const bool fits = count >= K && count <= Sm::cap;
   if (!fits) __syncthreads();
   return fits;
 }
 
 // The collecting pass of the sampled threshold: appends every key >= t of the row (and
-// its id) to ckey / cid, the first TK_CAND_CAP of them, and counts them all in misc[4]
+// its id) to ckey / cid, the first CAP of them, and counts them all in misc[4]
 // (which the caller has zeroed). t >= 1: key 0 ("not a candidate") is never collected.
-template <int MODE>
-__device__ __forceinline__ void collect_at_least(TopkSmem &sm, const RowSrc &src, const u32 n,
+template <int MODE, class Sm>
+__device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, const u32 n,
                                                  const u32 t) {
   const int tid = threadIdx.x, lane = tid & 31;
   if (MODE == 0 && src.bitmap == nullptr && (src.lo & 3u) == 0u &&
@@ -459,7 +481,7 @@ __device__ __forceinline__ void collect_at_least(TopkSmem &sm, const RowSrc &src
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             if (h[i]) {
-              if (at < TK_CAND_CAP) {
+              if (at < Sm::cap) {
                 sm.ckey[at] = rank_key(x[i]);
                 sm.cid[at] = 4u * q + i;
               }
@@ -477,7 +499,7 @@ __device__ __forceinline__ void collect_at_least(TopkSmem &sm, const RowSrc &src
             u32 at = 0;
             if (lane == leader) at = atomicAdd(&sm.misc[4], (u32)__popc(m));
             at = __shfl_sync(FULL_MASK, at, leader) + __popc(m & ((1u << lane) - 1u));
-            if (h[i] && at < TK_CAND_CAP) {
+            if (h[i] && at < Sm::cap) {
               sm.ckey[at] = rank_key(x[i]);
               sm.cid[at] = 4u * q + i;
             }
@@ -500,7 +522,7 @@ __device__ __forceinline__ void collect_at_least(TopkSmem &sm, const RowSrc &src
         u32 at = 0;
         if (lane == leader) at = atomicAdd(&sm.misc[4], (u32)__popc(m));
         at = __shfl_sync(FULL_MASK, at, leader) + __popc(m & ((1u << lane) - 1u));
-        if (hit && at < TK_CAND_CAP) {
+        if (hit && at < Sm::cap) {
           sm.ckey[at] = key[u];
           sm.cid[at] = base + u * TK_THREADS + tid;
         }
@@ -509,24 +531,13 @@ __device__ __forceinline__ void collect_at_least(TopkSmem &sm, const RowSrc &src
   }
 }
 
-// The sampled threshold: a sample of the row into sm.sel, its rank-r key t, then one pass
-// that appends every key >= t (and its id) to ckey / cid. When that pass's count c misses
-// K .. TK_CAND_CAP, a second pass from a threshold t2 whose count is estimated from c:
-// - c > TK_CAND_CAP: ckey holds TK_CAND_CAP of the c keys >= t; t2 is their rank-m2 key,
-//   m2 = TK_CAND_CAP * target / c (about `target` of the row's keys are >= t2);
-// - c < K: t2 is the sample's rank-r2 key, r2 = r * target / c.
-// (At K = 512 of 1 M keys the sample's rank r is 7, and about one row in twenty misses.)
-// Returns TK_SAMPLE_FIRST or TK_SAMPLE_SECOND, with misc[4] = count and misc[3] = 0, when
-// the last pass's count lies in K .. TK_CAND_CAP: then the K-th key of the row is >= its
-// threshold, so the candidates hold every key the exact selection can take, ties
-// included (keys left out are below it). TK_SAMPLE_MISS otherwise (the caller starts
-// over). The result is the same in every thread.
 // A threshold from the sample in sel (TK_SEL_CAP keys, 0 for none): two digit passes of
 // 11 bits find the 22-bit bucket that holds the sample's rank-r key; t is that bucket's
 // lowest key, so at least r sample keys are >= t, fewer than r above its bucket.
 // `sampled`: the non-zero keys of the sample (when below r, t is 0). Uses hist (ckey's
 // memory: dead until the collecting pass), scan and misc[5..6]; ends with a barrier.
-__device__ u32 sample_threshold_22(TopkSmem &sm, const u32 r, u32 &sampled) {
+template <class Sm>
+__device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
   const int tid = threadIdx.x;
   u32 prefix = 0, need = r;
   for (int pass = 0; pass < 2; ++pass) {
@@ -572,12 +583,25 @@ __device__ u32 sample_threshold_22(TopkSmem &sm, const u32 r, u32 &sampled) {
   return prefix;
 }
 
+// The sampled threshold: a sample of the row into sm.sel, a threshold t from it, then one pass
+// that appends every key >= t (and its id) to ckey / cid. When that pass's count c misses
+// K .. CAP, a second pass from a threshold t2 whose count is estimated from c:
+// - c > CAP: ckey holds CAP of the c keys >= t; t2 is their rank-m2 key,
+//   m2 = CAP * target / c (about `target` of the row's keys are >= t2);
+// - c < K: t2 is the sample's rank-r2 key, r2 = r * target / c.
+// (At K = 512 of 1 M keys the sample's rank r is 7, and about one row in twenty misses.)
+// Returns TK_SAMPLE_FIRST or TK_SAMPLE_SECOND, with misc[4] = count and misc[3] = 0, when
+// the last pass's count lies in K .. CAP: then the K-th key of the row is >= its
+// threshold, so the candidates hold every key the exact selection can take, ties
+// included (keys left out are below it). TK_SAMPLE_MISS otherwise (the caller starts
+// over). The result is the same in every thread.
 #define TK_SAMPLE_MISS 0
 #define TK_SAMPLE_FIRST 1
 #define TK_SAMPLE_SECOND 2
 #define TK_SAMPLE_STOP 3
-template <int MODE>
-__device__ int sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, const u32 K) {
+template <int MODE, class Sm>
+__device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const u32 K) {
+  constexpr u32 CAP = Sm::cap;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr u32 S = TK_SEL_CAP, CH = S / 32;
   for (u32 c = warp; c < CH; c += TK_THREADS / 32) {
@@ -586,7 +610,7 @@ __device__ int sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, 
   }
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
-  const u32 target = 3u * K <= TK_CAND_CAP ? TK_CAND_CAP / 2 : (K + TK_CAND_CAP) / 2;
+  const u32 target = 3u * K <= CAP ? CAP / 2 : (K + CAP) / 2;
   const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
   u32 t, unused;
 #if TK_SAMPLE_DIGITS2
@@ -605,13 +629,13 @@ __device__ int sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, 
   __syncthreads();
   if (TK_STOP == 2) return TK_SAMPLE_STOP;
   const u32 c = sm.misc[4];
-  if (c >= K && c <= TK_CAND_CAP) return TK_SAMPLE_FIRST;
+  if (c >= K && c <= CAP) return TK_SAMPLE_FIRST;
   // The second threshold (radix_select starts and ends with barriers: every thread has
   // read c before misc[4] is reset, and ckey before the second pass overwrites it).
   u32 t2;
-  if (c > TK_CAND_CAP) {
-    const u32 m2 = max(1u, (u32)(((u64)TK_CAND_CAP * target) / c));
-    radix_select<false>(sm.h256, sm.misc, TK_CAND_CAP, m2, [&](u32 i) { return sm.ckey[i]; },
+  if (c > CAP) {
+    const u32 m2 = max(1u, (u32)(((u64)CAP * target) / c));
+    radix_select<false>(sm.h256, sm.misc, CAP, m2, [&](u32 i) { return sm.ckey[i]; },
                         t2, unused);
   } else {
     const u32 r2 = (u32)min((u64)sampled, ((u64)r * target + c - 1) / max(c, 1u));
@@ -630,16 +654,16 @@ __device__ int sampled_candidates(TopkSmem &sm, const RowSrc &src, const u32 n, 
 // ==== the fast paths ====
 
 // The sampled threshold or the two passes, then the exact selection in shared memory.
-// The general path is needed for K above TK_SEL_CAP, or more than TK_CAND_CAP keys in
-// the threshold bin. Returns TK_FALLBACK (nothing written: the general path), TK_DONE
+// The general path is needed for K above TK_SEL_CAP, or more than CAP keys in the
+// threshold bin. Returns TK_FALLBACK (nothing written: the general path), TK_DONE
 // (outputs written), or TK_THRESHOLD (exact K-th key in *T_out, ties to take in
 // *take_out: the ordered pass finishes, cheaper than the sort for rows of at most
 // TK_ORDERED_RATIO * K keys).
 #define TK_FALLBACK 0
 #define TK_DONE 1
 #define TK_THRESHOLD 2
-template <int MODE>
-__device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const u32 K,
+template <int MODE, class Sm>
+__device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K,
                              i32 *out_ids, const u32 out_cols, i32 *out_page,
                              const u32 page_cols, const i32 *k_slots, const u32 ks,
                              u32 *T_out, u32 *take_out, int *path) {
@@ -647,7 +671,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
   const int sampled = (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN &&
-                       n > (u32)TK_SAMPLE_RATIO * K && 3u * K <= 2u * TK_CAND_CAP)
+                       n > (u32)TK_SAMPLE_RATIO * K && 3u * K <= 2u * Sm::cap)
                           ? sampled_candidates<MODE>(sm, src, n, K)
                           : TK_SAMPLE_MISS;
   if (sampled == TK_SAMPLE_STOP) return TK_DONE;
@@ -698,7 +722,7 @@ __device__ int topk_row_fast(TopkSmem &sm, const RowSrc &src, const u32 n, const
   need = sm.misc[1];
   const u32 in_bin = sm.hist[bin];
   __syncthreads();  // hist shares its memory with ckey, written below
-  if (in_bin > TK_CAND_CAP) return TK_FALLBACK;
+  if (in_bin > Sm::cap) return TK_FALLBACK;
   // Pass 2: keys above the bin are selected; the bin's keys are candidates.
   for (u32 j = tid; j < n; j += TK_THREADS) {
     const u32 key = load_key<MODE>(src, j);
@@ -824,11 +848,40 @@ __device__ __forceinline__ void buf_load8(u32 (&keys)[TK_ITEMS], const u32 *buf,
 
 // ==== one row ====
 
+// topk_row's fast paths over shared memory `fast` (skipped when `every`): true when they
+// wrote the outputs (and counted the row's path); otherwise T, take_eq and path for the
+// ordered pass, from the general path when the fast paths fall back. scan: fast's.
+template <int MODE, class Sm>
+__device__ __forceinline__ bool topk_row_fast_paths(
+    Sm &fast, const RowSrc &src, const u32 n, const u32 K, const bool every, i32 *out_ids,
+    const u32 out_cols, i32 *out_page, const u32 page_cols, const i32 *k_slots, const u32 ks,
+    u32 *paths, u32 &T, u32 &take_eq, int &path, u32 *&scan) {
+  scan = fast.scan;
+  if (every) return false;
+  const int status = topk_row_fast<MODE>(fast, src, n, K, out_ids, out_cols, out_page,
+                                         page_cols, k_slots, ks, &T, &take_eq, &path);
+  if (status == TK_DONE) {
+    if (paths != nullptr && threadIdx.x == 0) atomicAdd(&paths[path], 1u);
+    return true;
+  }
+  if (status == TK_FALLBACK) {
+    __syncthreads();
+    const bool some = radix_select<true>(fast.h256, fast.misc, n, K,
+                                         [&](u32 j) { return load_key<MODE>(src, j); }, T,
+                                         take_eq);
+    path = some ? TK_PATH_GENERAL : TK_PATH_ALL;
+    if (!some) T = 0u;
+  }
+  return false;
+}
+
 // One row's selection. SHORT: buf is shared memory for the row's keys (capacity at
 // least ceil8(n), 16-byte aligned), the shared-memory row path (a template parameter so
-// that the other kernels carry none of its registers); else buf is null. paths: null, or
-// the launch's path counters (one count per row).
-template <int MODE, bool SHORT = false>
+// that the other kernels carry none of its registers). WIDE: buf is dynamic shared memory
+// of TK_WIDE_SMEM bytes (16-byte aligned) for the fast paths' TopkWideSmem. Else buf is
+// null and the fast paths use a static TopkSmem. paths: null, or the launch's path
+// counters (one count per row).
+template <int MODE, bool SHORT = false, bool WIDE = false>
 __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_ids,
                          const u32 out_cols, i32 *out_page, const u32 page_cols,
                          const i32 *k_slots, const u32 ks, u32 *buf, u32 *paths) {
@@ -851,24 +904,17 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     else if (short_row_threshold<MODE>(sm, buf, src, n, K, T, take_eq, ge))
       path = TK_PATH_SHORT;
   } else {
-    __shared__ TopkSmem fast;
-    scan = fast.scan;
-    if (!every) {
-      const int status = topk_row_fast<MODE>(fast, src, n, K, out_ids, out_cols, out_page,
-                                             page_cols, k_slots, ks, &T, &take_eq, &path);
-      if (status == TK_DONE) {
-        if (paths != nullptr && tid == 0) atomicAdd(&paths[path], 1u);
-        return;
-      }
-      if (status == TK_FALLBACK) {
-        __syncthreads();
-        const bool some = radix_select<true>(fast.h256, fast.misc, n, K,
-                                             [&](u32 j) { return load_key<MODE>(src, j); }, T,
-                                             take_eq);
-        path = some ? TK_PATH_GENERAL : TK_PATH_ALL;
-        if (!some) T = 0u;
-      }
+    bool done;
+    if constexpr (WIDE) {
+      done = topk_row_fast_paths<MODE>(*reinterpret_cast<TopkWideSmem *>(buf), src, n, K,
+                                       every, out_ids, out_cols, out_page, page_cols,
+                                       k_slots, ks, paths, T, take_eq, path, scan);
+    } else {
+      __shared__ TopkSmem fast;
+      done = topk_row_fast_paths<MODE>(fast, src, n, K, every, out_ids, out_cols, out_page,
+                                       page_cols, k_slots, ks, paths, T, take_eq, path, scan);
     }
+    if (done) return;
   }
   if (paths != nullptr && tid == 0) atomicAdd(&paths[path], 1u);
   __syncthreads();
@@ -985,7 +1031,7 @@ __device__ __forceinline__ void consumer_bitmap(u32 *bitmap, const i32 *cblocks,
 // launch's returns at once. Dynamic shared memory: a consumer row's bitmap of kept blocks
 // (bitmap_words u32, when cblocks != null), then, for topk_short_f32, row_cap u32 (a
 // multiple of 8) from the next multiple of 4 words.
-template <bool SHORT>
+template <bool SHORT, bool WIDE = false>
 __device__ __forceinline__ void topk_tile_row(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
@@ -999,9 +1045,10 @@ __device__ __forceinline__ void topk_tile_row(
   if (cblocks) consumer_bitmap(smem, cblocks, row, num_blocks, bitmap_words);
   const RowSrc src{logits + row_off[row], 0u, cblocks ? smem : nullptr, block_size, ~0u,
                    nullptr};
-  u32 *buf = SHORT ? smem + ((bitmap_words + 3u) & ~3u) : nullptr;
-  topk_row<0, SHORT && TK_SHORT>(src, n, K, raw + (u64)row * K, K, page + (u64)row * page_cols,
-                                 page_cols, k_slots, row_ks[row], buf, paths);
+  u32 *buf = SHORT || WIDE ? smem + ((bitmap_words + 3u) & ~3u) : nullptr;
+  topk_row<0, SHORT && TK_SHORT, WIDE>(src, n, K, raw + (u64)row * K, K,
+                                       page + (u64)row * page_cols, page_cols, k_slots,
+                                       row_ks[row], buf, paths);
 }
 
 // block: row row0 + blockIdx.x if n >= n_min -> raw[row, 0:K], page[row, 0:page_cols]
@@ -1014,6 +1061,22 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_RAGGED_MIN_BLOCKS) t
   extern __shared__ __align__(16) u32 dsmem[];
   topk_tile_row<false>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols, k_slots,
                        cblocks, num_blocks, block_size, bitmap_words, n_min, 0u, paths, dsmem);
+}
+
+// topk_ragged_f32 for tiles of at most TK_WIDE_MIN_BLOCKS rows per SM: the fast paths'
+// shared memory (TopkWideSmem, TK_WIDE_CAP candidates) is dynamic, after the consumer
+// bitmap's words rounded up to a multiple of 4.
+// block: row row0 + blockIdx.x if n >= n_min -> raw[row, 0:K], page[row, 0:page_cols]
+extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_WIDE_MIN_BLOCKS) topk_ragged_wide_f32(
+    const float *__restrict__ logits, const u64 *__restrict__ row_off,
+    const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
+    i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
+    const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
+    u32 block_size, u32 bitmap_words, u32 n_min, u32 *__restrict__ paths) {
+  extern __shared__ __align__(16) u32 dsmem[];
+  topk_tile_row<false, true>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols,
+                             k_slots, cblocks, num_blocks, block_size, bitmap_words, n_min, 0u,
+                             paths, dsmem);
 }
 
 // block: row row0 + blockIdx.x if n <= row_cap -> raw[row, 0:K], page[row, 0:page_cols]

@@ -1656,10 +1656,30 @@ fn topk_resampled_threshold_serves_rows_the_sample_misjudges() {
         for k in [512usize, 1024] {
             let paths = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
             // Rows of at most the short cap select in shared memory instead.
-            let short_cap = kernels::topk_short_cap(b.device().hooks());
+            let hooks = b.device().hooks();
+            let short_cap = kernels::topk_short_cap(hooks);
             let long = lens.iter().filter(|&&n| n > short_cap).count() as u64;
-            if b.device().hooks().no_sampled_threshold {
+            // The sample's rank is r = ceil(target * 4096 / n), the target half the
+            // launch's candidate capacity at these K: 3072 in topk_ragged_wide_f32 (these
+            // 140 rows are one wave of it), 1536 in topk_ragged_f32. With the sample's
+            // chunks highest, the first pass finds about r keys (the sample's at or above
+            // its threshold): every row misses K, except in the wide launch at K = 512 on
+            // its shorter rows (r >= 512 for n <= 24,576; a model of both passes in
+            // numpy gives 44 of the 139 long rows there). There each long row takes one
+            // of the two passes; with the chunks lowest every first pass overflows.
+            let wide = kernels::topk_wide(rows, b.device().sm_count(), hooks);
+            if hooks.no_sampled_threshold {
                 assert_eq!(paths.resampled, 0, "{name}, K={k}: {paths:?}");
+            } else if wide && k == 512 && sample_value > 0.0 {
+                assert_eq!(
+                    paths.sampled + paths.resampled,
+                    long,
+                    "{name}, K={k}: {paths:?}"
+                );
+                assert!(
+                    paths.sampled > 0 && paths.resampled > 0,
+                    "{name}, K={k}: {paths:?}"
+                );
             } else {
                 assert_eq!(paths.sampled, 0, "{name}, K={k}: {paths:?}");
                 assert_eq!(paths.resampled, long, "{name}, K={k}: {paths:?}");
@@ -1881,6 +1901,12 @@ fn each_hook_takes_its_fallback_and_both_sides_match_the_reference() {
         }
         // check_select_by_sort checks each row against a full sort and that the short
         // rows took the shared-memory row exactly when the hooks allow it.
+        // The long rows' launch: its 140 rows fit one wave of topk_ragged_wide_f32.
+        assert_eq!(
+            kernels::topk_wide(lens.len(), b.device().sm_count(), h),
+            !h.no_wide_topk,
+            "{tag}"
+        );
         let paths = check_select_by_sort(&mut b, &topk, &lens, &scores, k, &tag);
         let want_short = if h.no_short_rows {
             0

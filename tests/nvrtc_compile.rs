@@ -85,6 +85,7 @@ fn every_kernel_compiles_for_sm90a() {
                     let entries: &[&str] = if *v == Variant::Topk {
                         &[
                             "topk_ragged_f32",
+                            "topk_ragged_wide_f32",
                             "topk_short_f32",
                             "topk_segments_f32",
                             "topk_merge_f32",

@@ -190,6 +190,7 @@ struct Functions {
     merge: CudaFunction,
     short: CudaFunction,
     ragged: CudaFunction,
+    wide: CudaFunction,
     slots: CudaFunction,
 }
 
@@ -315,12 +316,14 @@ impl Engine {
             merge: tk("topk_merge_f32")?,
             short: tk("topk_short_f32")?,
             ragged: tk("topk_ragged_f32")?,
+            wide: tk("topk_ragged_wide_f32")?,
             slots: tk("paged_slots")?,
         };
         allow_dynamic_smem(
             &f.short,
             short_launch_smem(0, short_row_cap(shape, self.dev.hooks()) as usize) as u32,
         )?;
+        allow_dynamic_smem(&f.wide, kernels::TOPK_WIDE_SMEM as u32)?;
         let logits_args = LogitsArgs {
             q: ptrs.0,
             q_scale: ptrs.1,
@@ -558,7 +561,8 @@ impl DecodeStep<'_> {
         } else {
             // Row lengths are on the device: the shared-memory row takes rows of up to
             // the longest context's keys (or its cap), the passes over global memory
-            // the rest; each block returns at once on a row of the other launch.
+            // the rest (topk_ragged_wide_f32 when the rows fit one wave of it); each
+            // block returns at once on a row of the other launch.
             let row_cap = short_row_cap(sh, dev.hooks());
             let mut launches = Vec::with_capacity(2);
             if row_cap > 0 {
@@ -567,7 +571,12 @@ impl DecodeStep<'_> {
             }
             if row_cap == 0 || sh.max_keys() > row_cap as usize {
                 let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
-                launches.push((&self.f.ragged, "topk_ragged_f32", n_min, 0));
+                if kernels::topk_wide(rows as usize, dev.sm_count(), dev.hooks()) {
+                    let smem = kernels::TOPK_WIDE_SMEM as u32;
+                    launches.push((&self.f.wide, "topk_ragged_wide_f32", n_min, smem));
+                } else {
+                    launches.push((&self.f.ragged, "topk_ragged_f32", n_min, 0));
+                }
             }
             for (f, name, bound, smem) in launches {
                 let args = TopkRowsArgs {

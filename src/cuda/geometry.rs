@@ -23,7 +23,7 @@ const MAX_BITMAP_BYTES: usize = 160 * 1024;
 
 /// Dynamic shared memory a top-k block may take (bytes): the limit of sm_90 (227 KiB)
 /// less the kernels' static 42 KiB.
-const MAX_TOPK_DYNAMIC_SMEM: usize = 184 * 1024;
+pub(super) const MAX_TOPK_DYNAMIC_SMEM: usize = 184 * 1024;
 
 /// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
 /// index (i32), block-key offset (u64), and up to one 16-byte row group per row.

@@ -172,16 +172,21 @@ pub struct Hooks {
     /// head score; the others run `mqa_logits_wgr`'s tile. Off by default until it is
     /// measured; [`crate::cuda::FoldCounts`] counts the tiles on each path.
     pub int8_exact: bool,
+    /// `topk_ragged_f32` for every tile's long rows: no tile takes
+    /// `topk_ragged_wide_f32`, which production launches for tiles of at most
+    /// [`TOPK_WIDE_BLOCKS_PER_SM`] rows per SM ([`topk_wide`]).
+    pub no_wide_topk: bool,
 }
 
 impl Hooks {
     /// The hooks' names, as [`Hooks::parse`] takes them (the field names).
-    pub const NAMES: [&'static str; 5] = [
+    pub const NAMES: [&'static str; 6] = [
         "mma_sync_only",
         "no_scale_fold",
         "no_short_rows",
         "no_sampled_threshold",
         "int8_exact",
+        "no_wide_topk",
     ];
 
     /// The hooks named in `list` (comma-separated field names, spaces allowed; empty:
@@ -193,8 +198,8 @@ impl Hooks {
                 Error::range(
                     "hooks",
                     name,
-                    "mma_sync_only, no_scale_fold, no_short_rows, no_sampled_threshold or \
-                     int8_exact",
+                    "mma_sync_only, no_scale_fold, no_short_rows, no_sampled_threshold, \
+                     int8_exact or no_wide_topk",
                 )
             })? = true;
         }
@@ -221,6 +226,7 @@ impl Hooks {
             "no_short_rows" => Some(&mut self.no_short_rows),
             "no_sampled_threshold" => Some(&mut self.no_sampled_threshold),
             "int8_exact" => Some(&mut self.int8_exact),
+            "no_wide_topk" => Some(&mut self.no_wide_topk),
             _ => None,
         }
     }
@@ -331,6 +337,23 @@ pub const TOPK_CHUNK: usize = 512 * 8;
 pub const TOPK_SEL_CAP: usize = 4096;
 /// Keys of the threshold bin the fast path resolves in shared memory (`TK_CAND_CAP`).
 pub const TOPK_CAND_CAP: usize = 3072;
+/// Candidate keys of `topk_ragged_wide_f32` (`TK_WIDE_CAP`).
+pub const TOPK_WIDE_CAP: usize = 6144;
+/// Dynamic shared memory of `topk_ragged_wide_f32` past a consumer's bitmap
+/// (`TK_WIDE_SMEM`, the kernel's `sizeof(TopkWideSmem)`).
+pub const TOPK_WIDE_SMEM: usize = 66_724;
+/// Blocks per SM `topk_ragged_wide_f32` is built for (`TK_WIDE_MIN_BLOCKS`).
+pub const TOPK_WIDE_BLOCKS_PER_SM: usize = 3;
+
+/// Whether a one-row-per-block top-k launch of `rows` rows sends its long rows to
+/// `topk_ragged_wide_f32` rather than `topk_ragged_f32`: when they fit one wave of it
+/// (at most [`TOPK_WIDE_BLOCKS_PER_SM`] per SM), so that its fewer blocks per SM cost
+/// nothing, unless [`Hooks::no_wide_topk`]. A sampled row there collects up to
+/// [`TOPK_WIDE_CAP`] candidates, against [`TOPK_CAND_CAP`]: a second pass over the row
+/// becomes rare, and such a launch lasts as long as its slowest row.
+pub fn topk_wide(rows: usize, sm_count: usize, hooks: Hooks) -> bool {
+    !hooks.no_wide_topk && rows <= TOPK_WIDE_BLOCKS_PER_SM * sm_count
+}
 /// Most key tiles one logits block walks (the launch gives each block up to this many
 /// so that a block's query staging is paid once per that many tiles): the logits ran
 /// faster with each doubling from 16 to 128 tiles (benches/RESULTS.md). The launch takes
@@ -746,6 +769,9 @@ mod tests {
             ("TK_ITEMS", TOPK_CHUNK / TOPK_THREADS),
             ("TK_SEL_CAP", TOPK_SEL_CAP),
             ("TK_CAND_CAP", TOPK_CAND_CAP),
+            ("TK_WIDE_CAP", TOPK_WIDE_CAP),
+            ("TK_WIDE_SMEM", TOPK_WIDE_SMEM),
+            ("TK_WIDE_MIN_BLOCKS", TOPK_WIDE_BLOCKS_PER_SM),
             ("TK_PATHS", TOPK_PATHS.len()),
             ("TK_SHORT_CAP", TOPK_SHORT_CAP),
             ("BK_THREADS", BLOCK_KEYS_THREADS),

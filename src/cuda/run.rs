@@ -7,7 +7,9 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
 use super::device::{ptr, Device};
-use super::geometry::{footprint, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES};
+use super::geometry::{
+    footprint, short_launch_smem, RowMeta, Shape, TileGeom, MAX_TOPK_DYNAMIC_SMEM, PATHS_BYTES,
+};
 use super::kernels::{self, Variant};
 use super::launch::{
     self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, PagedSlotsArgs,
@@ -566,14 +568,24 @@ impl Run {
         let smem = self.topk_bitmap_smem();
         // The tile's rows of at most short_cap keys select with the row in shared memory
         // (topk_short_f32); the longer ones with passes over global memory and more
-        // blocks per SM (topk_ragged_f32, rows of at least n_min keys).
+        // blocks per SM (topk_ragged_f32, rows of at least n_min keys), or, when the
+        // tile's rows fit one wave of it, topk_ragged_wide_f32 (more candidate slots).
         let row_cap = g.short_cap;
         let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
         let short = (row_cap > 0).then(|| {
             let bytes = short_launch_smem(bw, row_cap as usize) as u32;
             ("topk_short_f32", row_cap, bytes)
         });
-        let long = (g.max_n >= n_min as usize).then_some(("topk_ragged_f32", n_min, smem));
+        let long = (g.max_n >= n_min as usize).then(|| {
+            let wide = short_launch_smem(bw, 0) + kernels::TOPK_WIDE_SMEM;
+            if kernels::topk_wide(g.rows.len(), dev.sm_count(), dev.hooks())
+                && wide <= MAX_TOPK_DYNAMIC_SMEM
+            {
+                ("topk_ragged_wide_f32", n_min, wide as u32)
+            } else {
+                ("topk_ragged_f32", n_min, smem)
+            }
+        });
         let page = self.topk_page(a);
         for (name, bound, dyn_smem) in [short, long].into_iter().flatten() {
             let f = dev.function(Variant::Topk, name)?;
