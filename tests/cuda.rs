@@ -2574,14 +2574,20 @@ fn engine_api_reads_paged_keys_from_device_views() {
                 Err(dsa_indexer::Error::OutOfRange { field, .. }) => field,
                 other => panic!("{name}: {other:?}"),
             };
-            let off = PoolView {
-                lead: 4,
-                page_size: None,
-            };
-            assert_eq!(
-                field_of(engine_paged(&stream, &engine, &p, &kv, &pt, off)),
-                "kv_cache"
-            );
+            // Off a 16-byte boundary, and off a word (read before the pool's values:
+            // a misaligned word load there would fault the context, and the cases
+            // after these would fail).
+            for lead in [4, 1, 2, 3] {
+                let off = PoolView {
+                    lead,
+                    page_size: None,
+                };
+                assert_eq!(
+                    field_of(engine_paged(&stream, &engine, &p, &kv, &pt, off)),
+                    "kv_cache",
+                    "{name}, lead {lead}"
+                );
+            }
             if p.k_format() == Format::E4m3 {
                 let two = PoolView {
                     lead: 0,
@@ -4292,6 +4298,34 @@ fn decode_step_errors_name_the_field() {
     assert!(m.starts_with("page_size = 48"), "{m}");
     let m = step_err(cuda::DecodeShape { batch: 7, ..sh }, need);
     assert!(m.starts_with("q: shape"), "{m}");
+    // A pool view off a 16-byte boundary (the kernels read it 16 bytes, the value check
+    // a word at a time): an error naming kv_cache, from the step and from decode_check,
+    // before anything reads it.
+    for lead in [1usize, 4] {
+        let din = DecodeIn::new(&stream, &c);
+        let mut host = vec![0u8; lead];
+        host.extend_from_slice(c.pool.as_slice().unwrap());
+        let kv = stream.clone_htod(&host).unwrap();
+        let inputs = cuda::DecodeInputs {
+            kv_cache: kv.slice(lead..),
+            ..din.inputs(&sh)
+        };
+        let mut out = DecodeOut::new(&stream, &sh, need);
+        let DecodeOut { raw, page, ws } = &mut out;
+        let (mut rv, mut pv, mut wv) = (raw.as_view_mut(), page.as_view_mut(), ws.as_view_mut());
+        let m = msg(engine
+            .decode_step(&sh, &inputs, &mut rv, &mut pv, &mut wv)
+            .unwrap_err());
+        assert!(
+            m.starts_with("kv_cache = device address 0x"),
+            "lead {lead}: {m}"
+        );
+        let m = msg(engine.decode_check(&sh, &inputs).unwrap_err());
+        assert!(
+            m.starts_with("kv_cache = device address 0x"),
+            "lead {lead}: {m}"
+        );
+    }
     // Values, through decode_check.
     let check = |c: &DecodeCase| -> Option<String> {
         let din = DecodeIn::new(&stream, c);

@@ -27,8 +27,8 @@ use cudarc::driver::{
 use super::alloc::Space;
 use super::device::{drv, vptr};
 use super::engine::{
-    check_len, paged_shapes, pool_shape, validate_values, DeviceInputs, DeviceKeys, DeviceQueries,
-    Engine, INPUT_ALIGN,
+    aligned, check_len, paged_shapes, pool_shape, validate_values, DeviceInputs, DeviceKeys,
+    DeviceQueries, Engine,
 };
 use super::geometry::{short_launch_smem, split_segments, MAX_TOPK, PATHS_BYTES, ROW_ALIGN};
 use super::kernels::{self, Variant};
@@ -285,13 +285,9 @@ impl Engine {
             return Err(Error::range("kv_cache", "0 bytes", "at least one page"));
         }
         let kv = vptr(&inputs.kv_cache, &s);
-        if !ptrs.0.is_multiple_of(INPUT_ALIGN as u64) {
-            return Err(Error::range(
-                "q",
-                format!("device address {:#x}", ptrs.0),
-                "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
-            ));
-        }
+        // The kernels read both with 16-byte loads.
+        aligned("q", ptrs.0)?;
+        aligned("kv_cache", kv)?;
         check_len("raw", raw.len(), r * shape.topk)?;
         check_len("page", page.len(), r * shape.page_width())?;
         let layout = Layout::of(shape, self.dev.sm_count());

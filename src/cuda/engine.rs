@@ -688,6 +688,10 @@ pub(super) fn validate_values(
             Some(pg),
         ) => {
             let q = validate(dev, space.fresh(), &values[..1])?;
+            // validate_slots reads the pool a word at a time (the logits kernels 16 bytes
+            // at a time): a view off a 16-byte boundary is an error before anything reads
+            // it, where a misaligned load would fault the context.
+            aligned("kv_cache", vptr(kv_cache, &dev.stream))?;
             let view = PagedView {
                 format: *format,
                 dim: inputs.dim,
@@ -733,16 +737,22 @@ fn checked_values<'v, 'a>(inputs: &'v DeviceInputs<'a>) -> Vec<Checked<'v, 'a>> 
 /// The kernels read query and key rows with 16-byte (and 4-byte) vector loads:
 /// their tensors must start on a 16-byte boundary (every cudarc allocation does;
 /// a view into one need not). Checked after the values, so that a bad value is
-/// reported as Problem::new reports it, wherever it sits.
+/// reported as Problem::new reports it, wherever it sits (validate_inputs reads any
+/// alignment); a paged pool's alignment is checked before its values are read
+/// ([`validate_values`]).
 fn check_alignment(ptrs: &Ptrs, keys: &'static str) -> Result<()> {
-    for (field, addr) in [("q", ptrs.q), (keys, ptrs.k)] {
-        if addr % INPUT_ALIGN as u64 != 0 {
-            return Err(Error::range(
-                field,
-                format!("device address {addr:#x}"),
-                "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
-            ));
-        }
+    aligned("q", ptrs.q)?;
+    aligned(keys, ptrs.k)
+}
+
+/// The error for a kernel input `field` at device address `addr` off a 16-byte boundary.
+pub(super) fn aligned(field: &'static str, addr: u64) -> Result<()> {
+    if !addr.is_multiple_of(INPUT_ALIGN as u64) {
+        return Err(Error::range(
+            field,
+            format!("device address {addr:#x}"),
+            "a 16-byte aligned device address (the start of an allocation, or a view at a multiple of 16 bytes)",
+        ));
     }
     Ok(())
 }
