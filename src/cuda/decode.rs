@@ -30,7 +30,9 @@ use super::engine::{
     aligned, check_len, paged_shapes, pool_shape, validate_values, DeviceInputs, DeviceKeys,
     DeviceQueries, Engine,
 };
-use super::geometry::{short_launch_smem, split_segments, MAX_TOPK, PATHS_BYTES, ROW_ALIGN};
+use super::geometry::{
+    long_rows_launch, short_launch_smem, split_segments, MAX_TOPK, PATHS_BYTES, ROW_ALIGN,
+};
 use super::kernels::{self, Variant};
 use super::launch::{
     self, allow_dynamic_smem, LogitsArgs, PagedSlotsArgs, TopkMergeArgs, TopkRowsArgs,
@@ -567,12 +569,13 @@ impl DecodeStep<'_> {
             }
             if row_cap == 0 || sh.max_keys() > row_cap as usize {
                 let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
-                if kernels::topk_wide(rows as usize, dev.sm_count(), dev.hooks()) {
-                    let smem = kernels::TOPK_WIDE_SMEM as u32;
-                    launches.push((&self.f.wide, "topk_ragged_wide_f32", n_min, smem));
+                let (name, smem) = long_rows_launch(rows as usize, 0, dev.sm_count(), dev.hooks());
+                let f = if name == "topk_ragged_wide_f32" {
+                    &self.f.wide
                 } else {
-                    launches.push((&self.f.ragged, "topk_ragged_f32", n_min, 0));
-                }
+                    &self.f.ragged
+                };
+                launches.push((f, name, n_min, smem));
             }
             for (f, name, bound, smem) in launches {
                 let args = TopkRowsArgs {

@@ -23,7 +23,7 @@ const MAX_BITMAP_BYTES: usize = 160 * 1024;
 
 /// Dynamic shared memory a top-k block may take (bytes): the limit of sm_90 (227 KiB)
 /// less the kernels' static 42 KiB.
-pub(super) const MAX_TOPK_DYNAMIC_SMEM: usize = 184 * 1024;
+const MAX_TOPK_DYNAMIC_SMEM: usize = 184 * 1024;
 
 /// Per-row metadata bytes on the device: `n`, `ks` (u32), tile offset (u64), published
 /// index (i32), block-key offset (u64), and up to one 16-byte row group per row.
@@ -218,6 +218,25 @@ pub(super) fn short_row_cap(
         cap as u32
     } else {
         0
+    }
+}
+
+/// The launch that takes a one-row-per-block top-k tile's long rows: its entry and
+/// dynamic shared memory (bytes). `topk_ragged_wide_f32` where [`kernels::topk_wide`]
+/// picks it for `rows` rows and its candidate memory fits beside a consumer's bitmap of
+/// `bitmap_words` (from a 16-byte boundary, as `topk_short_f32`'s row); else
+/// `topk_ragged_f32`, whose dynamic memory is the bitmap alone.
+pub(super) fn long_rows_launch(
+    rows: usize,
+    bitmap_words: u32,
+    sms: usize,
+    hooks: Hooks,
+) -> (&'static str, u32) {
+    let wide = short_launch_smem(bitmap_words, 0) + kernels::TOPK_WIDE_SMEM;
+    if kernels::topk_wide(rows, sms, hooks) && wide <= MAX_TOPK_DYNAMIC_SMEM {
+        ("topk_ragged_wide_f32", wide as u32)
+    } else {
+        ("topk_ragged_f32", bitmap_words * 4)
     }
 }
 
@@ -445,6 +464,57 @@ mod tests {
     const H200_SMS: usize = 132;
     /// SMs of an H100 PCIe.
     const H100_PCIE_SMS: usize = 114;
+
+    /// Long rows take the wide launch up to 3 rows per SM, with its candidate memory after
+    /// the consumer bitmap (rounded up to 16 bytes), while both fit the dynamic shared
+    /// memory a top-k block may take; otherwise, or under `no_wide_topk`, the ragged
+    /// launch with the bitmap alone.
+    #[test]
+    fn long_rows_take_the_wide_launch_when_it_fits() {
+        let h = Hooks::default();
+        let wide = kernels::TOPK_WIDE_SMEM as u32;
+        for sms in [H200_SMS, H100_PCIE_SMS] {
+            let most = kernels::TOPK_WIDE_BLOCKS_PER_SM * sms;
+            assert_eq!(
+                long_rows_launch(1, 0, sms, h),
+                ("topk_ragged_wide_f32", wide)
+            );
+            assert_eq!(
+                long_rows_launch(most, 0, sms, h),
+                ("topk_ragged_wide_f32", wide)
+            );
+            assert_eq!(
+                long_rows_launch(most + 1, 0, sms, h),
+                ("topk_ragged_f32", 0)
+            );
+            assert_eq!(
+                long_rows_launch(most + 1, 5, sms, h),
+                ("topk_ragged_f32", 20)
+            );
+        }
+        assert_eq!(
+            long_rows_launch(256, 5, H200_SMS, h),
+            ("topk_ragged_wide_f32", 32 + wide)
+        );
+        let room = (MAX_TOPK_DYNAMIC_SMEM - kernels::TOPK_WIDE_SMEM) / 4;
+        let fits = (room / 4 * 4) as u32;
+        assert_eq!(
+            long_rows_launch(256, fits, H200_SMS, h),
+            ("topk_ragged_wide_f32", 4 * fits + wide)
+        );
+        assert_eq!(
+            long_rows_launch(256, fits + 1, H200_SMS, h),
+            ("topk_ragged_f32", 4 * (fits + 1))
+        );
+        let narrow = Hooks {
+            no_wide_topk: true,
+            ..Hooks::default()
+        };
+        assert_eq!(
+            long_rows_launch(1, 0, H200_SMS, narrow),
+            ("topk_ragged_f32", 0)
+        );
+    }
 
     /// The split top-k's scratch is planned as `split_segments_cap(sms) * K` ids: every
     /// tile's rows x segments must stay within it, and long rows of small tiles must

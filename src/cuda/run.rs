@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
 use super::device::{ptr, Device};
 use super::geometry::{
-    footprint, short_launch_smem, RowMeta, Shape, TileGeom, MAX_TOPK_DYNAMIC_SMEM, PATHS_BYTES,
+    footprint, long_rows_launch, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES,
 };
 use super::kernels::{self, Variant};
 use super::launch::{
@@ -565,7 +565,6 @@ impl Run {
         let sh = self.shape;
         let p = self.ptrs;
         let bw = self.bitmap_words;
-        let smem = self.topk_bitmap_smem();
         // The tile's rows of at most short_cap keys select with the row in shared memory
         // (topk_short_f32); the longer ones with passes over global memory and more
         // blocks per SM (topk_ragged_f32, rows of at least n_min keys), or, when the
@@ -577,14 +576,8 @@ impl Run {
             ("topk_short_f32", row_cap, bytes)
         });
         let long = (g.max_n >= n_min as usize).then(|| {
-            let wide = short_launch_smem(bw, 0) + kernels::TOPK_WIDE_SMEM;
-            if kernels::topk_wide(g.rows.len(), dev.sm_count(), dev.hooks())
-                && wide <= MAX_TOPK_DYNAMIC_SMEM
-            {
-                ("topk_ragged_wide_f32", n_min, wide as u32)
-            } else {
-                ("topk_ragged_f32", n_min, smem)
-            }
+            let (name, bytes) = long_rows_launch(g.rows.len(), bw, dev.sm_count(), dev.hooks());
+            (name, n_min, bytes)
         });
         let page = self.topk_page(a);
         for (name, bound, dyn_smem) in [short, long].into_iter().flatten() {
