@@ -198,19 +198,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// ==== named barriers ====
-
-// Barrier `id` (1..=15; 0 is __syncthreads') of `count` threads (a multiple of 32):
-// named_bar_sync waits until `count` threads have arrived at it, this one included;
-// named_bar_arrive counts this thread and goes on. A warpgroup hands another its turn
-// with arrive (128 threads) against the other's sync (128 more).
-__device__ __forceinline__ void named_bar_sync(u32 id, u32 count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(u32 id, u32 count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-
 // ==== Hopper warpgroup MMA (wgmma) ====
 
 // Shared-memory matrix descriptor, no swizzle: start address, LBO (bytes between core

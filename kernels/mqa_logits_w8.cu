@@ -23,34 +23,16 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// Blocks per SM the registers must allow (123 registers at D = 128), counted in
-// warpgroups: a block of W8_WGS warpgroups is built for W8_MIN_BLOCKS / W8_WGS per SM.
+// Blocks per SM the registers must allow (123 registers at D = 128).
 #ifndef W8_MIN_BLOCKS
 #define W8_MIN_BLOCKS 4
 #endif
-// Warpgroups per block (kernels::w8_warpgroups(): the host launches W8_THREADS
-// threads). With more than one they share the block's staged queries and weights and
-// take its key tiles in turn (tile i of the block's walk to warpgroup i % W8_WGS), and
-// they issue their MMAs in that order: warpgroup w issues tile i's only after the one
-// before it has issued tile i - 1's, by a named barrier (1 + w). The tensor core then
-// finishes one warpgroup's tile while the next one's is queued, and that warpgroup's
-// head sum and store run under the others' MMAs instead of all of the SM's warpgroups
-// waiting on MMAs issued together.
-#ifndef W8_WGS
-#define W8_WGS 1
-#endif
-#if W8_WGS < 1 || W8_WGS > 4
-#error "W8_WGS must be 1..=4"
-#endif
-#define W8_THREADS (H64_THREADS * W8_WGS)
-#define W8_BLOCKS (W8_MIN_BLOCKS / W8_WGS > 0 ? W8_MIN_BLOCKS / W8_WGS : 1)
 
 // ==== kernel ====
 
 // block: rows grp.x + [0, 2) x 64 heads x keys 64 c + [0, 64) -> logits[row, key]
-// (grp = groups[group0 + blockIdx.y]; c = blockIdx.x, + gridDim.x, ...: warpgroup
-// i % W8_WGS takes the i-th)
-extern "C" __global__ void __launch_bounds__(W8_THREADS, W8_BLOCKS) mqa_logits_w8(
+// (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
+extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_logits_w8(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
@@ -63,18 +45,13 @@ extern "C" __global__ void __launch_bounds__(W8_THREADS, W8_BLOCKS) mqa_logits_w
   const u32 nchunks = (grp.z + H64_KEYS - 1) / H64_KEYS;
   if (blockIdx.x >= nchunks) return;
   const u32 ks = row_ks[grp.x];
-  const int tid = threadIdx.x, lane = tid & 31;
-#if W8_WGS > 1
-  const int warp = (tid >> 5) & 3;  // in the warpgroup
-#else
-  const int warp = tid >> 5;
-#endif
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, tig = lane & 3;
   const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
   const bool big_w = h64_stage_weights(sw, w, grp, tid);
-  for (int t = tid; t < H64_N * 4; t += W8_THREADS) {
+  for (int t = tid; t < H64_N * 4; t += H64_THREADS) {
     const int n = t / 4, tg = t % 4;
     u32 x[H64_WORDS];
     h64_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
@@ -87,29 +64,14 @@ extern "C" __global__ void __launch_bounds__(W8_THREADS, W8_BLOCKS) mqa_logits_w
   fence_proxy_async();
   const bool spec_order = __syncthreads_or(big_w) != 0;  // block-uniform
 
-  // This warpgroup's tiles: the block's i-th tile for i = wg, wg + W8_WGS, ...
-#if W8_WGS > 1
-  const u32 wg = (u32)tid / H64_THREADS;
-#else
-  constexpr u32 wg = 0;
-#endif
-  const u32 c0 = blockIdx.x + wg * gridDim.x;
-#if W8_WGS > 1
-  // Tiles of the block's walk: the i-th is handed on only where an (i + 1)-th exists,
-  // and waited for only where i > 0, so every arrive meets one sync.
-  const u32 ntiles = (nchunks - blockIdx.x + gridDim.x - 1) / gridDim.x;
-#endif
-
   // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
   // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][H64_WORDS];
   float ksc[2];
   auto prefetch = [&](u32 c) { h64_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig PG_PASS); };
-  if (c0 < nchunks) prefetch(c0);
-  const u32 stride = W8_WGS * gridDim.x;
+  prefetch(blockIdx.x);
   constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
-  u32 i = wg;
-  for (u32 c = c0; c < nchunks; c += stride, i += W8_WGS) {
+  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * H64_KEYS;
     // A fragment of k32 step s: words 2 s and 2 s + 1 of the thread's two keys.
     u32 a[W8_S][4];
@@ -122,19 +84,13 @@ extern "C" __global__ void __launch_bounds__(W8_THREADS, W8_BLOCKS) mqa_logits_w
     }
     const float kscale = odd ? ksc[1] : ksc[0];  // this lane's key after the head sum
 
-    if (c + stride < nchunks) prefetch(c + stride);
-#if W8_WGS > 1
-    if (i > 0) named_bar_sync(1 + wg, 2 * H64_THREADS);
-#endif
+    if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
     float acc[64];
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < W8_S; ++s)
       wgmma_m64n128k32_e4m3_rs(acc, a[s], wgmma_desc(sB + 2 * s * lbo, lbo, 128), s > 0 ? 1u : 0u);
     wgmma_commit();
-#if W8_WGS > 1
-    if (i + 1 < ntiles) named_bar_arrive(1 + (wg + 1) % W8_WGS, 2 * H64_THREADS);
-#endif
     wgmma_wait<0>();
     fence_regs(acc);
     const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);

@@ -134,18 +134,6 @@ pub const LOGITS_WGR_ROWS: usize = 2;
 /// `H64_THREADS`).
 pub const LOGITS_WG_THREADS: usize = 128;
 
-/// Warpgroups per `mqa_logits_w8` block (`W8_WGS` in `mqa_logits_w8.cu`): they share the
-/// block's staged queries and take its key tiles in turn, issuing their MMAs in that
-/// order.
-pub const LOGITS_W8_WARPGROUPS: usize = 1;
-
-/// [`LOGITS_W8_WARPGROUPS`], or a `W8_WGS=` override (1..=4) in `$DSA_CUDA_DEFINES`
-/// (`tuning` feature; the kernel reads the same define, the host launches that many
-/// warpgroups per block).
-pub fn w8_warpgroups() -> usize {
-    define_in("W8_WGS", 1..=4).unwrap_or(LOGITS_W8_WARPGROUPS)
-}
-
 /// Test hooks: each forces one fallback path, everywhere, that production takes only
 /// on some inputs or shapes, so that the tests can hold that path to the reference on
 /// every input; `int8_exact` instead turns on a path that is not yet production's, so
@@ -331,11 +319,7 @@ pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
             return (name, LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
         }
         if fast {
-            return (
-                "mqa_logits_w8",
-                LOGITS_W16_ROWS,
-                LOGITS_WG_THREADS * w8_warpgroups(),
-            );
+            return ("mqa_logits_w8", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
         }
         return ("mqa_logits_w16", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
     }
@@ -835,12 +819,6 @@ mod tests {
         pinned(LOGITS_E4M3_H64, h64, "H64_KEYS", LOGITS_KEYS);
         pinned(LOGITS_E4M3_H64, h64, "H64_ROWS", LOGITS_W16_ROWS);
         pinned(LOGITS_E4M3_H64, h64, "H64_THREADS", LOGITS_WG_THREADS);
-        pinned(
-            LOGITS_W8,
-            "mqa_logits_w8.cu",
-            "W8_WGS",
-            LOGITS_W8_WARPGROUPS,
-        );
         // Each kernel's launch bounds are its own block size.
         for (src, bounds) in [
             (
@@ -861,7 +839,7 @@ mod tests {
             ),
             (
                 LOGITS_W8,
-                "__launch_bounds__(W8_THREADS, W8_BLOCKS) mqa_logits_w8(",
+                "__launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_logits_w8(",
             ),
         ] {
             assert!(src.contains(bounds), "{bounds}");

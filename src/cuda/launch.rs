@@ -541,16 +541,7 @@ mod tests {
                 "{}",
                 v.name()
             );
-            if fast {
-                // 2 x 64 heads = the 128 columns of each warpgroup's MMA; the block's
-                // warpgroups take its key tiles in turn.
-                assert_eq!(
-                    (rows, threads),
-                    (2, 128 * kernels::w8_warpgroups()),
-                    "{}",
-                    v.name()
-                );
-            } else if wg || w16 {
+            if wg || w16 {
                 // One warpgroup per 2 rows: 2 x 32 heads = the 64 columns of its MMA, or
                 // 2 x 64 heads = 128.
                 assert_eq!((rows, threads), (2, 128), "{}", v.name());
