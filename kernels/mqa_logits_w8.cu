@@ -23,22 +23,9 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// Key tiles a block has in flight while it computes one: 1 (the default), or 2
-// (opt-in, W8_AHEAD=2: a second set of key registers, the loop unrolled by two).
-#ifndef W8_AHEAD
-#define W8_AHEAD 1
-#endif
-#if W8_AHEAD < 1 || W8_AHEAD > 2
-#error "W8_AHEAD must be 1 or 2"
-#endif
-// Blocks per SM the registers must allow (123 registers at D = 128; with two tiles
-// ahead, 3).
+// Blocks per SM the registers must allow (123 registers at D = 128).
 #ifndef W8_MIN_BLOCKS
-#if W8_AHEAD == 1
 #define W8_MIN_BLOCKS 4
-#else
-#define W8_MIN_BLOCKS 3
-#endif
 #endif
 
 // ==== kernel ====
@@ -77,45 +64,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   fence_proxy_async();
   const bool spec_order = __syncthreads_or(big_w) != 0;  // block-uniform
 
-#if W8_AHEAD == 2
-  // Two sets of this thread's keys: tile c's is consumed while the next tile's (in the
-  // other set) and, once the fragments are taken, the one after it are in flight.
-  u32 rawA[2][H64_WORDS], rawB[2][H64_WORDS];
-  float kscA[2], kscB[2];
-  constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
-  auto step = [&](u32 (&raw)[2][H64_WORDS], float (&ksc)[2], const u32 c) {
-    const u32 j0 = c * H64_KEYS;
-    u32 a[W8_S][4];
-#pragma unroll
-    for (int s = 0; s < W8_S; ++s) {
-      a[s][0] = raw[0][2 * s];
-      a[s][1] = raw[1][2 * s];
-      a[s][2] = raw[0][2 * s + 1];
-      a[s][3] = raw[1][2 * s + 1];
-    }
-    const float kscale = odd ? ksc[1] : ksc[0];
-    if (c + 2 * gridDim.x < nchunks)
-      h64_keys(raw, ksc, k, k_scale32, ks, grp.z, c + 2 * gridDim.x, warp, gid, tig PG_PASS);
-    float acc[64];
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n128k32_e4m3_rs(acc, a[s], wgmma_desc(sB + 2 * s * lbo, lbo, 128), s > 0 ? 1u : 0u);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(acc);
-    const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
-    store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
-                __fmul_rn(hsum, kscale));
-  };
-  h64_keys(rawA, kscA, k, k_scale32, ks, grp.z, blockIdx.x, warp, gid, tig PG_PASS);
-  if (blockIdx.x + gridDim.x < nchunks)
-    h64_keys(rawB, kscB, k, k_scale32, ks, grp.z, blockIdx.x + gridDim.x, warp, gid, tig PG_PASS);
-  for (u32 c = blockIdx.x; c < nchunks; c += 2 * gridDim.x) {
-    step(rawA, kscA, c);
-    if (c + gridDim.x < nchunks) step(rawB, kscB, c + gridDim.x);
-  }
-#else
   // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
   // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][H64_WORDS];
@@ -149,5 +97,4 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }
-#endif
 }
