@@ -53,8 +53,7 @@
 #   rows sort their selected ids instead of scanning a bitmap), TK_SAMPLE_DIGITS2 (0: the
 #   sample's exact rank-r key from four digit passes), TK_COLLECT_SCAN (0: one atomic per
 #   key position in the collecting pass), TK_STOP (profiling: sampled rows stop after
-#   phase N, outputs unwritten), W8_SPLIT (1: mqa_logits_w8's MMA a row at a time, 5
-#   blocks per SM); host side: LG_PER_BLOCK.
+#   phase N, outputs unwritten); host side: LG_PER_BLOCK.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -95,9 +94,6 @@ if has tests; then
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   }
-  # The fast precision's kernel with each tile's MMA a row at a time (W8_SPLIT=1): every
-  # test that reaches it.
-  knob_tests "W8_SPLIT=1" fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"

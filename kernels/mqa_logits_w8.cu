@@ -23,19 +23,9 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// W8_SPLIT = 1 (opt-in): each tile's MMA one row at a time, m64n64 over the row's 64
-// heads into 32 accumulators instead of m64n128 into 64, the A fragments reused, so
-// that the registers allow 5 blocks per SM instead of 4.
-#ifndef W8_SPLIT
-#define W8_SPLIT 0
-#endif
-// Blocks per SM the registers must allow (123 registers at D = 128; 5 with W8_SPLIT).
+// Blocks per SM the registers must allow (123 registers at D = 128).
 #ifndef W8_MIN_BLOCKS
-#if W8_SPLIT
-#define W8_MIN_BLOCKS 5
-#else
 #define W8_MIN_BLOCKS 4
-#endif
 #endif
 
 // ==== kernel ====
@@ -95,42 +85,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     const float kscale = odd ? ksc[1] : ksc[0];  // this lane's key after the head sum
 
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
-#if W8_SPLIT
-    // Row r's 64 heads are columns 64 r .. 64 r + 63 of B: 8 core matrices (1024 bytes)
-    // into each chunk. The lane's partial sums of each row (tol_lane_heads), or in SPEC
-    // 4's order its quads' sums (two_row_head_sum's v0 / v1), wait for the other row.
-    float p[2][2], v[2][8];
-#pragma unroll
-    for (int r = 0; r < H64_ROWS; ++r) {
-      float acc[32];
-      wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < W8_S; ++s)
-        wgmma_m64n64k32_e4m3_rs_acc(acc, a[s], wgmma_desc(sB + 2 * s * lbo + 1024 * r, lbo, 128),
-                                    s > 0 ? 1u : 0u);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(acc);
-      if (spec_order) {
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const float2 wv = *reinterpret_cast<const float2 *>(&sw[r][nt * 8 + 2 * tig]);
-          v[r][nt] = head_quad(wv, acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3], odd);
-        }
-      } else {
-        tol_lane_heads(acc, sw[r], tig, p[r][0], p[r][1]);
-      }
-    }
-    float hsum;
-    if (spec_order) {
-      float sp[8];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) sp[nt] = lane_pair_sum(v[0][nt], v[1][nt], hi);
-      hsum = pairwise_f32<8>(sp);
-    } else {
-      hsum = tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
-    }
-#else
     float acc[64];
     wgmma_fence();
 #pragma unroll
@@ -140,7 +94,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     wgmma_wait<0>();
     fence_regs(acc);
     const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
-#endif
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }
