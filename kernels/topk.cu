@@ -89,6 +89,12 @@
 #ifndef TK_COLLECT_SCAN
 #define TK_COLLECT_SCAN 1
 #endif
+// Segments of a split row start at multiples of 4 keys (their length rounded up to one),
+// so that every segment takes the sampled pass's 16-byte loads; 0: segments of
+// ceil(n / S) keys, most of them misaligned (a tuning define).
+#ifndef TK_SEG_ALIGN
+#define TK_SEG_ALIGN 1
+#endif
 // Profiling only (a tuning define; outputs are left unwritten): a sampled row stops
 // after its phase TK_STOP (1: the sample's threshold, 2: the collecting pass, 3: the
 // exact threshold among the candidates, 4: the ties), 9 every row at once; 0 runs whole.
@@ -1107,7 +1113,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_SEGMENTS_MIN_BLOCKS)
   const u32 row = row0 + blockIdx.y;
   const u32 n = row_n[row];
   if (cblocks) consumer_bitmap(bitmap, cblocks, row, num_blocks, bitmap_words);
-  const u32 S = gridDim.x, seg = (n + S - 1) / S;
+  const u32 S = gridDim.x, seg = TK_SEG_ALIGN ? (((n + S - 1) / S + 3u) & ~3u) : (n + S - 1) / S;
   const u32 lo = min(n, blockIdx.x * seg), hi = min(n, lo + seg);
   const RowSrc src{logits + row_off[row], lo, cblocks ? bitmap : nullptr, block_size, ~0u,
                    nullptr};
