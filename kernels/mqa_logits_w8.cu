@@ -23,79 +23,9 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// W8_STAGES = N >= 2 (D = 128): the keys of the next N - 1 tiles in flight by cp.async
-// into a ring of N shared-memory tiles (their rows' 16-byte chunks XOR-swizzled by the
-// row, so that a quad's fragment reads do not share banks), the fragments read from
-// there; 0: each thread's next tile in registers (h64_keys). Either way a thread's
-// fragments hold the same words of the same keys, so the MMA steps are unchanged.
-#ifndef W8_STAGES
-#define W8_STAGES 0
-#endif
-#if D != 128
-#undef W8_STAGES
-#define W8_STAGES 0
-#endif
 // Blocks per SM the registers must allow (123 registers at D = 128).
 #ifndef W8_MIN_BLOCKS
 #define W8_MIN_BLOCKS 4
-#endif
-
-// ==== keys through shared memory (W8_STAGES) ====
-
-#if W8_STAGES
-// One ring slot: a tile's 64 key rows (chunk cc of row r at 16 (cc ^ (r & 7)) of the
-// row), then their 64 f32 scales.
-#define W8_TILE_BYTES (H64_KEYS * D)
-#define W8_SLOT_BYTES (W8_TILE_BYTES + 4 * H64_KEYS)
-
-// Issues tile c's keys and scales into slot (cp.async, one group); zeros past nkeys keys
-// (the source then a valid address that is not read).
-__device__ __forceinline__ void w8_issue(u8 *slot, const u8 *k, const float *k_scale32,
-                                         const u32 ks, const u32 nkeys, const u32 c,
-                                         const int tid PG_DECL) {
-  const u32 j0 = c * H64_KEYS;
-#pragma unroll
-  for (int u = 0; u < W8_TILE_BYTES / 16 / H64_THREADS; ++u) {
-    const int idx = tid + u * H64_THREADS, r = idx / (D / 16), cc = idx % (D / 16);
-    const u32 j = j0 + r;
-    const u8 *src = k;
-    if (j < nkeys) {
-#if DSA_PAGED
-      src = paged_key(k, page_table, ks, j, page_log2).code + 16 * cc;
-#else
-      src = k + (u64)(ks + j) * D + 16 * cc;
-#endif
-    }
-    cp_async16(slot + r * D + 16 * (cc ^ (r & 7)), src, j < nkeys ? 16u : 0u);
-  }
-  if (tid < H64_KEYS) {
-    const u32 j = j0 + tid;
-    const void *src = k;
-    if (j < nkeys) {
-#if DSA_PAGED
-      src = paged_key(k, page_table, ks, j, page_log2).scale;
-#else
-      src = k_scale32 + ks + j;
-#endif
-    }
-    cp_async4(slot + W8_TILE_BYTES + 4 * tid, src, j < nkeys ? 4u : 0u);
-  }
-  cp_async_commit();
-}
-
-// This thread's words of its two keys (h64_keys's raw) and their scales, from a slot.
-__device__ __forceinline__ void w8_read(u32 (&raw)[2][H64_WORDS], float (&ksc)[2], const u8 *slot,
-                                        const int warp, const int gid, const int tig) {
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    const int r = 16 * warp + gid + 8 * kk;  // r & 7 == gid
-    const uint4 a = *reinterpret_cast<const uint4 *>(slot + r * D + 16 * ((2 * tig) ^ gid));
-    const uint4 b = *reinterpret_cast<const uint4 *>(slot + r * D + 16 * ((2 * tig + 1) ^ gid));
-    raw[kk][0] = a.x; raw[kk][1] = a.y; raw[kk][2] = a.z; raw[kk][3] = a.w;
-    raw[kk][4] = b.x; raw[kk][5] = b.y; raw[kk][6] = b.z; raw[kk][7] = b.w;
-    ksc[kk] = reinterpret_cast<const float *>(slot + W8_TILE_BYTES)[r];
-  }
-}
 #endif
 
 // ==== kernel ====
@@ -138,39 +68,11 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   // tile's bytes and scales are loaded while this one is computed.
   u32 raw[2][H64_WORDS];
   float ksc[2];
-#if W8_STAGES
-  __shared__ __align__(128) u8 sK[W8_STAGES][W8_SLOT_BYTES];
-  // Slot i % W8_STAGES holds the block's i-th tile; one group per tile, empty ones past
-  // the last, so that wait_group counts tiles.
-#pragma unroll
-  for (int i = 0; i < W8_STAGES - 1; ++i) {
-    const u32 ci = blockIdx.x + i * gridDim.x;
-    if (ci < nchunks) w8_issue(sK[i], k, k_scale32, ks, grp.z, ci, tid PG_PASS);
-    else cp_async_commit();
-  }
-  u32 it = 0;
-#else
   auto prefetch = [&](u32 c) { h64_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig PG_PASS); };
   prefetch(blockIdx.x);
-#endif
   constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * H64_KEYS;
-#if W8_STAGES
-    // Tile it has landed for every thread; every thread has read tile it - 1's slot,
-    // which tile it + W8_STAGES - 1 then takes.
-    cp_async_wait<W8_STAGES - 2>();
-    __syncthreads();
-    w8_read(raw, ksc, sK[it % W8_STAGES], warp, gid, tig);
-    {
-      const u32 cn = c + (W8_STAGES - 1) * gridDim.x;
-      if (cn < nchunks)
-        w8_issue(sK[(it + W8_STAGES - 1) % W8_STAGES], k, k_scale32, ks, grp.z, cn, tid PG_PASS);
-      else
-        cp_async_commit();
-    }
-    ++it;
-#endif
     // A fragment of k32 step s: words 2 s and 2 s + 1 of the thread's two keys.
     u32 a[W8_S][4];
 #pragma unroll
@@ -182,9 +84,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     }
     const float kscale = odd ? ksc[1] : ksc[0];  // this lane's key after the head sum
 
-#if !W8_STAGES
     if (c + gridDim.x < nchunks) prefetch(c + gridDim.x);
-#endif
     float acc[64];
     wgmma_fence();
 #pragma unroll
