@@ -53,7 +53,8 @@
 #   rows sort their selected ids instead of scanning a bitmap), TK_SAMPLE_DIGITS2 (0: the
 #   sample's exact rank-r key from four digit passes), TK_COLLECT_SCAN (0: one atomic per
 #   key position in the collecting pass), TK_STOP (profiling: sampled rows stop after
-#   phase N, outputs unwritten); host side: LG_PER_BLOCK.
+#   phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows' segments of ceil(n / S)
+#   keys, most of them misaligned); host side: LG_PER_BLOCK.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -158,7 +159,7 @@ if has ab; then
   # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
   # precision=fast, each against the same call's default run above ($AB: a shorter
   # list). Needs the `tuning` build.
-  AB="${AB:-v41-chunk:hooks=int8_exact;v41-chunk-wide:hooks=int8_exact;v41-chunk:hooks=int8_exact WGI8_MIN_BLOCKS=4;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SAMPLE_DIGITS2=0 TK_COLLECT_SCAN=0;v41-1m-256m:hooks=no_wide_topk}"
+  AB="${AB:-v41-chunk:hooks=int8_exact;v41-chunk-wide:hooks=int8_exact;v41-chunk:hooks=int8_exact WGI8_MIN_BLOCKS=4;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="" hooks="" prec=full
