@@ -2241,10 +2241,11 @@ fn e4m3_h64_engine_like_data_error_at_both_precisions() {
 /// `mqa_logits_w16` and `mqa_logits_w8` blocks that walk many key tiles: four requests of
 /// about 10^5 keys, two rows each, so that the launch gives each block several tiles
 /// (8 on 132 SMs; every other H = 64 test runs one tile per block), with last tiles of
-/// 48, 9, 1 and 64 keys. Every dim, flat keys and pages of 16 (and of 64 at `D = 128`),
-/// both precisions: every logit within the bound of the fast CPU engine's (bitwise the
-/// reference's). The register prefetch of the next tile's keys across a block's tiles
-/// is what this holds to the bound.
+/// 48, 9, 1 and 64 keys. Every dim, flat keys and pages of 16 (and of 64 and 4 at
+/// `D = 128`), both precisions: every logit within the bound of the fast CPU engine's
+/// (bitwise the reference's), and every paged layout's logits the flat layout's bits at
+/// the same precision (SPEC 10). The keys of the next tiles in flight across a block's
+/// tiles (in registers, or in `W8_SS`'s shared-memory ring) are what this holds.
 #[test]
 fn e4m3_h64_blocks_of_many_tiles_meet_the_bound() {
     let Some(full) = gpu() else { return };
@@ -2279,7 +2280,9 @@ fn e4m3_h64_blocks_of_many_tiles_meet_the_bound() {
         };
         let flat = build(&s);
         let mut layouts = vec![("flat".to_string(), flat.clone())];
-        let pages: &[usize] = if dim == 128 { &[64, 16] } else { &[16] };
+        // Pages of 4 split every key tile across 16 pages (still read by the kernels:
+        // 4 x 132 bytes is a multiple of 16).
+        let pages: &[usize] = if dim == 128 { &[64, 16, 4] } else { &[16] };
         for &ps in pages {
             let paged = paged_from_flat(&mut flat.clone(), ps, false, 0x5EED + ps as u64);
             layouts.push((format!("pages of {ps}"), paged));
@@ -2289,6 +2292,8 @@ fn e4m3_h64_blocks_of_many_tiles_meet_the_bound() {
             let (batch, _) = dump_problem(&flat);
             engine_logits(&flat.problem(&batch, None).unwrap(), Isa::detect())
         };
+        // SPEC 10: at each precision, every layout's logits are the flat layout's bits.
+        let mut flat_bits: Vec<Vec<u32>> = Vec::new();
         for (layout, d) in &layouts {
             let (batch, _) = dump_problem(d);
             let p = d.problem(&batch, None).unwrap();
@@ -2296,7 +2301,7 @@ fn e4m3_h64_blocks_of_many_tiles_meet_the_bound() {
             for r in p.batch.rows() {
                 start.push(start.last().unwrap() + r.n);
             }
-            for prec in [Precision::Full, Precision::Fast] {
+            for (pi, prec) in [Precision::Full, Precision::Fast].into_iter().enumerate() {
                 let mut b = gpu().unwrap().with_precision(prec);
                 let tag = format!(
                     "H=64 D={dim}, {layout}, {per_block} tiles a block, {}",
@@ -2304,6 +2309,16 @@ fn e4m3_h64_blocks_of_many_tiles_meet_the_bound() {
                 );
                 let got = b.logits(&p, usize::MAX).unwrap();
                 assert_eq!(got.len(), want.len(), "{tag}: logits length");
+                if layout == "flat" {
+                    flat_bits.push(bits(&got));
+                } else {
+                    check_eq(
+                        &tag,
+                        "logits (bits), paged vs flat",
+                        &bits(&got),
+                        &flat_bits[pi],
+                    );
+                }
                 // check_logits_bound, in parallel over the logits.
                 (0..got.len())
                     .into_par_iter()
