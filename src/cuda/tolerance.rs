@@ -47,8 +47,6 @@ pub const FP8_WGMMA_BITS: i32 = 13;
 /// in `mqa_logits_w8`'s operand layout: each of a quad's four threads holds `dim / 4`
 /// contiguous bytes of a key (and of a query column), and its words `2 s` and `2 s + 1`
 /// go to step `s`, so step `s` holds dims `(dim / 4) t + 8 s + e` (`t < 4`, `e < 8`).
-/// Its shared-memory form (`W8_SS`, `D = 128`) places the 8-byte pieces of each row so
-/// that its steps hold the same dims.
 pub fn fp8_wgmma_step(d: usize, dim: usize) -> usize {
     (d % (dim / 4)) / 8
 }
