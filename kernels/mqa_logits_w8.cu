@@ -27,6 +27,87 @@
 #ifndef W8_MIN_BLOCKS
 #define W8_MIN_BLOCKS 4
 #endif
+// W8_TMA = 1 (D = 128): both MMA operands from shared memory, the keys by TMA. Thread 0
+// keeps the next W8_RING - 1 key tiles in flight as bulk tensor copies (one per tile,
+// or one per page for pages of fewer than 64 keys) into a ring of tiles in wgmma's
+// 128-byte-swizzled A layout, each completing on its mbarrier; no key byte takes a
+// register and no other thread issues a copy. The key rows land in their natural
+// order, so k32 step s holds dims 32 s .. 32 s + 31 (cuda::fp8_wgmma_step under
+// W8_TMA). The host passes the key tensor map (cuda::launch::key_tensor_map) as the
+// last parameter. W8_TMA = 2: the same, with the block barrier of each tile replaced by
+// an mbarrier per ring tile that every thread arrives on once its MMA of the tile is
+// done, and thread 0 refilling a ring tile only after it issued the current tile's MMA,
+// so that no thread waits for another but at the MMA itself. 0: the keys in registers
+// (h64_keys), A from registers.
+#ifndef W8_TMA
+#define W8_TMA 0
+#endif
+#if D != 128
+#undef W8_TMA
+#define W8_TMA 0
+#endif
+
+// ==== keys by TMA (W8_TMA) ====
+
+#if W8_TMA
+#define W8_TMA_PARAM , const __grid_constant__ TmaDesc kmap
+// Ring tiles (the static shared memory holds 3 beside the queries).
+#ifndef W8_RING
+#define W8_RING 3
+#endif
+static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
+static_assert(W8_TMA == 1 || W8_TMA == 2, "W8_TMA: 0, 1 or 2");
+// One ring tile: 64 key rows of 128 bytes, 1024-byte aligned (wgmma_desc_sw128).
+#define W8_TILE_BYTES (H64_KEYS * D)
+
+// The page-table entry of key j0's page (paged keys; a used entry: j0 < nkeys).
+__device__ __forceinline__ int w8_page(const int *page_table, const u32 ks, const u32 j0,
+                                       const u32 page_log2) {
+  return __ldg(page_table + (u64)ks + (j0 >> page_log2));
+}
+
+// Thread 0: issues tile c's key rows into `tile`, completing on `bar`. Flat keys: one
+// box of 64 rows from row ks + 64 c (rows past the buffer read as zeros). Paged keys
+// (the map's boxes are min(P, 64) slots of one page): pages of 64 or more, one box from
+// the tile's page `page` (w8_page, loaded ahead by the caller); smaller pages, one box
+// per page that holds a key below nkeys (the other rows of the tile keep older bytes,
+// which no stored logit reads).
+__device__ __forceinline__ void w8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *kmap, const u32 ks,
+                                             const u32 nkeys, const u32 c, const int page PG_DECL) {
+  const u32 j0 = c * H64_KEYS;
+#if DSA_PAGED
+  if (page_log2 >= 6) {
+    mbar_arrive_expect_tx(bar, W8_TILE_BYTES);
+    tma_load_3d(tile, kmap, bar, 0, (int)(j0 & ((1u << page_log2) - 1u)), page);
+  } else {
+    const u32 P = 1u << page_log2;
+    const u32 boxes = min(H64_KEYS >> page_log2, (nkeys - j0 + P - 1) >> page_log2);
+    mbar_arrive_expect_tx(bar, boxes * P * D);
+    for (u32 b = 0; b < boxes; ++b)
+      tma_load_3d(tile + b * P * D, kmap, bar, 0, 0,
+                  w8_page(page_table, ks, j0 + b * P, page_log2));
+  }
+#else
+  (void)nkeys;
+  (void)page;
+  mbar_arrive_expect_tx(bar, W8_TILE_BYTES);
+  tma_load_2d(tile, kmap, bar, 0, (int)(ks + j0));
+#endif
+}
+
+// The scale of key j of the block's request (0 past nkeys).
+__device__ __forceinline__ float w8_kscale(const u8 *k, const float *k_scale32, const u32 ks,
+                                           const u32 nkeys, const u32 j PG_DECL) {
+  if (j >= nkeys) return 0.0f;
+#if DSA_PAGED
+  return *reinterpret_cast<const float *>(paged_key(k, page_table, ks, j, page_log2).scale);
+#else
+  return k_scale32[ks + j];
+#endif
+}
+#else
+#define W8_TMA_PARAM
+#endif
 
 // ==== kernel ====
 
@@ -37,7 +118,14 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS) {
+    float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS W8_TMA_PARAM) {
+#if W8_TMA
+  __shared__ __align__(1024) u8 sK[W8_RING][W8_TILE_BYTES];
+  __shared__ __align__(8) u64 full[W8_RING];
+#if W8_TMA == 2
+  __shared__ __align__(8) u64 empty[W8_RING];
+#endif
+#endif
   __shared__ __align__(128) u8 sB[H64_N * D];
   __shared__ __align__(8) float sw[H64_ROWS][H];
 
@@ -55,14 +143,107 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     const int n = t / 4, tg = t % 4;
     u32 x[H64_WORDS];
     h64_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
+#if W8_TMA
+    // The natural order: bytes 32 tg .. + 32 are the column's chunks 2 tg and 2 tg + 1.
+    *reinterpret_cast<uint4 *>(&sB[wg_off(n, 2 * tg, H64_N)]) = make_uint4(x[0], x[1], x[2], x[3]);
+    *reinterpret_cast<uint4 *>(&sB[wg_off(n, 2 * tg + 1, H64_N)]) = make_uint4(x[4], x[5], x[6], x[7]);
+#else
 #pragma unroll
     for (int s = 0; s < W8_S; ++s) {
       *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s, H64_N) + 4 * tg]) = x[2 * s];
       *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * s + 1, H64_N) + 4 * tg]) = x[2 * s + 1];
     }
+#endif
   }
+#if W8_TMA
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < W8_RING; ++i) {
+      mbar_init(&full[i], 1);
+#if W8_TMA == 2
+      mbar_init(&empty[i], H64_THREADS);
+#endif
+    }
+    fence_mbar_init();
+  }
+#endif
   fence_proxy_async();
   const bool spec_order = __syncthreads_or(big_w) != 0;  // block-uniform
+  constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
+
+#if W8_TMA
+  // Ring tile i % W8_RING holds the block's i-th tile (c = blockIdx.x + i gridDim.x),
+  // landed when full[i % W8_RING] completes its phase i / W8_RING. Thread 0 issues the
+  // first W8_RING - 1, then one per tile; with paged keys of 64 or more per page it loads
+  // the page-table entry of the tile it issues next a tile ahead. This lane's key after
+  // the head sum is 16 warp + gid (+ 8 on odd lanes); its scale is loaded a tile ahead.
+  int page_next = 0;
+#if DSA_PAGED
+  const bool page_ahead = page_log2 >= 6;
+  auto page_of = [&](u32 ci) {
+    return (page_ahead && ci < nchunks) ? w8_page(page_table, ks, ci * H64_KEYS, page_log2) : 0;
+  };
+#else
+  auto page_of = [&](u32) { return 0; };
+#endif
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < W8_RING - 1; ++i) {
+      const u32 ci = blockIdx.x + i * gridDim.x;
+      if (ci < nchunks)
+        w8_tma_issue(sK[i], &full[i], &kmap, ks, grp.z, ci, page_of(ci) PG_PASS);
+    }
+    page_next = page_of(blockIdx.x + (W8_RING - 1) * gridDim.x);
+  }
+  const u32 jl = 16 * warp + gid + (odd ? 8 : 0);
+  float ksc_next = w8_kscale(k, k_scale32, ks, grp.z, blockIdx.x * H64_KEYS + jl PG_PASS);
+  u32 it = 0;
+  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x, ++it) {
+    const u32 j0 = c * H64_KEYS;
+    // Thread 0 refills tile it - 1's ring tile with tile it + W8_RING - 1 once every
+    // thread is done with tile it - 1's MMA.
+    auto refill = [&]() {
+      if (tid == 0) {
+        const u32 cn = c + (W8_RING - 1) * gridDim.x;
+        const u32 slot = (it + W8_RING - 1) % W8_RING;
+        if (cn < nchunks) {
+#if W8_TMA == 2
+          if (it > 0) mbar_wait(&empty[slot], ((it - 1) / W8_RING) & 1u);
+#endif
+          w8_tma_issue(sK[slot], &full[slot], &kmap, ks, grp.z, cn, page_next PG_PASS);
+        }
+        page_next = page_of(cn + gridDim.x);
+      }
+    };
+#if W8_TMA == 1
+    __syncthreads();
+    refill();
+#endif
+    const float kscale = ksc_next;
+    if (c + gridDim.x < nchunks)
+      ksc_next = w8_kscale(k, k_scale32, ks, grp.z, j0 + gridDim.x * H64_KEYS + jl PG_PASS);
+    const u32 slot = it % W8_RING;
+    mbar_wait(&full[slot], (it / W8_RING) & 1u);
+    float acc[64];
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < W8_S; ++s)
+      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_sw128(sK[slot] + 32 * s),
+                               wgmma_desc(sB + 2 * s * lbo, lbo, 128), s > 0 ? 1u : 0u);
+    wgmma_commit();
+#if W8_TMA == 2
+    refill();
+#endif
+    wgmma_wait<0>();
+    fence_regs(acc);
+#if W8_TMA == 2
+    mbar_arrive(&empty[slot]);
+#endif
+    const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
+    store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
+                __fmul_rn(hsum, kscale));
+  }
+#else
 
   // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
   // tile's bytes and scales are loaded while this one is computed.
@@ -70,7 +251,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   float ksc[2];
   auto prefetch = [&](u32 c) { h64_keys(raw, ksc, k, k_scale32, ks, grp.z, c, warp, gid, tig PG_PASS); };
   prefetch(blockIdx.x);
-  constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * H64_KEYS;
     // A fragment of k32 step s: words 2 s and 2 s + 1 of the thread's two keys.
@@ -97,4 +277,5 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }
+#endif
 }

@@ -514,6 +514,7 @@ fn input_ptrs(
             check_len("k", codes.len(), l * d)?;
             check_len("k_scale", scale.len(), l)?;
             ptrs.k = vptr(codes, s);
+            ptrs.k_bytes = codes.len() as u64;
             ptrs.k_scale32 = vptr(scale, s);
             Format::E4m3
         }
@@ -521,6 +522,7 @@ fn input_ptrs(
             check_len("k", packed.len(), l * d / 2)?;
             check_len("k_scale", scale.len(), l * g)?;
             ptrs.k = vptr(packed, s);
+            ptrs.k_bytes = packed.len() as u64;
             ptrs.k_scale8 = vptr(scale, s);
             Format::E2m1
         }
@@ -543,6 +545,7 @@ fn input_ptrs(
             }
             paged = Some(pg);
             ptrs.k = vptr(kv_cache, s);
+            ptrs.k_bytes = kv_cache.len() as u64;
             ptrs.page_table = vptr(page_table, s);
             *format
         }

@@ -4,11 +4,13 @@
 //! kernels (`kernels/topk.cu`). Device addresses are `u64` (0 = absent), counts `u32`,
 //! as the kernels declare them.
 
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::device::drv;
-use super::kernels;
+use super::device::{backend_err, drv};
+use super::geometry::Paging;
+use super::kernels::{self, Variant};
 use crate::error::Result;
+use crate::problem::Format;
 
 /// The most blocks a launch's grid may have along y: tiles of more row groups (or
 /// rows) take several launches.
@@ -62,6 +64,97 @@ pub(super) struct LogitsArgs {
     /// last parameters; `k` is then the pool and `row_ks` each row's first page-table
     /// entry.
     pub paged: Option<(u64, u32)>,
+    /// The keys' TMA map, the kernel's last parameter (`mqa_logits_w8` under `W8_TMA`:
+    /// [`key_tensor_map`]).
+    pub kmap: Option<TensorMap>,
+}
+
+/// A TMA tensor map (a `CUtensorMap`: 128 opaque bytes), passed to a kernel by value as
+/// a `__grid_constant__` parameter.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+pub(super) struct TensorMap([u64; 16]);
+
+// SAFETY: plain bytes with the layout of the kernel's `TmaDesc` parameter.
+unsafe impl DeviceRepr for TensorMap {}
+
+/// The TMA map of E4M3 keys at `k` (`k_bytes` bytes) that logits kernel `name` of
+/// variant `v` takes, if it takes one (`mqa_logits_w8` at `D = 128` under the `W8_TMA`
+/// define): boxes of 64 rows of 128 bytes, 128-byte swizzled (wgmma's A layout), rows
+/// past the buffer read as zeros. Flat keys: the `[L, 128]` codes. Paged keys: the pool
+/// as `[pages, P, 128]` with a page every `P * 132` bytes (the codes come first in each
+/// page), boxes of `min(P, 64)` slots of one page.
+pub(super) fn key_tensor_map(
+    name: &str,
+    v: Variant,
+    k: u64,
+    k_bytes: u64,
+    paged: Option<Paging>,
+) -> Result<Option<TensorMap>> {
+    use cudarc::driver::sys::{
+        cuTensorMapEncodeTiled, CUresult, CUtensorMap, CUtensorMapDataType,
+        CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+    };
+    let dim = match v {
+        Variant::Logits {
+            groups,
+            k: Format::E4m3,
+            ..
+        } => groups * 32,
+        _ => return Ok(None),
+    };
+    if name != "mqa_logits_w8" || dim != 128 || !kernels::w8_tma() {
+        return Ok(None);
+    }
+    let (rank, gdim, gstride, boxd): (u32, [u64; 3], [u64; 2], [u32; 3]) = match paged {
+        None => (
+            2,
+            [dim as u64, k_bytes / dim as u64, 1],
+            [dim as u64, 0],
+            [dim as u32, 64, 1],
+        ),
+        Some(pg) => {
+            let p = 1u64 << pg.page_log2;
+            let page_bytes = p * (dim as u64 + 4);
+            (
+                3,
+                [dim as u64, p, k_bytes / page_bytes],
+                [dim as u64, page_bytes],
+                [dim as u32, p.min(64) as u32, 1],
+            )
+        }
+    };
+    if gdim[1] == 0 || gdim[2] == 0 {
+        return Ok(None);
+    }
+    let elem = [1u32; 3];
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+    // SAFETY: every array holds at least `rank` (or `rank - 1` strides) entries; the
+    // driver only writes the 128-byte map, which is suitably aligned.
+    let r = unsafe {
+        cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            rank,
+            k as *mut std::ffi::c_void,
+            gdim.as_ptr(),
+            gstride.as_ptr(),
+            boxd.as_ptr(),
+            elem.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != CUresult::CUDA_SUCCESS {
+        return Err(backend_err(format!(
+            "cuTensorMapEncodeTiled (keys at {k:#x}, {k_bytes} bytes, dims {gdim:?}): {r:?}"
+        )));
+    }
+    // SAFETY: the driver filled the map.
+    let map = unsafe { map.assume_init() };
+    Ok(Some(TensorMap(map.opaque)))
 }
 
 /// Launch logits kernel `f` (`threads` per block) over row groups `groups`, `gx` blocks
@@ -98,6 +191,9 @@ pub(super) fn logits(
         let (page_table, page_log2) = a.paged.unwrap_or((0, 0));
         if a.paged.is_some() {
             l.arg(&page_table).arg(&page_log2);
+        }
+        if let Some(m) = &a.kmap {
+            l.arg(m);
         }
         // SAFETY: every pointer addresses a live device buffer of the shape the
         // kernel reads (validated problem); writes stay inside each row's

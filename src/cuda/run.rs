@@ -32,6 +32,8 @@ pub(super) struct Ptrs {
     pub(super) cblocks: u64,
     /// Paged keys: the page table (`k` is then the pool).
     pub(super) page_table: u64,
+    /// Bytes of `k` (the flat key codes, or the pool): what a TMA map of the keys spans.
+    pub(super) k_bytes: u64,
 }
 
 /// One run's device state.
@@ -142,6 +144,7 @@ impl Uploads {
             k_slots: at(&self.k_slots, s),
             cblocks: at(&self.cblocks, s),
             page_table: at(&self.page_table, s),
+            k_bytes: self.k.as_ref().map_or(0, |b| b.len() as u64),
         }
     }
 }
@@ -409,6 +412,7 @@ impl Run {
                 logits: a.logits,
                 paths: lpaths,
                 paged: sh.paged.map(|pg| (p.page_table, pg.page_log2)),
+                kmap: launch::key_tensor_map(name, sh.logits_variant(), p.k, p.k_bytes, sh.paged)?,
             };
             launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?;
         }

@@ -47,7 +47,12 @@ pub const FP8_WGMMA_BITS: i32 = 13;
 /// in `mqa_logits_w8`'s operand layout: each of a quad's four threads holds `dim / 4`
 /// contiguous bytes of a key (and of a query column), and its words `2 s` and `2 s + 1`
 /// go to step `s`, so step `s` holds dims `(dim / 4) t + 8 s + e` (`t < 4`, `e < 8`).
+/// Under the `W8_TMA` define (keys by TMA, in their natural order) step `s` of
+/// `D = 128` holds dims `32 s .. 32 s + 31` ([`crate::cuda::kernels::w8_tma`]).
 pub fn fp8_wgmma_step(d: usize, dim: usize) -> usize {
+    if dim == 128 && crate::cuda::kernels::w8_tma() {
+        return d / 32;
+    }
     (d % (dim / 4)) / 8
 }
 
