@@ -4,14 +4,17 @@
 //
 // mqa_logits_w16's block and tile, with the operands left in E4M3: D / 32 e4m3 k32
 // steps per 64-key tile instead of D / 16 f16 k16 ones (half the tensor steps and half
-// the shared-memory bytes of B per tile, no cvt of the keys), the keys' bytes straight
-// from global memory into the A fragments (the mma.sync m16n8k32 A layout of each
-// warp's 16 keys: a0/a1 dims 4 tig .. + 3 of keys gid / gid + 8, a2/a3 the same at
-// + 16). Of a thread's words of a key row (D / 4 contiguous bytes), word 2 s is
-// k = 4 tig + 0..3 of k32 step s, word 2 s + 1 is k = 16 + 4 tig + 0..3; B uses the same
-// order: word 2 s of column n's thread tg -> bytes 4 tg of chunk 2 s, word 2 s + 1 ->
-// bytes 4 tg of chunk 2 s + 1. So k32 step s holds dims (D / 4) t + 8 s + e
-// (cuda::fp8_wgmma_step).
+// the shared-memory bytes of B per tile, no cvt of the keys). Two forms of the keys:
+// - D = 128 (W8_TMA, the default there): by TMA into shared memory, A from there (see
+//   W8_TMA below); k32 step s holds dims 32 s .. 32 s + 31.
+// - D = 32 and 64 (and W8_TMA=0): the keys' bytes straight from global memory into the
+//   A fragments (the mma.sync m16n8k32 A layout of each warp's 16 keys: a0/a1 dims
+//   4 tig .. + 3 of keys gid / gid + 8, a2/a3 the same at + 16). Of a thread's words of a
+//   key row (D / 4 contiguous bytes), word 2 s is k = 4 tig + 0..3 of k32 step s, word
+//   2 s + 1 is k = 16 + 4 tig + 0..3; B uses the same order: word 2 s of column n's
+//   thread tg -> bytes 4 tg of chunk 2 s, word 2 s + 1 -> bytes 4 tg of chunk 2 s + 1.
+//   So k32 step s holds dims (D / 4) t + 8 s + e.
+// cuda::fp8_wgmma_step names the steps' dims of the form the host compiles.
 //
 // Accuracy: the D / 32 steps of a head are chained in the tensor core's accumulator,
 // as DeepGEMM's kernel does. fp8 wgmma adds a step's products with about 13 bits kept,
@@ -23,24 +26,24 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// Blocks per SM the registers must allow (123 registers at D = 128).
+// Blocks per SM the registers must allow (102 registers at D = 128 with W8_TMA, 123
+// without).
 #ifndef W8_MIN_BLOCKS
 #define W8_MIN_BLOCKS 4
 #endif
-// W8_TMA = 1 (D = 128): both MMA operands from shared memory, the keys by TMA. Thread 0
-// keeps the next W8_RING - 1 key tiles in flight as bulk tensor copies (one per tile,
-// or one per page for pages of fewer than 64 keys) into a ring of tiles in wgmma's
-// 128-byte-swizzled A layout, each completing on its mbarrier; no key byte takes a
-// register and no other thread issues a copy. The key rows land in their natural
-// order, so k32 step s holds dims 32 s .. 32 s + 31 (cuda::fp8_wgmma_step under
-// W8_TMA). The host passes the key tensor map (cuda::launch::key_tensor_map) as the
-// last parameter. W8_TMA = 2: the same, with the block barrier of each tile replaced by
-// an mbarrier per ring tile that every thread arrives on once its MMA of the tile is
-// done, and thread 0 refilling a ring tile only after it issued the current tile's MMA,
-// so that no thread waits for another but at the MMA itself. 0: the keys in registers
-// (h64_keys), A from registers.
+// W8_TMA = 1 (D = 128, the default): both MMA operands from shared memory, the keys by
+// TMA. Thread 0 keeps the next W8_RING - 1 key tiles in flight as bulk tensor copies
+// (one per tile, or one per page for pages of fewer than 64 keys) into a ring of tiles
+// in wgmma's 128-byte-swizzled A layout, each completing on its `full` mbarrier; no key
+// byte takes a register and no other thread issues a copy. A ring tile is free again
+// when every thread has arrived on its `empty` mbarrier after its MMA of the tile, and
+// thread 0 refills it only after it issued the current tile's MMA, so that no thread
+// waits for another but at the MMA itself. The key rows land in their natural order, so
+// k32 step s holds dims 32 s .. 32 s + 31 (SPEC 4's fast mode at D = 128). The host
+// passes the key tensor map (cuda::launch::key_tensor_map) as the last parameter.
+// 0 (a tuning define): the keys in registers (h64_keys), A from registers.
 #ifndef W8_TMA
-#define W8_TMA 0
+#define W8_TMA 1
 #endif
 #if D != 128
 #undef W8_TMA
@@ -56,7 +59,7 @@
 #define W8_RING 3
 #endif
 static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
-static_assert(W8_TMA == 1 || W8_TMA == 2, "W8_TMA: 0, 1 or 2");
+static_assert(W8_TMA == 1, "W8_TMA: 0 or 1");
 // One ring tile: 64 key rows of 128 bytes, 1024-byte aligned (wgmma_desc_sw128).
 #define W8_TILE_BYTES (H64_KEYS * D)
 
@@ -122,9 +125,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
 #if W8_TMA
   __shared__ __align__(1024) u8 sK[W8_RING][W8_TILE_BYTES];
   __shared__ __align__(8) u64 full[W8_RING];
-#if W8_TMA == 2
   __shared__ __align__(8) u64 empty[W8_RING];
-#endif
 #endif
   __shared__ __align__(128) u8 sB[H64_N * D];
   __shared__ __align__(8) float sw[H64_ROWS][H];
@@ -160,9 +161,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
 #pragma unroll
     for (int i = 0; i < W8_RING; ++i) {
       mbar_init(&full[i], 1);
-#if W8_TMA == 2
       mbar_init(&empty[i], H64_THREADS);
-#endif
     }
     fence_mbar_init();
   }
@@ -173,10 +172,12 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
 
 #if W8_TMA
   // Ring tile i % W8_RING holds the block's i-th tile (c = blockIdx.x + i gridDim.x),
-  // landed when full[i % W8_RING] completes its phase i / W8_RING. Thread 0 issues the
-  // first W8_RING - 1, then one per tile; with paged keys of 64 or more per page it loads
-  // the page-table entry of the tile it issues next a tile ahead. This lane's key after
-  // the head sum is 16 warp + gid (+ 8 on odd lanes); its scale is loaded a tile ahead.
+  // landed when full[i % W8_RING] completes its phase i / W8_RING, free again when
+  // empty[i % W8_RING] completes the same phase. Thread 0 issues the first W8_RING - 1,
+  // then one per tile once it has issued the tile's MMA; with paged keys of 64 or more
+  // per page it loads the page-table entry of the tile it issues next a tile ahead. This
+  // lane's key after the head sum is 16 warp + gid (+ 8 on odd lanes); its scale is
+  // loaded a tile ahead.
   int page_next = 0;
 #if DSA_PAGED
   const bool page_ahead = page_log2 >= 6;
@@ -200,25 +201,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   u32 it = 0;
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x, ++it) {
     const u32 j0 = c * H64_KEYS;
-    // Thread 0 refills tile it - 1's ring tile with tile it + W8_RING - 1 once every
-    // thread is done with tile it - 1's MMA.
-    auto refill = [&]() {
-      if (tid == 0) {
-        const u32 cn = c + (W8_RING - 1) * gridDim.x;
-        const u32 slot = (it + W8_RING - 1) % W8_RING;
-        if (cn < nchunks) {
-#if W8_TMA == 2
-          if (it > 0) mbar_wait(&empty[slot], ((it - 1) / W8_RING) & 1u);
-#endif
-          w8_tma_issue(sK[slot], &full[slot], &kmap, ks, grp.z, cn, page_next PG_PASS);
-        }
-        page_next = page_of(cn + gridDim.x);
-      }
-    };
-#if W8_TMA == 1
-    __syncthreads();
-    refill();
-#endif
     const float kscale = ksc_next;
     if (c + gridDim.x < nchunks)
       ksc_next = w8_kscale(k, k_scale32, ks, grp.z, j0 + gridDim.x * H64_KEYS + jl PG_PASS);
@@ -231,14 +213,20 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
       wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_sw128(sK[slot] + 32 * s),
                                wgmma_desc(sB + 2 * s * lbo, lbo, 128), s > 0 ? 1u : 0u);
     wgmma_commit();
-#if W8_TMA == 2
-    refill();
-#endif
+    // Thread 0 refills tile it - 1's ring tile with tile it + W8_RING - 1 once every
+    // thread is done with tile it - 1's MMA.
+    if (tid == 0) {
+      const u32 cn = c + (W8_RING - 1) * gridDim.x;
+      const u32 next = (it + W8_RING - 1) % W8_RING;
+      if (cn < nchunks) {
+        if (it > 0) mbar_wait(&empty[next], ((it - 1) / W8_RING) & 1u);
+        w8_tma_issue(sK[next], &full[next], &kmap, ks, grp.z, cn, page_next PG_PASS);
+      }
+      page_next = page_of(cn + gridDim.x);
+    }
     wgmma_wait<0>();
     fence_regs(acc);
-#if W8_TMA == 2
     mbar_arrive(&empty[slot]);
-#endif
     const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));

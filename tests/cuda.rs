@@ -2002,9 +2002,11 @@ fn e4m3_dot_case(b: &mut CudaBackend, tag: &str, heads: usize, q: &[u8], k: &[u8
 /// Inputs built against an accumulator that adds products with about 13 bits kept, as
 /// fp8 `wgmma` does (docs/numerics.md, section 4): one product `448^2` (unit `2^4` at 13 bits) and
 /// the other products `3.5 x 4.5 = 15.75`, whose pairs (31.5) lose almost half to that
-/// unit. `mqa_logits_w8` and `mqa_logits_w16` put dim `(D / 4) t + 8 s + e` (t, e the
-/// thread and byte of a quad) in k32 step `s`, so dim 0 is in the first step and dims
-/// `8 s` start step `s`. Cases: `448^2` in the first step only (a chained accumulator
+/// unit. `mqa_logits_w16` (and `mqa_logits_w8` at `D = 32, 64`) put dim
+/// `(D / 4) t + 8 s + e` (t, e the thread and byte of a quad) in k32 step `s`, so dim 0
+/// is in the first step and dims `8 s` start step `s`; `mqa_logits_w8` at `D = 128` puts
+/// dims `32 s + e` in step `s`. The cases that touch every step take each step's first
+/// dim of the fast kernel's layout ([`cuda::fp8_wgmma_step`]). Cases: `448^2` in the first step only (a chained accumulator
 /// cuts every later step's pairs to its unit: `2^-6.85 M` lost at D = 128 on the H200,
 /// past SPEC 4's `2^-8 M`); `448^2` at the start of every step; the small products negative; a power
 /// of two with pairs just below two of its units in every step; a subnormal operand in
@@ -2039,6 +2041,14 @@ fn fp8_wgmma_accumulator_cases(b: &mut CudaBackend) {
     );
     for heads in [8usize, 64] {
         for dim in [32usize, 64, 128] {
+            // The first dim of each k32 step of the fast kernel's layout.
+            let starts: Vec<usize> = (0..dim / 32)
+                .map(|s| {
+                    (0..dim)
+                        .find(|&d| cuda::fp8_wgmma_step(d, dim) == s)
+                        .unwrap()
+                })
+                .collect();
             let mut q = vec![qs; dim];
             let mut k = vec![ks; dim];
             q[0] = big;
@@ -2059,9 +2069,9 @@ fn fp8_wgmma_accumulator_cases(b: &mut CudaBackend) {
                 .map(|&c| if c == ks { ks_neg } else { c })
                 .collect();
             e4m3_dot_case(b, "448^2 first, -15.75 after", heads, &q, &kn);
-            for s in 0..dim / 32 {
-                q[8 * s] = big;
-                k[8 * s] = big;
+            for &d in &starts {
+                q[d] = big;
+                k[d] = big;
             }
             e4m3_dot_case(b, "448^2 in every k32 step, 15.75 after", heads, &q, &k);
             // The model's worst case for one step: the largest product a power of two
@@ -2069,9 +2079,9 @@ fn fp8_wgmma_accumulator_cases(b: &mut CudaBackend) {
             // whose pairs lose 0.47 of themselves: about 2^-9.3 M per step.
             let mut q = vec![small_q; dim];
             let mut k = vec![small_k; dim];
-            for s in 0..dim / 32 {
-                q[8 * s] = pow2;
-                k[8 * s] = pow2;
+            for &d in &starts {
+                q[d] = pow2;
+                k[d] = pow2;
             }
             e4m3_dot_case(b, "256 in every k32 step, 0.0293 after", heads, &q, &k);
             // A subnormal operand in the largest product (448 x 2^-9 = 0.875): an
@@ -2085,9 +2095,9 @@ fn fp8_wgmma_accumulator_cases(b: &mut CudaBackend) {
             ] {
                 let mut q = vec![qo; dim];
                 let mut k = vec![ko; dim];
-                for s in 0..dim / 32 {
-                    q[8 * s] = qb;
-                    k[8 * s] = kb;
+                for &d in &starts {
+                    q[d] = qb;
+                    k[d] = kb;
                 }
                 e4m3_dot_case(b, tag, heads, &q, &k);
             }

@@ -284,12 +284,12 @@ fn defines() -> &'static [(String, String)] {
     }
 }
 
-/// Whether `mqa_logits_w8` takes its keys by TMA into shared memory (the `W8_TMA=1` or
-/// `2` define, `tuning` feature; `D = 128` only): the host then passes the keys' tensor map
-/// (`launch::key_tensor_map`), and the k32 steps hold dims in their natural order
-/// ([`crate::cuda::fp8_wgmma_step`]).
+/// Whether `mqa_logits_w8` takes its keys by TMA into shared memory at `D = 128`: the
+/// default; the `W8_TMA=0` define (`tuning` feature) keeps them in registers. The host
+/// then passes the keys' tensor map (`launch::key_tensor_map`), and the k32 steps hold
+/// dims in their natural order ([`crate::cuda::fp8_wgmma_step`]).
 pub fn w8_tma() -> bool {
-    define_in("W8_TMA", 1..=2).is_some()
+    define_in("W8_TMA", 0..=1).is_none_or(|v| v == 1)
 }
 
 /// The first value of define `name` in [`defines`] that is a number in `range`.

@@ -44,11 +44,14 @@ pub const TOLERANCE_LOG2: i32 = -16;
 pub const FP8_WGMMA_BITS: i32 = 13;
 
 /// The k32 step of fp8 `wgmma` that dimension `d` of a `dim`-dimensional vector lies in,
-/// in `mqa_logits_w8`'s operand layout: each of a quad's four threads holds `dim / 4`
-/// contiguous bytes of a key (and of a query column), and its words `2 s` and `2 s + 1`
-/// go to step `s`, so step `s` holds dims `(dim / 4) t + 8 s + e` (`t < 4`, `e < 8`).
-/// Under the `W8_TMA` define (keys by TMA, in their natural order) step `s` of
-/// `D = 128` holds dims `32 s .. 32 s + 31` ([`crate::cuda::kernels::w8_tma`]).
+/// in `mqa_logits_w8`'s operand layout:
+/// - `dim = 128`: the keys reach shared memory by TMA in their natural order and step
+///   `s` reads bytes `32 s .. 32 s + 31` of each row, so it holds dims `32 s + e`
+///   (`e < 32`; [`crate::cuda::kernels::w8_tma`], SPEC 4);
+/// - `dim = 32, 64` (and `dim = 128` under the `W8_TMA=0` define): the keys in registers,
+///   each of a quad's four threads holding `dim / 4` contiguous bytes of a key (and of a
+///   query column), its words `2 s` and `2 s + 1` going to step `s`, so step `s` holds
+///   dims `(dim / 4) t + 8 s + e` (`t < 4`, `e < 8`).
 pub fn fp8_wgmma_step(d: usize, dim: usize) -> usize {
     if dim == 128 && crate::cuda::kernels::w8_tma() {
         return d / 32;
@@ -343,15 +346,26 @@ mod tests {
 
     #[test]
     fn steps_and_alignment_exponents() {
-        // D = 128: step s holds dims 32 t + 8 s + e.
+        let step1 = |dim: usize| {
+            (0..dim)
+                .filter(|&d| fp8_wgmma_step(d, dim) == 1)
+                .collect::<Vec<_>>()
+        };
+        // D = 128: the natural order (keys by TMA), or 32 t + 8 s + e (keys in registers,
+        // W8_TMA=0).
+        let registers = [8..16, 40..48, 72..80, 104..112].into_iter().flatten();
+        if crate::cuda::kernels::w8_tma() {
+            assert_eq!(step1(128), (32..64).collect::<Vec<usize>>());
+        } else {
+            assert_eq!(step1(128), registers.collect::<Vec<usize>>());
+        }
+        // D = 64: 16 t + 8 s + e.
         assert_eq!(
-            (0..128)
-                .filter(|&d| fp8_wgmma_step(d, 128) == 1)
-                .collect::<Vec<_>>(),
-            [8..16, 40..48, 72..80, 104..112]
+            step1(64),
+            [8..16, 24..32, 40..48, 56..64]
                 .into_iter()
                 .flatten()
-                .collect::<Vec<usize>>()
+                .collect::<Vec<_>>()
         );
         assert!((0..32).all(|d| fp8_wgmma_step(d, 32) == 0));
         // 448 = 1.75 * 2^8; 2^-6 the least normal; subnormals and zero count as 2^-6.
