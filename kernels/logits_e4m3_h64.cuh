@@ -1,11 +1,13 @@
 // logits_e4m3_h64.cuh: the tile that mqa_logits_w16 and mqa_logits_w8 share, E4M3 x E4M3
 // with H = 64 on wgmma: one warpgroup per block, H64_ROWS = 2 rows of one request as the
-// MMA's N = 128 columns (row r, head h at column 64 r + h), 64-key tiles as its M side
-// with the keys in registers, the tolerance class's head sum, then the key scale.
-// Compiled after common.cuh and logits_common.cuh, before the kernel's file.
+// MMA's N = 128 columns (row r, head h at column 64 r + h), 64-key tiles as its M side,
+// the tolerance class's head sum, then the key scale. Compiled after common.cuh and
+// logits_common.cuh, before the kernel's file.
 //
-// A (keys) comes from registers, in the mma.sync A fragment layout of each warp's 16
-// keys: no shared memory and no barrier for keys. The dot product does not care in
+// In the register form (mqa_logits_w16, and mqa_logits_w8 at D = 32, 64; mqa_logits_w8
+// at D = 128 takes its keys by TMA into shared memory instead, see there), A (keys)
+// comes from registers, in the mma.sync A fragment layout of each warp's 16 keys: no
+// shared memory and no barrier for keys. The dot product does not care in
 // which order the dims are paired, so the fragments use a permuted dim order in which
 // thread tig of a quad reads D / 4 contiguous bytes of each key (H64_WORDS words), and B
 // (the queries, staged once per block) uses the same order; each kernel says how its

@@ -2006,7 +2006,8 @@ fn e4m3_dot_case(b: &mut CudaBackend, tag: &str, heads: usize, q: &[u8], k: &[u8
 /// `(D / 4) t + 8 s + e` (t, e the thread and byte of a quad) in k32 step `s`, so dim 0
 /// is in the first step and dims `8 s` start step `s`; `mqa_logits_w8` at `D = 128` puts
 /// dims `32 s + e` in step `s`. The cases that touch every step take each step's first
-/// dim of the fast kernel's layout ([`cuda::fp8_wgmma_step`]). Cases: `448^2` in the first step only (a chained accumulator
+/// dim of the fast kernel's layout ([`cuda::fp8_wgmma_step`]). Cases: `448^2` in the
+/// first step only (a chained accumulator
 /// cuts every later step's pairs to its unit: `2^-6.85 M` lost at D = 128 on the H200,
 /// past SPEC 4's `2^-8 M`); `448^2` at the start of every step; the small products negative; a power
 /// of two with pairs just below two of its units in every step; a subnormal operand in
@@ -2255,7 +2256,8 @@ fn e4m3_h64_engine_like_data_error_at_both_precisions() {
 /// `D = 128`), both precisions: every logit within the bound of the fast CPU engine's
 /// (bitwise the reference's), and every paged layout's logits the flat layout's bits at
 /// the same precision (SPEC 10). The keys of the next tiles in flight across a block's
-/// tiles (in registers, or in `W8_SS`'s shared-memory ring) are what this holds.
+/// tiles (in registers, or in the TMA ring of `mqa_logits_w8` at `D = 128`) are what this
+/// holds.
 #[test]
 fn e4m3_h64_blocks_of_many_tiles_meet_the_bound() {
     let Some(full) = gpu() else { return };

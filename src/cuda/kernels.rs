@@ -288,8 +288,13 @@ fn defines() -> &'static [(String, String)] {
 /// default; the `W8_TMA=0` define (`tuning` feature) keeps them in registers. The host
 /// then passes the keys' tensor map (`launch::key_tensor_map`), and the k32 steps hold
 /// dims in their natural order ([`crate::cuda::fp8_wgmma_step`]).
+/// Like the preprocessor, the last `W8_TMA` define decides; only `0` turns it off.
 pub fn w8_tma() -> bool {
-    define_in("W8_TMA", 0..=1).is_none_or(|v| v == 1)
+    defines()
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "W8_TMA")
+        .is_none_or(|(_, v)| v.trim() != "0")
 }
 
 /// The first value of define `name` in [`defines`] that is a number in `range`.

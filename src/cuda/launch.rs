@@ -30,7 +30,8 @@ pub(super) fn allow_dynamic_smem(f: &CudaFunction, bytes: u32) -> Result<()> {
 }
 
 /// The parameters of a logits kernel (`mqa_logits`, `mqa_logits_wgr`, `mqa_logits_w16`,
-/// `mqa_logits_w8`: one signature).
+/// `mqa_logits_w8`: one signature, `mqa_logits_w8` at `D = 128` with the keys' TMA map
+/// after it).
 #[derive(Debug, Clone, Copy)]
 pub(super) struct LogitsArgs {
     /// Queries: E4M3 `[T, H, D]` or packed E2M1 `[T, H, D/2]`.
@@ -124,8 +125,11 @@ pub(super) fn key_tensor_map(
             )
         }
     };
+    // The kernel declares the map: a launch without one would read past its arguments.
     if gdim[1] == 0 || gdim[2] == 0 {
-        return Ok(None);
+        return Err(backend_err(format!(
+            "keys' TMA map: {k_bytes} bytes of keys hold no whole row or page (dims {gdim:?})"
+        )));
     }
     let elem = [1u32; 3];
     let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
