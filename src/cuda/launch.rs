@@ -79,12 +79,70 @@ pub(super) struct TensorMap([u64; 16]);
 // SAFETY: plain bytes with the layout of the kernel's `TmaDesc` parameter.
 unsafe impl DeviceRepr for TensorMap {}
 
+/// The shape of a keys' TMA map ([`key_map_geometry`]): rank, dims (elements: bytes),
+/// the byte strides of dims 1 and 2, and the box.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct MapGeometry {
+    pub rank: u32,
+    pub dims: [u64; 3],
+    pub strides: [u64; 2],
+    pub boxes: [u32; 3],
+}
+
+/// The TMA map's shape for E4M3 keys of `k_bytes` bytes that logits kernel `name` of
+/// variant `v` takes, if it takes one (`mqa_logits_w8` at `D = 128`, unless the `W8_TMA=0`
+/// define): boxes of 64 rows of 128 bytes, 128-byte swizzled (wgmma's A layout). Flat
+/// keys: the `[L, 128]` codes. Paged keys: the pool as `[pages, P, 128]` with a page every
+/// `P * 132` bytes (the codes come first in each page), boxes of `min(P, 64)` slots of one
+/// page. Keys that hold no whole row or page are an error: the kernel declares the map,
+/// and a launch without one would read past its arguments.
+pub(super) fn key_map_geometry(
+    name: &str,
+    v: Variant,
+    k_bytes: u64,
+    paged: Option<Paging>,
+) -> Result<Option<MapGeometry>> {
+    let dim = match v {
+        Variant::Logits {
+            groups,
+            k: Format::E4m3,
+            ..
+        } => groups as u64 * 32,
+        _ => return Ok(None),
+    };
+    if name != "mqa_logits_w8" || dim != 128 || !kernels::w8_tma() {
+        return Ok(None);
+    }
+    let g = match paged {
+        None => MapGeometry {
+            rank: 2,
+            dims: [dim, k_bytes / dim, 1],
+            strides: [dim, 0],
+            boxes: [dim as u32, 64, 1],
+        },
+        Some(pg) => {
+            let p = 1u64 << pg.page_log2;
+            let page_bytes = p * (dim + 4);
+            MapGeometry {
+                rank: 3,
+                dims: [dim, p, k_bytes / page_bytes],
+                strides: [dim, page_bytes],
+                boxes: [dim as u32, p.min(64) as u32, 1],
+            }
+        }
+    };
+    if g.dims[1] == 0 || g.dims[2] == 0 {
+        return Err(backend_err(format!(
+            "keys' TMA map: {k_bytes} bytes of keys hold no whole row or page (dims {:?})",
+            g.dims
+        )));
+    }
+    Ok(Some(g))
+}
+
 /// The TMA map of E4M3 keys at `k` (`k_bytes` bytes) that logits kernel `name` of
-/// variant `v` takes, if it takes one (`mqa_logits_w8` at `D = 128` under the `W8_TMA`
-/// define): boxes of 64 rows of 128 bytes, 128-byte swizzled (wgmma's A layout), rows
-/// past the buffer read as zeros. Flat keys: the `[L, 128]` codes. Paged keys: the pool
-/// as `[pages, P, 128]` with a page every `P * 132` bytes (the codes come first in each
-/// page), boxes of `min(P, 64)` slots of one page.
+/// variant `v` takes, if it takes one: [`key_map_geometry`]'s shape, encoded by the
+/// driver (rows past the buffer read as zeros).
 pub(super) fn key_tensor_map(
     name: &str,
     v: Variant,
@@ -96,41 +154,9 @@ pub(super) fn key_tensor_map(
         cuTensorMapEncodeTiled, CUresult, CUtensorMap, CUtensorMapDataType,
         CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
     };
-    let dim = match v {
-        Variant::Logits {
-            groups,
-            k: Format::E4m3,
-            ..
-        } => groups * 32,
-        _ => return Ok(None),
-    };
-    if name != "mqa_logits_w8" || dim != 128 || !kernels::w8_tma() {
+    let Some(g) = key_map_geometry(name, v, k_bytes, paged)? else {
         return Ok(None);
-    }
-    let (rank, gdim, gstride, boxd): (u32, [u64; 3], [u64; 2], [u32; 3]) = match paged {
-        None => (
-            2,
-            [dim as u64, k_bytes / dim as u64, 1],
-            [dim as u64, 0],
-            [dim as u32, 64, 1],
-        ),
-        Some(pg) => {
-            let p = 1u64 << pg.page_log2;
-            let page_bytes = p * (dim as u64 + 4);
-            (
-                3,
-                [dim as u64, p, k_bytes / page_bytes],
-                [dim as u64, page_bytes],
-                [dim as u32, p.min(64) as u32, 1],
-            )
-        }
     };
-    // The kernel declares the map: a launch without one would read past its arguments.
-    if gdim[1] == 0 || gdim[2] == 0 {
-        return Err(backend_err(format!(
-            "keys' TMA map: {k_bytes} bytes of keys hold no whole row or page (dims {gdim:?})"
-        )));
-    }
     let elem = [1u32; 3];
     let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
     // SAFETY: every array holds at least `rank` (or `rank - 1` strides) entries; the
@@ -139,11 +165,11 @@ pub(super) fn key_tensor_map(
         cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
-            rank,
+            g.rank,
             k as *mut std::ffi::c_void,
-            gdim.as_ptr(),
-            gstride.as_ptr(),
-            boxd.as_ptr(),
+            g.dims.as_ptr(),
+            g.strides.as_ptr(),
+            g.boxes.as_ptr(),
             elem.as_ptr(),
             CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
             CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
@@ -153,7 +179,8 @@ pub(super) fn key_tensor_map(
     };
     if r != CUresult::CUDA_SUCCESS {
         return Err(backend_err(format!(
-            "cuTensorMapEncodeTiled (keys at {k:#x}, {k_bytes} bytes, dims {gdim:?}): {r:?}"
+            "cuTensorMapEncodeTiled (keys at {k:#x}, {k_bytes} bytes, dims {:?}): {r:?}",
+            g.dims
         )));
     }
     // SAFETY: the driver filled the map.
@@ -593,6 +620,61 @@ mod tests {
     use super::kernels::{Hooks, Precision, Variant};
     use super::*;
     use crate::problem::Format;
+
+    /// The keys' TMA map: only `mqa_logits_w8` at `D = 128` takes one; flat keys as
+    /// `[L, 128]`, pools as `[pages, P, 128]` with a page every `P * 132` bytes and boxes
+    /// of `min(P, 64)` slots; every page size the kernels read gives strides of a multiple
+    /// of 16 bytes (TMA's rule); keys of no whole row or page are an error.
+    #[test]
+    fn key_maps_span_the_keys_in_boxes_of_one_tile_or_one_page() {
+        if !kernels::w8_tma() {
+            return; // W8_TMA=0: no kernel takes a map
+        }
+        let fast = |g: usize, paged: bool| {
+            Variant::logits(64, g, Format::E4m3, Format::E4m3, paged, Precision::Fast)
+        };
+        let flat = key_map_geometry("mqa_logits_w8", fast(4, false), 1000 * 128, None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            flat,
+            MapGeometry {
+                rank: 2,
+                dims: [128, 1000, 1],
+                strides: [128, 0],
+                boxes: [128, 64, 1],
+            }
+        );
+        for p in [4usize, 8, 16, 32, 64, 128, 256] {
+            let pg = Paging::new(Format::E4m3, 128, p, 10).unwrap();
+            let page_bytes = (p * 132) as u64;
+            let g = key_map_geometry("mqa_logits_w8", fast(4, true), 7 * page_bytes, Some(pg))
+                .unwrap()
+                .unwrap();
+            assert_eq!(g.rank, 3, "P = {p}");
+            assert_eq!(g.dims, [128, p as u64, 7], "P = {p}");
+            assert_eq!(g.strides, [128, page_bytes], "P = {p}");
+            assert_eq!(g.boxes, [128, p.min(64) as u32, 1], "P = {p}");
+            assert!(g.strides.iter().all(|s| s % 16 == 0), "P = {p}");
+        }
+        // Other kernels and dims take no map.
+        for (name, v) in [
+            ("mqa_logits_w8", fast(2, false)),
+            (
+                "mqa_logits_w16",
+                Variant::logits(64, 4, Format::E4m3, Format::E4m3, false, Precision::Full),
+            ),
+            ("mqa_logits", fast(4, false)),
+        ] {
+            assert_eq!(
+                key_map_geometry(name, v, 1 << 20, None).unwrap(),
+                None,
+                "{name}"
+            );
+        }
+        let err = key_map_geometry("mqa_logits_w8", fast(4, false), 100, None).unwrap_err();
+        assert!(err.to_string().contains("no whole row or page"), "{err}");
+    }
 
     #[test]
     fn wgmma_runs_the_h32_exact_class_and_h64_e4m3_and_mma_sync_the_rest() {
