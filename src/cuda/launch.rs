@@ -122,7 +122,7 @@ pub(super) fn key_map_geometry(
         },
         Some(pg) => {
             let p = 1u64 << pg.page_log2;
-            let page_bytes = p * (dim + 4);
+            let page_bytes = p * crate::paged::bytes_per_token(Format::E4m3, dim as usize) as u64;
             MapGeometry {
                 rank: 3,
                 dims: [dim, p, k_bytes / page_bytes],
