@@ -170,10 +170,13 @@ __device__ __forceinline__ u32 e2m1_pair_f16(u32 b, u32 t0, u32 t1) {
   return __byte_perm(t0, t1, sel) | ((b & 8u) << 12) | ((b & 0x80u) << 24);
 }
 
+// The shared-state-space address of a pointer into shared memory.
+__device__ __forceinline__ u32 smem_u32(const void *p) { return (u32)__cvta_generic_to_shared(p); }
+
 // Four 8x8 b16 matrices from shared memory; lane l gives the address of row (l & 7) of
 // matrix (l >> 3).
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void *smem) {
-  u32 addr = (u32)__cvta_generic_to_shared(smem);
+  const u32 addr = smem_u32(smem);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
@@ -182,13 +185,13 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void *smem) {
 // 16-byte global -> shared copy, bypassing registers; bytes past src_bytes (0 or 16)
 // are zero-filled.
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem, u32 src_bytes) {
-  u32 addr = (u32)__cvta_generic_to_shared(smem);
+  const u32 addr = smem_u32(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(gmem),
                "r"(src_bytes));
 }
 // 4-byte variant.
 __device__ __forceinline__ void cp_async4(void *smem, const void *gmem, u32 src_bytes) {
-  u32 addr = (u32)__cvta_generic_to_shared(smem);
+  const u32 addr = smem_u32(smem);
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(gmem),
                "r"(src_bytes));
 }
@@ -204,7 +207,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // matrices adjacent in K) and SBO (adjacent in M or N); a core matrix is 8 rows of 16
 // contiguous bytes.
 __device__ __forceinline__ u64 wgmma_desc(const void *smem, u32 lbo, u32 sbo) {
-  const u32 a = (u32)__cvta_generic_to_shared(smem);
+  const u32 a = smem_u32(smem);
   return (u64)((a & 0x3FFFFu) >> 4) | ((u64)((lbo & 0x3FFFFu) >> 4) << 16) |
          ((u64)((sbo & 0x3FFFFu) >> 4) << 32);
 }
@@ -214,7 +217,7 @@ __device__ __forceinline__ u64 wgmma_desc(const void *smem, u32 lbo, u32 sbo) {
 // 1024-byte atoms are 1024-byte aligned. A k-step that starts b bytes into the rows
 // (b < 128) is the descriptor of smem + b. LBO is unused in this mode (1 by custom).
 __device__ __forceinline__ u64 wgmma_desc_sw128(const void *smem) {
-  const u32 a = (u32)__cvta_generic_to_shared(smem);
+  const u32 a = smem_u32(smem);
   return (u64)((a & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -366,7 +369,6 @@ __device__ __forceinline__ u32 block_exclusive_scan(u32 v, u32 *scratch, u32 *to
 struct __align__(64) TmaDesc {
   unsigned long long v[16];
 };
-__device__ __forceinline__ u32 smem_u32(const void *p) { return (u32)__cvta_generic_to_shared(p); }
 // A shared-memory mbarrier expecting `count` arrivals per phase.
 __device__ __forceinline__ void mbar_init(u64 *bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");

@@ -80,10 +80,15 @@ struct PagedKey {
   const u8 *code;   // PG_CODE_BYTES codes
   const u8 *scale;  // E4M3: the f32 scale; E2M1: the G UE8M0 bytes
 };
+// The page-table entry of key j's page, for the request whose row starts at entry ks.
+__device__ __forceinline__ int paged_entry(const int *page_table, const u32 ks, const u32 j,
+                                           const u32 page_log2) {
+  return __ldg(page_table + (u64)ks + (j >> page_log2));
+}
 // Key j of the request whose page-table row starts at entry ks.
 __device__ __forceinline__ PagedKey paged_key(const u8 *pool, const int *page_table, const u32 ks,
                                               const u32 j, const u32 page_log2) {
-  const u32 page = (u32)__ldg(page_table + (u64)ks + (j >> page_log2));
+  const u32 page = (u32)paged_entry(page_table, ks, j, page_log2);
   const u32 slot = j & ((1u << page_log2) - 1u);
   const u8 *base = pool + (u64)page * ((u64)(PG_CODE_BYTES + PG_SCALE_BYTES) << page_log2);
   return {base + (u64)slot * PG_CODE_BYTES,

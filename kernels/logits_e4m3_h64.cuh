@@ -82,6 +82,19 @@ __device__ __forceinline__ void h64_load(u32 (&x)[H64_WORDS], const u8 *row, con
 #endif
 }
 
+// The scale of key j (< nkeys) of the request whose keys start at ks, for a kernel that
+// loads it apart from the key's codes (h64_keys reads both through one page lookup).
+__device__ __forceinline__ float h64_kscale(const u8 *k, const float *k_scale32, const u32 ks,
+                                            const u32 j PG_DECL) {
+#if DSA_PAGED
+  (void)k_scale32;
+  return *reinterpret_cast<const float *>(paged_key(k, page_table, ks, j, page_log2).scale);
+#else
+  (void)k;
+  return k_scale32[ks + j];
+#endif
+}
+
 // This thread's two keys of key tile c (16 warp + gid, + 8): their bytes (h64_load)
 // and scales, zeros past the group's nkeys keys (paged keys: through the page table).
 __device__ __forceinline__ void h64_keys(u32 (&raw)[2][H64_WORDS], float (&ksc)[2], const u8 *k,

@@ -63,16 +63,10 @@ static_assert(W8_TMA == 1, "W8_TMA: 0 or 1");
 // One ring tile: 64 key rows of 128 bytes, 1024-byte aligned (wgmma_desc_sw128).
 #define W8_TILE_BYTES (H64_KEYS * D)
 
-// The page-table entry of key j0's page (paged keys; a used entry: j0 < nkeys).
-__device__ __forceinline__ int w8_page(const int *page_table, const u32 ks, const u32 j0,
-                                       const u32 page_log2) {
-  return __ldg(page_table + (u64)ks + (j0 >> page_log2));
-}
-
 // Thread 0: issues tile c's key rows into `tile`, completing on `bar`. Flat keys: one
 // box of 64 rows from row ks + 64 c (rows past the buffer read as zeros). Paged keys
 // (the map's boxes are min(P, 64) slots of one page): pages of 64 or more, one box from
-// the tile's page `page` (w8_page, loaded ahead by the caller); smaller pages, one box
+// the tile's page `page` (paged_entry, loaded ahead by the caller); smaller pages, one box
 // per page that holds a key below nkeys (the other rows of the tile keep older bytes,
 // which no stored logit reads).
 __device__ __forceinline__ void w8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *kmap, const u32 ks,
@@ -88,7 +82,7 @@ __device__ __forceinline__ void w8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *
     mbar_arrive_expect_tx(bar, boxes * P * D);
     for (u32 b = 0; b < boxes; ++b)
       tma_load_3d(tile + b * P * D, kmap, bar, 0, 0,
-                  w8_page(page_table, ks, j0 + b * P, page_log2));
+                  paged_entry(page_table, ks, j0 + b * P, page_log2));
   }
 #else
   (void)nkeys;
@@ -101,12 +95,7 @@ __device__ __forceinline__ void w8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *
 // The scale of key j of the block's request (0 past nkeys).
 __device__ __forceinline__ float w8_kscale(const u8 *k, const float *k_scale32, const u32 ks,
                                            const u32 nkeys, const u32 j PG_DECL) {
-  if (j >= nkeys) return 0.0f;
-#if DSA_PAGED
-  return *reinterpret_cast<const float *>(paged_key(k, page_table, ks, j, page_log2).scale);
-#else
-  return k_scale32[ks + j];
-#endif
+  return j < nkeys ? h64_kscale(k, k_scale32, ks, j PG_PASS) : 0.0f;
 }
 #else
 #define W8_TMA_PARAM
@@ -182,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
 #if DSA_PAGED
   const bool page_ahead = page_log2 >= 6;
   auto page_of = [&](u32 ci) {
-    return (page_ahead && ci < nchunks) ? w8_page(page_table, ks, ci * H64_KEYS, page_log2) : 0;
+    return (page_ahead && ci < nchunks) ? paged_entry(page_table, ks, ci * H64_KEYS, page_log2) : 0;
   };
 #else
   auto page_of = [&](u32) { return 0; };
