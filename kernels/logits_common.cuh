@@ -270,6 +270,26 @@ __device__ __forceinline__ u32 wg_off(u32 m, u32 kc, u32 rows) {
   return kc * (rows / 8) * 128 + (m / 8) * 128 + (m % 8) * 16;
 }
 
+// A lane's output row r of the group, read once per block: where the row's logits start
+// and how many keys it sees (0 when the group has no row r).
+struct RowOut {
+  float *out;
+  u32 n;
+};
+__device__ __forceinline__ RowOut row_out(float *__restrict__ logits, const u64 *row_off,
+                                          const u32 *row_n, const uint4 grp, const u32 r) {
+  if (r >= grp.y) return {logits, 0u};
+  const u32 row = grp.x + r;
+  return {logits + row_off[row], row_n[row]};
+}
+// store_logit with the row read ahead (row_out).
+__device__ __forceinline__ void store_row_logit(const RowOut o, const u32 jg, const bool odd,
+                                                float logit) {
+  if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+  const u32 j = jg + (odd ? 8 : 0);
+  if (j < o.n) o.out[j] = logit;
+}
+
 // Stores a wgmma kernel's logit of row r of the group (if the group has it) and key
 // j = jg (+ 8 on odd lanes, after the head sum) if the row sees it, a NaN as the
 // contract's 0xFFC00000.

@@ -36,12 +36,13 @@ static_assert(H64_N == 128, "one m64n128 tile per MMA step");
 // transposed shuffle steps, about 90 instructions per tile fewer than SPEC 4's order.
 // This lane's 16 heads of row r (columns 8 nt + 2 tig + e of sums a[4 nt + 2 kk + e])
 // summed in the thread, one fma per term, for its two keys kk = 0, 1; then tol_quad_sum
-// adds the quad's four lanes.
-__device__ __forceinline__ void tol_lane_heads(const float *a, const float *swr, const int tig,
-                                              float &p0, float &p1) {
+// adds the quad's four lanes. wv_of(nt) is the lane's weight pair of n-tile nt (heads
+// 8 nt + 2 tig + 0, 1 of row r), from shared memory or registers.
+template <typename W>
+__device__ __forceinline__ void tol_lane_heads(const float *a, const W wv_of, float &p0, float &p1) {
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
-    const float2 wv = *reinterpret_cast<const float2 *>(&swr[nt * 8 + 2 * tig]);
+    const float2 wv = wv_of(nt);
     if (nt == 0) {
       p0 = __fmul_rn(wv.x, relu_f32(a[0]));
       p1 = __fmul_rn(wv.x, relu_f32(a[2]));
@@ -146,8 +147,33 @@ __device__ __forceinline__ float h64_head_sum(const float (&acc)[64], const floa
                                               const bool spec_order, const int tig, const bool odd,
                                               const bool hi) {
   if (spec_order) return two_row_head_sum<8>(acc, sw, tig, odd, hi);
+  // Row r's weight pairs, read from shared memory at each use.
+  const auto row_w = [tig](const float *swr) {
+    return [swr, tig](int nt) { return *reinterpret_cast<const float2 *>(&swr[nt * 8 + 2 * tig]); };
+  };
   float p[2][2];
-  tol_lane_heads(&acc[0], sw[0], tig, p[0][0], p[0][1]);
-  tol_lane_heads(&acc[32], sw[1], tig, p[1][0], p[1][1]);
+  tol_lane_heads(&acc[0], row_w(sw[0]), p[0][0], p[0][1]);
+  tol_lane_heads(&acc[32], row_w(sw[1]), p[1][0], p[1][1]);
+  return tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
+}
+
+// This lane's weights of the tolerance order's head sum, held in registers across tiles:
+// wr[r][nt] = row r's heads 8 nt + 2 tig + 0, 1.
+__device__ __forceinline__ void h64_lane_weights(float2 (&wr)[2][8], const float (*sw)[H],
+                                                 const int tig) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) wr[r][nt] = *reinterpret_cast<const float2 *>(&sw[r][nt * 8 + 2 * tig]);
+}
+// h64_head_sum with the tolerance order's weights from registers (h64_lane_weights).
+__device__ __forceinline__ float h64_head_sum_wr(const float (&acc)[64], const float2 (&wr)[2][8],
+                                                 const float (*sw)[H], const bool spec_order,
+                                                 const int tig, const bool odd, const bool hi) {
+  if (spec_order) return two_row_head_sum<8>(acc, sw, tig, odd, hi);
+  float p[2][2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    tol_lane_heads(&acc[32 * r], [&](int nt) { return wr[r][nt]; }, p[r][0], p[r][1]);
   return tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
 }
