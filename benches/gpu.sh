@@ -95,6 +95,11 @@ if has tests; then
     DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
   }
+  # The fast kernel's other forms at D = 128: a ring of 3 tiles, the loop that recomputes
+  # its descriptors, row and weights every tile, the keys in registers.
+  for defs in "W8_RING=3" "W8_LEAN=0" "W8_TMA=0"; do
+    knob_tests "$defs" fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
+  done
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
