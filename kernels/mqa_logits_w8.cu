@@ -55,10 +55,15 @@
 #if W8_TMA
 #define W8_TMA_PARAM , const __grid_constant__ TmaDesc kmap
 // Ring tiles: 2 (one tile in flight while one is computed) or 3 (the most the static
-// shared memory holds beside the queries). With 4 blocks per SM, 2 already keep 4 tiles
-// in flight per SM.
+// shared memory holds beside the queries). Flat keys (prefill: the keys stay in L2) take
+// 2, paged keys (decode: every tile comes from HBM once) 3, each the faster in the same
+// call on its workloads (benches/RESULTS.md).
 #ifndef W8_RING
+#if DSA_PAGED
+#define W8_RING 3
+#else
 #define W8_RING 2
+#endif
 #endif
 static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
 // W8_LEAN = 1 (the default): the loop's per-tile instructions cut to what changes per
