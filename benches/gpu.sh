@@ -66,6 +66,13 @@ log() { echo "== $(date -u +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 
+# Test filters under tuning defines (the `tuning` feature): knob_tests "DEFINES" FILTER...
+knob_tests() {
+  local defs="$1"; shift
+  DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 200 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
+  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
+}
+
 if has tests; then
   log "GPU tests"
   DSA_REQUIRE_GPU=1 timeout 420 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
@@ -89,12 +96,6 @@ if has tests; then
   # unfolded.
   hook_tests int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
   hook_tests int8_exact,no_scale_fold int8_exact exact_class special golden
-  # Tuning defines (the `tuning` feature).
-  knob_tests() {
-    local defs="$1"; shift
-    DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 "$@" >> "$OUT/tests.txt" 2>&1
-    grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
-  }
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
@@ -113,9 +114,7 @@ if has knobs; then
   # recomputes its descriptors, row and weights every tile, the keys in registers.
   log "fast-kernel forms"
   for defs in "W8_RING=3" "W8_RING=2" "W8_LEAN=0" "W8_TMA=0"; do
-    DSA_CUDA_DEFINES="$defs" DSA_REQUIRE_GPU=1 timeout 200 $B/cuda --test-threads=1 fp8_wgmma e4m3_h64 \
-      tolerance_class_overflow decode_step paged >> "$OUT/tests.txt" 2>&1
-    grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
+    knob_tests "$defs" fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
   done
 fi
 
