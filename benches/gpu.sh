@@ -50,11 +50,12 @@
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
 # #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, W16_MIN_BLOCKS,
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, TK_BITMAP (0: sampled
-#   rows sort their selected ids instead of scanning a bitmap), TK_SAMPLE_DIGITS2 (0: the
-#   sample's exact rank-r key from four digit passes), TK_COLLECT_SCAN (0: one atomic per
-#   key position in the collecting pass), TK_STOP (profiling: sampled rows stop after
-#   phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows' segments of ceil(n / S)
-#   keys, most of them misaligned); host side: LG_PER_BLOCK.
+#   rows sort their selected ids instead of scanning a bitmap), TK_STOP (profiling:
+#   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
+#   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),
+#   W8_LEAN (0: the fast kernel's loop rebuilds its descriptors, row and weights every
+#   tile), W8_TMA (0: the fast kernel's keys in registers), W8_LPT (1: a launch's groups
+#   longest first); host side: LG_PER_BLOCK.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"

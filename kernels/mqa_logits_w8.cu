@@ -50,6 +50,13 @@
 #define W8_TMA 0
 #endif
 
+// W8_LPT = 1 (a tuning define): the launch's groups taken in reverse order, so that in
+// a causal prefill tile (later rows see more keys) the longest blocks start first and
+// the last wave holds the short ones. Which group a block takes changes nothing else.
+#ifndef W8_LPT
+#define W8_LPT 0
+#endif
+
 // ==== keys by TMA (W8_TMA) ====
 
 #if W8_TMA
@@ -134,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   __shared__ __align__(128) u8 sB[H64_N * D];
   __shared__ __align__(8) float sw[H64_ROWS][H];
 
-  const uint4 grp = groups[group0 + blockIdx.y];
+  const uint4 grp = groups[group0 + (W8_LPT ? gridDim.y - 1 - blockIdx.y : blockIdx.y)];
   const u32 nchunks = (grp.z + H64_KEYS - 1) / H64_KEYS;
   if (blockIdx.x >= nchunks) return;
   const u32 ks = row_ks[grp.x];

@@ -78,17 +78,6 @@
 #ifndef TK_BITMAP
 #define TK_BITMAP 1
 #endif
-// The sample's threshold from two 11-bit digit passes (the 22-bit bucket of its rank-r
-// key); 0: the exact rank-r key from radix_select's four 8-bit passes (a tuning define).
-#ifndef TK_SAMPLE_DIGITS2
-#define TK_SAMPLE_DIGITS2 1
-#endif
-// The collecting pass reserves a warp's candidates with one shared-memory atomic per
-// four keys of each lane (a warp scan of the lanes' hit counts); 0: one ballot and
-// atomic per key position (a tuning define).
-#ifndef TK_COLLECT_SCAN
-#define TK_COLLECT_SCAN 1
-#endif
 // Segments of a split row start at multiples of 4 keys (their length rounded up to one),
 // so that every segment takes the sampled pass's 16-byte loads; 0: segments of
 // ceil(n / S) keys, most of them misaligned (a tuning define).
@@ -472,43 +461,26 @@ __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, cons
 #pragma unroll
         for (int i = 0; i < 4; ++i) h[i] = q < n4 && x[i] >= ft && 4u * q + i < n;
         if (__ballot_sync(FULL_MASK, h[0] || h[1] || h[2] || h[3]) == 0u) continue;
-#if TK_COLLECT_SCAN
-        {
-          const u32 cnt = (u32)h[0] + (u32)h[1] + (u32)h[2] + (u32)h[3];
-          u32 incl = cnt;
+        // A warp's candidates reserved with one shared-memory atomic per four keys of
+        // each lane: a warp scan of the lanes' hit counts.
+        const u32 cnt = (u32)h[0] + (u32)h[1] + (u32)h[2] + (u32)h[3];
+        u32 incl = cnt;
 #pragma unroll
-          for (int o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
-            if (lane >= o) incl += y;
-          }
-          u32 at = 0;
-          if (lane == 31) at = atomicAdd(&sm.misc[4], incl);
-          at = __shfl_sync(FULL_MASK, at, 31) + incl - cnt;
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            if (h[i]) {
-              if (at < Sm::cap) {
-                sm.ckey[at] = rank_key(x[i]);
-                sm.cid[at] = 4u * q + i;
-              }
-              ++at;
-            }
-          }
-          continue;
+        for (int o = 1; o < 32; o <<= 1) {
+          const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+          if (lane >= o) incl += y;
         }
-#endif
+        u32 at = 0;
+        if (lane == 31) at = atomicAdd(&sm.misc[4], incl);
+        at = __shfl_sync(FULL_MASK, at, 31) + incl - cnt;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const u32 m = __ballot_sync(FULL_MASK, h[i]);
-          if (m) {
-            const int leader = __ffs(m) - 1;
-            u32 at = 0;
-            if (lane == leader) at = atomicAdd(&sm.misc[4], (u32)__popc(m));
-            at = __shfl_sync(FULL_MASK, at, leader) + __popc(m & ((1u << lane) - 1u));
-            if (h[i] && at < Sm::cap) {
+          if (h[i]) {
+            if (at < Sm::cap) {
               sm.ckey[at] = rank_key(x[i]);
               sm.cid[at] = 4u * q + i;
             }
+            ++at;
           }
         }
       }
@@ -618,14 +590,8 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   __syncthreads();
   const u32 target = 3u * K <= CAP ? CAP / 2 : (K + CAP) / 2;
   const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
-  u32 t, unused;
-#if TK_SAMPLE_DIGITS2
-  u32 sampled;
+  u32 t, unused, sampled;
   t = sample_threshold_22(sm, r, sampled);
-#else
-  radix_select<false>(sm.h256, sm.misc, S, r, [&](u32 i) { return sm.sel[i]; }, t, unused);
-  const u32 sampled = sm.misc[7];  // non-zero keys in the sample
-#endif
   if (TK_STOP == 1) return TK_SAMPLE_STOP;
   if (sampled < r) {  // fewer than r candidates sampled (a consumer's bitmap)
     __syncthreads();  // every thread has read misc before the caller's fallback resets it
