@@ -53,9 +53,8 @@
 #   rows sort their selected ids instead of scanning a bitmap), TK_STOP (profiling:
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
 #   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),
-#   W8_LEAN (0: the fast kernel's loop rebuilds its descriptors, row and weights every
-#   tile), W8_TMA (0: the fast kernel's keys in registers), W8_LPT (1: a launch's groups
-#   longest first); host side: LG_PER_BLOCK.
+#   W8_TMA (0: the fast kernel's keys in registers), W8_LPT (1: a launch's groups longest
+#   first); host side: LG_PER_BLOCK.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -114,7 +113,7 @@ if has knobs; then
   # other ring size of each layout (flat keys take 2 tiles, paged 3), the loop that
   # recomputes its descriptors, row and weights every tile, the keys in registers.
   log "fast-kernel forms"
-  for defs in "W8_RING=3" "W8_RING=2" "W8_LEAN=0" "W8_TMA=0"; do
+  for defs in "W8_RING=3" "W8_RING=2" "W8_TMA=0"; do
     knob_tests "$defs" fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
   done
 fi

@@ -282,17 +282,17 @@ __device__ __forceinline__ RowOut row_out(float *__restrict__ logits, const u64 
   const u32 row = grp.x + r;
   return {logits + row_off[row], row_n[row]};
 }
-// store_logit with the row read ahead (row_out).
+// Stores a wgmma kernel's logit of the lane's row o (row_out) and key j = jg (+ 8 on
+// odd lanes, after the head sum) if the row sees it, a NaN as the contract's 0xFFC00000.
 __device__ __forceinline__ void store_row_logit(const RowOut o, const u32 jg, const bool odd,
                                                 float logit) {
   if (logit != logit) logit = __uint_as_float(0xFFC00000u);
   const u32 j = jg + (odd ? 8 : 0);
   if (j < o.n) o.out[j] = logit;
 }
-
-// Stores a wgmma kernel's logit of row r of the group (if the group has it) and key
-// j = jg (+ 8 on odd lanes, after the head sum) if the row sees it, a NaN as the
-// contract's 0xFFC00000.
+// store_row_logit of row r of the group (if the group has it), its row read here. Kept
+// apart from store_row_logit on purpose: the default-mode kernels (w16, wgr, wgi8) were
+// measured with this form, and routing it through row_out changes their code.
 __device__ __forceinline__ void store_logit(float *__restrict__ logits, const u64 *row_off,
                                             const u32 *row_n, const uint4 grp, const u32 r,
                                             const u32 jg, const bool odd, float logit) {

@@ -141,39 +141,34 @@ __device__ __forceinline__ bool h64_stage_weights(float (*sw)[H], const float *w
   return big_w;
 }
 
-// acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8): the
-// head sum over the eight n-tiles of each row, in SPEC 4's order when spec_order.
-__device__ __forceinline__ float h64_head_sum(const float (&acc)[64], const float (*sw)[H],
-                                              const bool spec_order, const int tig, const bool odd,
-                                              const bool hi) {
-  if (spec_order) return two_row_head_sum<8>(acc, sw, tig, odd, hi);
-  // Row r's weight pairs, read from shared memory at each use.
-  const auto row_w = [tig](const float *swr) {
-    return [swr, tig](int nt) { return *reinterpret_cast<const float2 *>(&swr[nt * 8 + 2 * tig]); };
-  };
-  float p[2][2];
-  tol_lane_heads(&acc[0], row_w(sw[0]), p[0][0], p[0][1]);
-  tol_lane_heads(&acc[32], row_w(sw[1]), p[1][0], p[1][1]);
-  return tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
+// The tolerance order's weights of this lane: wv(r, nt) = row r's heads 8 nt + 2 tig + 0, 1,
+// read from shared memory at each use (h64_smem_weights) or held in registers across
+// tiles (h64_lane_weights, then h64_reg_weights).
+__device__ __forceinline__ auto h64_smem_weights(const float (*sw)[H], const int tig) {
+  return [sw, tig](int r, int nt) { return *reinterpret_cast<const float2 *>(&sw[r][nt * 8 + 2 * tig]); };
 }
-
-// This lane's weights of the tolerance order's head sum, held in registers across tiles:
-// wr[r][nt] = row r's heads 8 nt + 2 tig + 0, 1.
 __device__ __forceinline__ void h64_lane_weights(float2 (&wr)[2][8], const float (*sw)[H],
                                                  const int tig) {
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) wr[r][nt] = *reinterpret_cast<const float2 *>(&sw[r][nt * 8 + 2 * tig]);
+    for (int nt = 0; nt < 8; ++nt) wr[r][nt] = h64_smem_weights(sw, tig)(r, nt);
 }
-// h64_head_sum with the tolerance order's weights from registers (h64_lane_weights).
-__device__ __forceinline__ float h64_head_sum_wr(const float (&acc)[64], const float2 (&wr)[2][8],
-                                                 const float (*sw)[H], const bool spec_order,
-                                                 const int tig, const bool odd, const bool hi) {
+__device__ __forceinline__ auto h64_reg_weights(const float2 (&wr)[2][8]) {
+  return [&wr](int r, int nt) { return wr[r][nt]; };
+}
+
+// acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8): the
+// head sum over the eight n-tiles of each row, in SPEC 4's order when spec_order (the
+// weights from sw), else in the tolerance order with the weights wv (h64_smem_weights or
+// h64_reg_weights).
+template <typename WV>
+__device__ __forceinline__ float h64_head_sum(const float (&acc)[64], const WV wv,
+                                              const float (*sw)[H], const bool spec_order,
+                                              const int tig, const bool odd, const bool hi) {
   if (spec_order) return two_row_head_sum<8>(acc, sw, tig, odd, hi);
   float p[2][2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-    tol_lane_heads(&acc[32 * r], [&](int nt) { return wr[r][nt]; }, p[r][0], p[r][1]);
+  tol_lane_heads(&acc[0], [&](int nt) { return wv(0, nt); }, p[0][0], p[0][1]);
+  tol_lane_heads(&acc[32], [&](int nt) { return wv(1, nt); }, p[1][0], p[1][1]);
   return tol_quad_sum(p[0][0], p[0][1], p[1][0], p[1][1], odd, hi);
 }

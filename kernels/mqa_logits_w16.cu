@@ -90,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W16_MIN_BLOCKS) mqa_lo
 
     // acc[4j + 2kk + e]: key 16 warp + gid + 8 kk, column 8 j + 2 tig + e (row j / 8);
     // the head sum over the eight n-tiles of each row, then the key scale.
-    const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
+    const float hsum = h64_head_sum(acc, h64_smem_weights(sw, tig), sw, spec_order, tig, odd, hi);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }

@@ -73,14 +73,6 @@
 #endif
 #endif
 static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
-// W8_LEAN = 1 (the default): the loop's per-tile instructions cut to what changes per
-// tile, the same arithmetic: both MMA descriptors built once and stepped by their
-// address fields, the ring slot and phase counted instead of divided, the lane's output
-// row and its tolerance-order weights held in registers (row_out, h64_lane_weights).
-// 0 (a tuning define) restores the loop that recomputes them every tile.
-#ifndef W8_LEAN
-#define W8_LEAN 1
-#endif
 static_assert(W8_TMA == 1, "W8_TMA: 0 or 1");
 // One ring tile: 64 key rows of 128 bytes, 1024-byte aligned (wgmma_desc_sw128).
 #define W8_TILE_BYTES (H64_KEYS * D)
@@ -209,7 +201,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   }
   const u32 jl = 16 * warp + gid + (odd ? 8 : 0);
   float ksc_next = w8_kscale(k, k_scale32, ks, grp.z, blockIdx.x * H64_KEYS + jl PG_PASS);
-#if W8_LEAN
   // A descriptor's low 14 bits are its address >> 4 and no shared address reaches 2^18, so
   // adding (bytes >> 4) to the low word of sK[0]'s or sB's descriptor steps its address
   // exactly (desc_step).
@@ -221,14 +212,11 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   float2 wr[2][8];
   h64_lane_weights(wr, sw, tig);
   u32 slot = 0, phase = 0;
-#endif
-  u32 it = 0;
-  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x, ++it) {
+  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * H64_KEYS;
     const float kscale = ksc_next;
     if (c + gridDim.x < nchunks)
       ksc_next = w8_kscale(k, k_scale32, ks, grp.z, j0 + gridDim.x * H64_KEYS + jl PG_PASS);
-#if W8_LEAN
     mbar_wait(&full[slot], phase);
     float acc[64];
     wgmma_fence();
@@ -236,43 +224,29 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     for (int s = 0; s < W8_S; ++s)
       wgmma_m64n128k32_e4m3_ss(acc, desc_step(da0, slot * W8_TILE_BYTES + 32 * s),
                                desc_step(db0, 2 * s * lbo), s > 0 ? 1u : 0u);
-#else
-    const u32 slot = it % W8_RING;
-    mbar_wait(&full[slot], (it / W8_RING) & 1u);
-    float acc[64];
-    wgmma_fence();
-#pragma unroll
-    for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_sw128(sK[slot] + 32 * s),
-                               wgmma_desc(sB + 2 * s * lbo, lbo, 128), s > 0 ? 1u : 0u);
-#endif
     wgmma_commit();
-    // Thread 0 refills tile it - 1's ring tile with tile it + W8_RING - 1 once every
-    // thread is done with tile it - 1's MMA.
+    // Thread 0 refills the previous tile's ring tile (the slot before this one, in the
+    // phase that tile used) with the tile W8_RING - 1 ahead, once every thread is done
+    // with the previous tile's MMA (the block's first tile has no previous one: its
+    // slot W8_RING - 1 was never used).
     if (tid == 0) {
       const u32 cn = c + (W8_RING - 1) * gridDim.x;
-      const u32 next = (it + W8_RING - 1) % W8_RING;
+      const u32 prev = slot == 0 ? W8_RING - 1 : slot - 1;
       if (cn < nchunks) {
-        if (it > 0) mbar_wait(&empty[next], ((it - 1) / W8_RING) & 1u);
-        w8_tma_issue(sK[next], &full[next], &kmap, ks, grp.z, cn, page_next PG_PASS);
+        if (c != blockIdx.x) mbar_wait(&empty[prev], slot == 0 ? phase ^ 1u : phase);
+        w8_tma_issue(sK[prev], &full[prev], &kmap, ks, grp.z, cn, page_next PG_PASS);
       }
       page_next = page_of(cn + gridDim.x);
     }
     wgmma_wait<0>();
     fence_regs(acc);
     mbar_arrive(&empty[slot]);
-#if W8_LEAN
     if (++slot == W8_RING) {
       slot = 0;
       phase ^= 1u;
     }
-    const float hsum = h64_head_sum_wr(acc, wr, sw, spec_order, tig, odd, hi);
+    const float hsum = h64_head_sum(acc, h64_reg_weights(wr), sw, spec_order, tig, odd, hi);
     store_row_logit(out, j0 + 16 * warp + gid, odd, __fmul_rn(hsum, kscale));
-#else
-    const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
-    store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
-                __fmul_rn(hsum, kscale));
-#endif
   }
 #else
 
@@ -304,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(acc);
-    const float hsum = h64_head_sum(acc, sw, spec_order, tig, odd, hi);
+    const float hsum = h64_head_sum(acc, h64_smem_weights(sw, tig), sw, spec_order, tig, odd, hi);
     store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd,
                 __fmul_rn(hsum, kscale));
   }
