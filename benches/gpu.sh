@@ -53,8 +53,8 @@
 #   rows sort their selected ids instead of scanning a bitmap), TK_STOP (profiling:
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
 #   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),
-#   W8_TMA (0: the fast kernel's keys in registers), W8_LPT (1: a launch's groups longest
-#   first); host side: LG_PER_BLOCK.
+#   W8_TMA (0: the fast kernel's keys in registers), W8_LPT (0: a launch's groups in launch
+#   order, not longest first); host side: LG_PER_BLOCK.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -110,10 +110,10 @@ fi
 
 if has knobs; then
   # The fast kernel's other forms at D = 128, on its tests (about 2 minutes each): the
-  # other ring size of each layout (flat keys take 2 tiles, paged 3) and the keys in
-  # registers.
+  # other ring size of each layout (flat keys take 2 tiles, paged 3), the keys in
+  # registers, the groups in launch order.
   log "fast-kernel forms"
-  for defs in "W8_RING=3" "W8_RING=2" "W8_TMA=0"; do
+  for defs in "W8_RING=3" "W8_RING=2" "W8_TMA=0" "W8_LPT=0"; do
     knob_tests "$defs" fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
   done
 fi

@@ -50,11 +50,13 @@
 #define W8_TMA 0
 #endif
 
-// W8_LPT = 1 (a tuning define): the launch's groups taken in reverse order, so that in
-// a causal prefill tile (later rows see more keys) the longest blocks start first and
-// the last wave holds the short ones. Which group a block takes changes nothing else.
+// W8_LPT = 1 (the default): the launch's groups taken in reverse order, so that in a
+// causal prefill tile (later rows see more keys) the longest blocks start first and the
+// last wave holds the short ones (v32-16k fast 1.4 % faster in the same call,
+// benches/RESULTS.md). Which group a block takes changes nothing else. 0 (a tuning
+// define): the groups in launch order.
 #ifndef W8_LPT
-#define W8_LPT 0
+#define W8_LPT 1
 #endif
 
 // ==== keys by TMA (W8_TMA) ====
