@@ -54,8 +54,7 @@
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
 #   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),
 #   W8_TMA (0: the fast kernel's keys in registers), W8_LPT (0: a launch's groups in launch
-#   order, not longest first), LG_STORE_CS (1: logits stored evict-first), TMA_EVICT_LAST
-#   (1: TMA key boxes kept in L2 ahead of streaming data); host side: LG_PER_BLOCK.
+#   order, not longest first); host side: LG_PER_BLOCK.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"

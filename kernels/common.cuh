@@ -14,10 +14,6 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 #define FULL_MASK 0xffffffffu
-// tma_load_2d's L2 hint (a tuning define; see there).
-#ifndef TMA_EVICT_LAST
-#define TMA_EVICT_LAST 0
-#endif
 
 // ==== codecs (SPEC 2) ====
 
@@ -403,23 +399,11 @@ __device__ __forceinline__ void mbar_wait(u64 *bar, u32 parity) {
 // The box of tensor map `map` at coordinates (c0, c1[, c2]) into shared memory at dst,
 // completing its bytes on `bar`. Coordinates past the tensor read as zeros.
 __device__ __forceinline__ void tma_load_2d(void *dst, const TmaDesc *map, u64 *bar, int c0, int c1) {
-#if TMA_EVICT_LAST
-  // TMA_EVICT_LAST = 1: the box asks L2 to keep its lines ahead of streaming data (the
-  // keys, read by every block of a launch, against the logits it writes).
-  u64 pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(
-          smem_u32(dst)),
-      "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(smem_u32(bar)), "l"(pol)
-      : "memory");
-#else
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
           smem_u32(dst)),
       "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
-#endif
 }
 __device__ __forceinline__ void tma_load_3d(void *dst, const TmaDesc *map, u64 *bar, int c0, int c1,
                                             int c2) {

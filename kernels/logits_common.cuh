@@ -270,20 +270,6 @@ __device__ __forceinline__ u32 wg_off(u32 m, u32 kc, u32 rows) {
   return kc * (rows / 8) * 128 + (m / 8) * 128 + (m % 8) * 16;
 }
 
-// LG_STORE_CS = 1 (a tuning define): the wgmma kernels store their logits with the
-// streaming hint (st.global.cs, evict first): no kernel reads a tile's logits before they
-// leave L2, and held there they evict the keys the launch is still reading.
-#ifndef LG_STORE_CS
-#define LG_STORE_CS 0
-#endif
-__device__ __forceinline__ void st_logit(float *p, const float v) {
-#if LG_STORE_CS
-  asm volatile("st.global.cs.f32 [%0], %1;" ::"l"(p), "f"(v));
-#else
-  *p = v;
-#endif
-}
-
 // A lane's output row r of the group, read once per block: where the row's logits start
 // and how many keys it sees (0 when the group has no row r).
 struct RowOut {
@@ -302,7 +288,7 @@ __device__ __forceinline__ void store_row_logit(const RowOut o, const u32 jg, co
                                                 float logit) {
   if (logit != logit) logit = __uint_as_float(0xFFC00000u);
   const u32 j = jg + (odd ? 8 : 0);
-  if (j < o.n) st_logit(o.out + j, logit);
+  if (j < o.n) o.out[j] = logit;
 }
 // store_row_logit of row r of the group (if the group has it), its row read here. Kept
 // apart from store_row_logit on purpose: the default-mode kernels (w16, wgr, wgi8) were
@@ -314,6 +300,6 @@ __device__ __forceinline__ void store_logit(float *__restrict__ logits, const u6
   if (r < grp.y) {
     const u32 row = grp.x + r;
     const u32 j = jg + (odd ? 8 : 0);
-    if (j < row_n[row]) st_logit(logits + row_off[row] + j, logit);
+    if (j < row_n[row]) logits[row_off[row] + j] = logit;
   }
 }

@@ -17,7 +17,7 @@
 //! - with the `tuning` cargo feature only, `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
 //!   separated by spaces): occupancy and tile numbers for experiments (`LG_ROWS`,
 //!   `LG_PER_BLOCK`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`, `TK_BITMAP`,
-//!   `TK_SEG_ALIGN`, `W8_RING`, `W8_TMA`, `W8_LPT`, `LG_STORE_CS`, `TMA_EVICT_LAST`, and `TK_STOP` for
+//!   `TK_SEG_ALIGN`, `W8_RING`, `W8_TMA`, `W8_LPT`, and `TK_STOP` for
 //!   profiling a phase),
 //!   prepended to every kernel source as `#define`s. Without the feature the variable
 //!   is never read, so a stray one in a serving process changes nothing.
