@@ -26,8 +26,8 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// Blocks per SM the registers must allow (102 registers at D = 128 with W8_TMA, 123
-// without).
+// Blocks per SM the registers must allow (D = 128 with W8_TMA: 125 registers with flat
+// keys, 128 with paged ones).
 #ifndef W8_MIN_BLOCKS
 #define W8_MIN_BLOCKS 4
 #endif
@@ -52,7 +52,7 @@
 
 // W8_LPT = 1 (the default): the launch's groups taken in reverse order, so that in a
 // causal prefill tile (later rows see more keys) the longest blocks start first and the
-// last wave holds the short ones (v32-16k fast 1.4 % faster in the same call,
+// last wave holds the short ones (v32-16k fast 1.5 % faster in the same call,
 // benches/RESULTS.md). Which group a block takes changes nothing else. 0 (a tuning
 // define): the groups in launch order.
 #ifndef W8_LPT
