@@ -5,7 +5,7 @@
 #
 #   ../shared/gpu/stage --features tuning                                   # here
 #   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [torch] [ncu] [ncutk] [sanitize]
-#        [old] [replay] [peers] [accuracy] [pyengine]
+#        [old] [replay] [peers] [accuracy] [pyengine] [clocks]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
@@ -33,6 +33,9 @@
 # (one V3.2 layer through DeepGEMM and torch.topk, judged by dsa_indexer.check;
 # deepgemm_check.txt, its JSON line in deepgemm_check.jsonl) and pytest python/tests
 # (pytest.txt) against this machine's torch.
+#
+# `clocks` samples the SM clock and power during the long fast runs and the peers' (a
+# sagging clock on the long run alone would show there; about 3 minutes).
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
@@ -339,6 +342,45 @@ if has pyengine; then
   DSA_REQUIRE_GPU=$req timeout 300 python3 -m pytest -q -rf -p no:cacheprovider python/tests > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?" | tee -a "$OUT/summary.txt"
   tail -3 "$OUT/pytest.txt" | tee -a "$OUT/summary.txt"
+fi
+
+if has clocks; then
+  # The SM clock and board power while each long run works: ours (fast precision) on
+  # v32-16k and v32-64k, then the peers on v32-64k, nvidia-smi sampling every 20 ms
+  # (clocks.csv); one line per phase with the median and lowest SM clock and the median
+  # power over the samples at which the GPU was busy. A clock that sags on the long run
+  # alone would explain part of its lower share of the tensor floor.
+  log "clocks"
+  install_wheels
+  sample() {  # sample NAME COMMAND...
+    local name="$1"; shift
+    nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu \
+      --format=csv,noheader,nounits -lms 20 > "$OUT/clocks-$name.csv" 2>&1 &
+    local smi=$!
+    "$@" >> "$OUT/clocks.txt" 2>&1
+    kill $smi 2> /dev/null; wait $smi 2> /dev/null
+    python3 - "$OUT/clocks-$name.csv" "$name" << 'PY' | tee -a "$OUT/summary.txt"
+import statistics, sys
+rows = []
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        mhz, watts, temp, util = float(f[0]), float(f[1]), float(f[2]), float(f[3])
+    except (ValueError, IndexError):
+        continue
+    if util > 50:
+        rows.append((mhz, watts, temp))
+if rows:
+    mhz, watts, temp = zip(*rows)
+    print(f"clocks {sys.argv[2]}: {len(rows)} busy samples, SM {statistics.median(mhz):.0f} MHz "
+          f"median, {min(mhz):.0f} lowest; {statistics.median(watts):.0f} W median; {max(temp):.0f} C max")
+else:
+    print(f"clocks {sys.argv[2]}: no busy samples")
+PY
+  }
+  sample ours-16k timeout 120 $B/dsa-indexer bench --device cuda --json --precision fast v32-16k --reps 20
+  sample ours-64k timeout 180 $B/dsa-indexer bench --device cuda --json --precision fast v32-64k --reps 10
+  sample peers-64k timeout 300 python3 benches/peers.py --no-ceilings v32-64k
 fi
 
 log "done"
