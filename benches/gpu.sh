@@ -347,7 +347,7 @@ fi
 if has clocks; then
   # The SM clock and board power while each long run works: ours (fast precision) on
   # v32-16k and v32-64k, then the peers on v32-64k, nvidia-smi sampling every 20 ms
-  # (clocks.csv); one line per phase with the median and lowest SM clock and the median
+  # (clocks-NAME.csv); one line per phase with the median and lowest SM clock and the median
   # power over the samples at which the GPU was busy. A clock that sags on the long run
   # alone would explain part of its lower share of the tensor floor.
   log "clocks"
