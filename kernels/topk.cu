@@ -93,6 +93,19 @@
 // Rows of at most TK_ORDERED_RATIO * K keys finish a fast path with the ordered pass from
 // the exact threshold, cheaper there than the sort of the selected ids.
 #define TK_ORDERED_RATIO 16
+// Sampled rows take the bitmap of their candidates (TK_BITMAP) at every length it serves,
+// the short ones included: the ordered pass reads the whole row a second time, the bitmap
+// only the candidates. 1 (a tuning define): sampled rows of at most TK_ORDERED_RATIO * K
+// keys finish with the ordered pass as the other fast paths do.
+#ifndef TK_SAMPLED_ORDERED
+#define TK_SAMPLED_ORDERED 0
+#endif
+// The sample's chunks each warp loads at once before it stores them to shared memory:
+// the loads in flight of the sample (1 to TK_SEL_CAP / TK_THREADS, a tuning define; 1 is
+// one chunk at a time).
+#ifndef TK_SAMPLE_BATCH
+#define TK_SAMPLE_BATCH 4
+#endif
 // Blocks per SM the ragged top-k's registers must allow: 4 (32 registers) fits four
 // blocks' 41 KiB of shared memory and 2048 threads, so a tile of up to 4 * 132 rows is
 // one wave (at ptxas's own 40 registers, 3 blocks, a 512-row tile took two waves).
@@ -582,9 +595,16 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   constexpr u32 CAP = Sm::cap;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr u32 S = TK_SEL_CAP, CH = S / 32;
-  for (u32 c = warp; c < CH; c += TK_THREADS / 32) {
-    const u32 start = (u32)(((u64)c * (n - 32)) / (CH - 1));  // chunks spread evenly
-    sm.sel[c * 32 + lane] = load_key<MODE>(src, start + lane);
+  // Chunk c starts at c (n - 32) / (CH - 1): the chunks spread evenly over the row.
+  const auto chunk_start = [&](u32 c) { return (u32)(((u64)c * (n - 32)) / (CH - 1)); };
+  constexpr u32 WARPS = TK_THREADS / 32, PER = CH / WARPS, BATCH = TK_SAMPLE_BATCH;
+  static_assert(CH % WARPS == 0 && PER % BATCH == 0, "TK_SAMPLE_BATCH: a divisor of the chunks per warp");
+  for (u32 i0 = 0; i0 < PER; i0 += BATCH) {
+    u32 v[BATCH];
+#pragma unroll
+    for (u32 i = 0; i < BATCH; ++i) v[i] = load_key<MODE>(src, chunk_start(warp + (i0 + i) * WARPS) + lane);
+#pragma unroll
+    for (u32 i = 0; i < BATCH; ++i) sm.sel[(warp + (i0 + i) * WARPS) * 32 + lane] = v[i];
   }
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
@@ -715,7 +735,9 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
   u32 T, take;
   radix_select<false>(sm.h256, sm.misc, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T, take);
   if (TK_STOP == 3 && sampled != TK_SAMPLE_MISS) return TK_DONE;
-  if (n <= (u32)TK_ORDERED_RATIO * K) {
+  const bool bitmap_row =
+      TK_BITMAP && !TK_SAMPLED_ORDERED && sampled != TK_SAMPLE_MISS && n <= 32u * TK_SEL_CAP;
+  if (n <= (u32)TK_ORDERED_RATIO * K && !bitmap_row) {
     *T_out = T;
     *take_out = take;
     return TK_THRESHOLD;
