@@ -5,7 +5,7 @@
 #
 #   ../shared/gpu/stage --features tuning                                   # here
 #   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [torch] [ncu] [ncutk] [sanitize]
-#        [old] [replay] [peers] [accuracy] [pyengine] [clocks]
+#        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
@@ -34,8 +34,8 @@
 # deepgemm_check.txt, its JSON line in deepgemm_check.jsonl) and pytest python/tests
 # (pytest.txt) against this machine's torch.
 #
-# `clocks` samples the SM clock and power during the long fast runs and the peers' (a
-# sagging clock on the long run alone would show there; about 3 minutes).
+# `clocks` samples the SM clock, power and clock-event reasons during our long fast runs
+# and DeepGEMM's logits kernel alone (benches/clock_probe.py; about 2 minutes).
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
@@ -208,6 +208,23 @@ if has ncutk; then
     > "$OUT/ncu-topk.txt" 2>&1
 fi
 
+if has phases; then
+  # The sampled top-k's phases on v32-64k fast (49,045 sampled rows): each run stops the
+  # sampled rows after phase N (TK_STOP, profiling only: those rows' outputs are left
+  # unwritten), so the selection time of N minus that of N - 1 is phase N's cost: 1 the
+  # sample's threshold, 2 the collecting pass, 3 the exact threshold among the
+  # candidates, 4 the ties, 0 the whole row (the ids written). 9 stops every row at once
+  # (the launches alone). Needs the `tuning` build.
+  log "sampled top-k phases"
+  for n in 9 1 2 3 4 0; do
+    printf 'TK_STOP=%s ' "$n" | tee -a "$OUT/summary.txt"
+    DSA_CUDA_DEFINES="TK_STOP=$n" timeout 120 $B/dsa-indexer bench --device cuda --json \
+      --precision fast v32-64k --reps 5 2>&1 | grep '^{' | python3 -c \
+      'import json,sys; r=json.loads(sys.stdin.read()); print("selection %.3f ms, logits %.3f ms" % (r["select_ms"], r["logits_ms"]))' \
+      | tee -a "$OUT/summary.txt"
+  done
+fi
+
 if has torch; then
   log "torch.topk"
   timeout 120 python3 benches/torch_topk.py 2>&1 | tail -5 >> "$OUT/summary.txt"
@@ -345,22 +362,27 @@ if has pyengine; then
 fi
 
 if has clocks; then
-  # The SM clock and board power while each long run works: ours (fast precision) on
-  # v32-16k and v32-64k, then the peers on v32-64k, nvidia-smi sampling every 20 ms
-  # (clocks-NAME.csv); one line per phase with the median and lowest SM clock and the median
-  # power over the samples at which the GPU was busy. A clock that sags on the long run
-  # alone would explain part of its lower share of the tensor floor.
+  # The SM clock, board power and the driver's clock-event reasons while each long run
+  # works: ours (fast precision) on v32-16k and v32-64k, then DeepGEMM's logits kernel
+  # alone on v32-64k's longest 2 GiB chunk, back to back for 4 s (benches/clock_probe.py),
+  # nvidia-smi sampling every 20 ms (clocks-NAME.csv; it refreshes about every 100 ms).
+  # One line per phase: the median and lowest SM clock, the median power and the reasons
+  # mask seen most over the samples at which the GPU was busy (0x4 software power cap,
+  # 0x8 hardware slowdown, 0x20 / 0x40 thermal, 0x80 power brake). A kernel that holds a
+  # lower clock than its peer for the same work draws more power for it.
   log "clocks"
   install_wheels
+  why=clocks_event_reasons.active  # clocks_throttle_reasons.active before driver 535
+  nvidia-smi --query-gpu=$why --format=csv > /dev/null 2>&1 || why=clocks_throttle_reasons.active
   sample() {  # sample NAME COMMAND...
     local name="$1"; shift
-    nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu \
+    nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu,utilization.gpu,$why \
       --format=csv,noheader,nounits -lms 20 > "$OUT/clocks-$name.csv" 2>&1 &
     local smi=$!
     "$@" >> "$OUT/clocks.txt" 2>&1
     kill $smi 2> /dev/null; wait $smi 2> /dev/null
     python3 - "$OUT/clocks-$name.csv" "$name" << 'PY' | tee -a "$OUT/summary.txt"
-import statistics, sys
+import collections, statistics, sys
 rows = []
 for line in open(sys.argv[1]):
     f = [x.strip() for x in line.split(",")]
@@ -369,18 +391,22 @@ for line in open(sys.argv[1]):
     except (ValueError, IndexError):
         continue
     if util > 50:
-        rows.append((mhz, watts, temp))
+        rows.append((mhz, watts, temp, f[4] if len(f) > 4 else "?"))
 if rows:
-    mhz, watts, temp = zip(*rows)
+    mhz, watts, temp, why = zip(*rows)
+    common = collections.Counter(why).most_common(2)
     print(f"clocks {sys.argv[2]}: {len(rows)} busy samples, SM {statistics.median(mhz):.0f} MHz "
-          f"median, {min(mhz):.0f} lowest; {statistics.median(watts):.0f} W median; {max(temp):.0f} C max")
+          f"median, {min(mhz):.0f} lowest; {statistics.median(watts):.0f} W median; {max(temp):.0f} C max; "
+          f"reasons {', '.join(f'{m} x{c}' for m, c in common)}")
 else:
     print(f"clocks {sys.argv[2]}: no busy samples")
 PY
   }
-  sample ours-16k timeout 120 $B/dsa-indexer bench --device cuda --json --precision fast v32-16k --reps 20
-  sample ours-64k timeout 180 $B/dsa-indexer bench --device cuda --json --precision fast v32-64k --reps 10
-  sample peers-64k timeout 300 python3 benches/peers.py --no-ceilings v32-64k
+  sample ours-16k timeout 120 $B/dsa-indexer bench --device cuda --json --precision fast v32-16k --reps 40
+  sample ours-64k timeout 180 $B/dsa-indexer bench --device cuda --json --precision fast v32-64k --reps 20
+  sample deepgemm-64k timeout 120 python3 benches/clock_probe.py --seconds 4
+  grep '^{' "$OUT/clocks.txt" | grep -o '"name": "[^"]*"\|"median_ms": [0-9.]*\|"logits_ms": [0-9.]*\|"peer": "[^"]*"' \
+    | paste -sd' ' | tee -a "$OUT/summary.txt"
 fi
 
 log "done"
