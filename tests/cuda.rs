@@ -1597,7 +1597,9 @@ fn topk_sampled_threshold_matches_a_full_sort() {
                 scores.push(f(i, j, &mut rng));
             }
         }
-        // K = 2048 takes the sampled path on rows of more than 32768 keys (the last 60).
+        // K = 2048 takes the sampled path on every row but the first (n > 8 K, past the
+        // shared-memory row's 16384); the sampled rows end with the candidates' bitmap, the
+        // 78 of at most 32768 keys included.
         for k in [1usize, 64, 512, 1024, 1025, 1536, 2048] {
             let paths = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
             // Only the random scores promise the sample a spread; the threshold of a
