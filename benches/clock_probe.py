@@ -6,10 +6,15 @@ meanwhile, beside the same for ours).
 The chunk is the last rows of one request of `S` keys whose logits fit the budget (2 GiB:
 8,192 rows at S = 65,536, the longest rows of v32-64k), inputs drawn as
 `benches/peers.py` draws them (E4M3 codes without the NaN codes, key scales in [0.5, 2),
-weights in [-1, 1)). Prints one JSON line: the calls, their median time in ms and the
-effective TFLOP/s of the chunk's visible pairs.
+weights in [-1, 1)). Prints one JSON line: the calls, their median and fastest times in
+ms, and the effective TFLOP/s of the chunk's visible pairs at each.
 
     python3 benches/clock_probe.py [--keys 65536] [--budget BYTES] [--seconds 3]
+    python3 benches/clock_probe.py --matmul [--seconds 3]
+
+`--matmul` runs 8192^3 fp8 e4m3 matmuls (`torch._scaled_mm`, fast accumulation, the
+fp8 ceiling of benches/RESULTS.md) back to back instead: the tensor rate the board
+sustains at its power cap, beside the rate of a short burst.
 """
 import argparse
 import json
@@ -24,16 +29,52 @@ def rand_e4m3(shape, g, dev):
     return b.view(torch.float8_e4m3fn)
 
 
+def back_to_back(call, seconds):
+    """Times (ms) of `call` run back to back for `seconds` after one warm-up call: events
+    recorded around each call and read once per batch of 8, so that no host wait idles
+    the GPU between calls. Returns {median_ms, min_ms, calls}: the median is the rate
+    the board sustains, the fastest call that of a short burst before the cap binds."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(8)]
+        for a, b in ev:
+            a.record()
+            call()
+            b.record()
+        torch.cuda.synchronize()
+        times += [a.elapsed_time(b) for a, b in ev]
+    times.sort()
+    return {"median_ms": times[len(times) // 2], "min_ms": times[0], "calls": len(times)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, default=65536, help="keys of the request (default 65536)")
     ap.add_argument("--budget", type=int, default=2 << 30, help="logits bytes of the chunk (default 2 GiB)")
     ap.add_argument("--seconds", type=float, default=3.0, help="how long to run (default 3)")
+    ap.add_argument("--matmul", action="store_true", help="fp8 8192^3 matmuls instead of DeepGEMM")
     args = ap.parse_args()
+    dev = torch.device("cuda")
+    if args.matmul:
+        m = 8192
+        a8 = (torch.randn(m, m, device=dev) * 8).to(torch.float8_e4m3fn)
+        b8 = (torch.randn(m, m, device=dev) * 8).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=dev, dtype=torch.float32)
+
+        def mm():
+            return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+        t = back_to_back(mm, args.seconds)
+        flops = 2.0 * m**3
+        print(json.dumps({"peer": "torch_scaled_mm_fp8_8192", **t, "tflops": flops / (t["median_ms"] * 1e-3) / 1e12,
+                          "tflops_best": flops / (t["min_ms"] * 1e-3) / 1e12}))
+        return
 
     import deep_gemm as dg
 
-    dev = torch.device("cuda")
     g = torch.Generator(device=dev)
     g.manual_seed(0)
     s, h, d = args.keys, 64, 128
@@ -49,24 +90,11 @@ def main():
     def call():
         return dg.fp8_fp4_mqa_logits((q, None), (k, kscale), w, ks, ke, clean_logits=False, max_seqlen_k=0)
 
-    call()
-    torch.cuda.synchronize()
-    # Back to back, as an engine's layer runs: events recorded around each call and read
-    # once per batch of calls, so that no host wait idles the GPU between them.
-    times = []
-    end = time.monotonic() + args.seconds
-    while time.monotonic() < end:
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(8)]
-        for a, b in ev:
-            a.record()
-            call()
-            b.record()
-        torch.cuda.synchronize()
-        times += [a.elapsed_time(b) for a, b in ev]
-    times.sort()
-    med = times[len(times) // 2]
-    print(json.dumps({"peer": "deepgemm_fp8_mqa_logits", "keys": s, "rows": rows, "calls": len(times),
-                      "median_ms": med, "tflops": 2.0 * pairs * h * d / (med * 1e-3) / 1e12}))
+    t = back_to_back(call, args.seconds)
+    flops = 2.0 * pairs * h * d
+    print(json.dumps({"peer": "deepgemm_fp8_mqa_logits", "keys": s, "rows": rows, **t,
+                      "tflops": flops / (t["median_ms"] * 1e-3) / 1e12,
+                      "tflops_best": flops / (t["min_ms"] * 1e-3) / 1e12}))
 
 
 if __name__ == "__main__":
