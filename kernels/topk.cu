@@ -102,7 +102,7 @@
 #endif
 // The sample's chunks each warp loads at once before it stores them to shared memory:
 // the loads in flight of the sample (1 to TK_SEL_CAP / TK_THREADS, a tuning define; 1 is
-// one chunk at a time).
+// one chunk at a time, which measured the same on v32-64k: benches/RESULTS.md).
 #ifndef TK_SAMPLE_BATCH
 #define TK_SAMPLE_BATCH 4
 #endif
