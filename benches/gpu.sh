@@ -156,7 +156,7 @@ peers_run() {  # peers_run WORKLOAD...
 }
 
 if has bench; then
-  # Ours, then the peers in the same call, then one table per workload (table.md).
+  # Ours, then the peers in the same run, then one table per workload (table.md).
   log "bench (median of 5)"
   timeout 240 $B/dsa-indexer bench --device cuda --json $W --reps 5 > "$OUT/bench.jsonl" 2>> "$OUT/summary.txt"
   log "bench decode (median of 5)"
@@ -172,7 +172,7 @@ fi
 
 if has ab; then
   # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
-  # precision=fast, each against the same call's default run above ($AB: a shorter
+  # precision=fast, each against the same run's default run above ($AB: a shorter
   # list). Needs the `tuning` build.
   AB="${AB:-v41-chunk:hooks=int8_exact;v41-chunk-wide:hooks=int8_exact;v41-chunk:hooks=int8_exact WGI8_MIN_BLOCKS=4;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
   IFS=';' read -ra abs <<< "$AB"

@@ -52,9 +52,9 @@
 
 // W8_LPT = 1 (the default): the launch's groups taken in reverse order, so that in a
 // causal prefill tile (later rows see more keys) the longest blocks start first and the
-// last wave holds the short ones (v32-16k fast 1.5 % faster in the same call,
-// benches/RESULTS.md). Which group a block takes changes nothing else. 0 (a tuning
-// define): the groups in launch order.
+// last wave holds the short ones (v32-16k fast 1.5 % faster than launch order, both
+// measured in one run: benches/RESULTS.md). Which group a block takes changes nothing
+// else. 0 (a tuning define): the groups in launch order.
 #ifndef W8_LPT
 #define W8_LPT 1
 #endif
@@ -65,8 +65,8 @@
 #define W8_TMA_PARAM , const __grid_constant__ TmaDesc kmap
 // Ring tiles: 2 (one tile in flight while one is computed) or 3 (the most the static
 // shared memory holds beside the queries). Flat keys (prefill: the keys stay in L2) take
-// 2, paged keys (decode: every tile comes from HBM once) 3, each the faster in the same
-// call on its workloads (benches/RESULTS.md).
+// 2, paged keys (decode: every tile comes from HBM once) 3, each the faster on its
+// workloads with both sizes measured in one run (benches/RESULTS.md).
 #ifndef W8_RING
 #if DSA_PAGED
 #define W8_RING 3
