@@ -366,8 +366,8 @@ if has clocks; then
   # The SM clock, board power and the driver's clock-event reasons while each long run
   # works: ours (fast precision) on v32-16k and v32-64k, then DeepGEMM's logits kernel
   # alone on v32-64k's longest 2 GiB chunk and the fp8 matmul ceiling, each back to back
-  # for 4 s (benches/clock_probe.py),
-  # nvidia-smi sampling every 20 ms (clocks-NAME.csv; it refreshes about every 100 ms).
+  # for 4 s (benches/clock_probe.py), nvidia-smi sampling every 20 ms (clocks-NAME.csv;
+  # it refreshes about every 100 ms).
   # One line per phase: the median and lowest SM clock, the median power and the reasons
   # mask seen most over the samples at which the GPU was busy (0x4 software power cap,
   # 0x8 hardware slowdown, 0x20 / 0x40 thermal, 0x80 power brake). A kernel that holds a
