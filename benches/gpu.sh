@@ -149,6 +149,9 @@ install_wheels() {
 peers_run() {  # peers_run WORKLOAD...
   log "peers"
   install_wheels
+  # The harness's own tests first, the torch ones included (torch is here, not in CI).
+  DSA_INDEXER_BIN="$PWD/$B/dsa-indexer" timeout 120 python3 benches/peers_test.py > "$OUT/peers_test.txt" 2>&1
+  echo "peers_test rc=$? ($(tail -1 "$OUT/peers_test.txt"))" | tee -a "$OUT/summary.txt"
   PYTHONUNBUFFERED=1 timeout 480 python3 benches/peers.py --check "$@" > "$OUT/peers.txt" 2>&1
   echo "peers rc=$?" | tee -a "$OUT/summary.txt"
   grep '^{' "$OUT/peers.txt" > "$OUT/peers.jsonl"

@@ -350,6 +350,21 @@ class Clock:
         r = fn()
         return (time.perf_counter() - t0) * 1e3, r
 
+    def mark(self):
+        """A point on the stream (a recorded event), for `elapsed` once the stream has
+        passed it: times inside a region that `time` measures whole."""
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def elapsed(self, m0, m1):
+        """Milliseconds between two marks (the stream has passed both)."""
+        if self.cuda:
+            return m0.elapsed_time(m1)
+        return (m1 - m0) * 1e3
+
     def sync(self):
         if self.cuda:
             torch.cuda.synchronize()
@@ -1445,10 +1460,14 @@ class Runner:
             for a, b in chunks:
                 fi_meta[a] = fi.prepare(ks[a:b], ke[a:b], sh.l)
 
-        def e2e(p, how):
+        def e2e(p, how, marks=None):
+            # marks: where each chunk's logits call starts and ends, when given.
             for a, b in chunks:
                 q8, k8, sc, w8, s0, s1 = args_of(p, a, b)
+                m0 = clock.mark() if marks is not None else None
                 lg = dg_logits(dg, q8, k8, sc, w8, s0, s1, how == "clean")
+                if marks is not None:
+                    marks.append((m0, clock.mark()))
                 if how == "mask":
                     mask_invalid_(lg, s0, s1)
                 if how == "fi":
@@ -1526,7 +1545,13 @@ class Runner:
             ms, _ = clock.time(lambda: e2e(p, "mask"))
             add("e2e_mask", ms)
             if fi is not None:
-                try_fi("e2e_fi", lambda: e2e(p, "fi"))
+                # DeepGEMM's logits as they run inside that pipeline, each chunk between
+                # top-k kernels as ours run between our selections: the logits figure to
+                # set beside ours (the one above runs between more, and cooler, kernels).
+                marks = []
+                try_fi("e2e_fi", lambda: e2e(p, "fi", marks))
+                if "e2e_fi" not in fi_errors and marks:
+                    add("logits_in_e2e_fi", sum(clock.elapsed(m0, m1) for m0, m1 in marks))
             if rep:
                 for key, v in acc.items():
                     runs.setdefault(key, []).append(v)
@@ -1545,6 +1570,16 @@ class Runner:
             self.record(mb, "deepgemm_fp4_mqa_logits", clean_logits=False, effective_tflops=tflops(st["median_ms"]), **st)
         st = self.stats(runs["logits"])
         self.record(mb, "deepgemm_fp8_mqa_logits", clean_logits=False, effective_tflops=tflops(st["median_ms"]), **st)
+        if "logits_in_e2e_fi" in runs:
+            st_p = self.stats(runs["logits_in_e2e_fi"])
+            self.record(
+                mb,
+                "deepgemm_fp8_mqa_logits_in_e2e_fi",
+                clean_logits=False,
+                what="its logits calls inside DeepGEMM + FlashInfer's run, summed",
+                effective_tflops=tflops(st_p["median_ms"]),
+                **st_p,
+            )
         st_c = self.stats(runs["logits_clean"])
         self.record(
             mb,

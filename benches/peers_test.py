@@ -193,6 +193,31 @@ class DecodePoolTest(unittest.TestCase):
 
 
 @unittest.skipIf(torch is None, "torch is not importable")
+class PrefillPeerTest(unittest.TestCase):
+    """The prefill harness on the stand-ins, rows chunked: every part recorded, and
+    DeepGEMM's logits timed inside its run with FlashInfer's top-k."""
+
+    def test_an_emulated_chunked_workload_records_the_logits_inside_the_pipeline(self):
+        name = "test-prefill"
+        peers.WORKLOADS[name] = dict(fp4=False, heads=64, dim=128, topk=16, seq_len=96, rows=48)
+        try:
+            # 16 rows of 96 keys per call: three chunks.
+            args = argparse.Namespace(reps=2, shrink=1, budget=4 * 96 * 16, full_max=0, flashinfer_so=None)
+            r = peers.Runner(args, peers.EmulatedDeepGemm(), True, torch.device("cpu"))
+            with contextlib.redirect_stdout(io.StringIO()):
+                r.workload(name)
+        finally:
+            del peers.WORKLOADS[name]
+        self.assertEqual(r.failures, [])
+        by = {x["peer"]: x for x in r.records}
+        inside = by["EMULATED:deepgemm_fp8_mqa_logits_in_e2e_fi"]
+        e2e = by["EMULATED:deepgemm+flashinfer_top_k_page_table_transform"]
+        self.assertEqual((inside["mode"], inside["chunks"]), ("row_chunked", 3))
+        self.assertGreater(inside["median_ms"], 0.0)
+        self.assertLess(inside["median_ms"], e2e["median_ms"])
+
+
+@unittest.skipIf(torch is None, "torch is not importable")
 class DecodePeerTest(unittest.TestCase):
     """The decode harness on the stand-ins: the reference check, FlashInfer's slots mapped
     back to keys, and one emulated workload's records."""

@@ -246,11 +246,14 @@ def table(o, peers):
         ("DeepGEMM + FlashInfer top-k", "deepgemm+flashinfer_top_k_page_table_transform", e2e, "tflops", True),
         ("DeepGEMM + torch.topk", "deepgemm+torch_topk", e2e, "tflops", True),
         ("DeepGEMM logits alone", "deepgemm_fp8_mqa_logits", lg, "tflops", False),
+        ("DeepGEMM logits inside DeepGEMM + FlashInfer", "deepgemm_fp8_mqa_logits_in_e2e_fi", lg, "tflops", False),
         ("FlashInfer top-k alone", "flashinfer_top_k_page_table_transform", sel, "gbs", False),
         ("torch.topk alone", "torch_topk", sel, "gbs", False),
     ]
     for label, peer, ours_ms, unit, plus_conv in rows:
         rec = peers.get(pw, mode, peer) if mode else None
+        if rec is None and peer == "deepgemm_fp8_mqa_logits_in_e2e_fi":
+            continue  # lines from before peers.py timed it
         t, text = peer_cell(rec)
         rate = ""
         if t is not None and unit == "tflops" and rec.get("effective_tflops") is not None:

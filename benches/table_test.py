@@ -8,6 +8,7 @@ import contextlib
 import io
 import os
 import sys
+import tempfile
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +49,23 @@ class TableTest(unittest.TestCase):
         self.assertEqual(row(s, "DeepGEMM logits alone")[3], "0.57")  # 2.06 / 3.59
         self.assertEqual(row(s, "FlashInfer top-k alone")[3], "2.85")  # 1.37 / 0.48
         self.assertEqual(row(s, "torch.topk alone")[3], "8.75")  # 4.2 / 0.48
+
+    def test_deepgemm_logits_inside_its_pipeline_get_a_row_when_recorded(self):
+        # The recorded lines predate the record: no row. With one (a made-up 2.30 ms for
+        # v32-16k), its ratio is against our logits.
+        self.assertFalse(any("inside DeepGEMM" in l for l in section(self.text, "v32-16k")))
+        with open(os.path.join(DATA, "peers.jsonl")) as f:
+            lines = f.read().splitlines()
+        base = next(l for l in lines if '"v32-16k"' in l and '"peer": "deepgemm_fp8_mqa_logits"' in l)
+        extra = base.replace('"peer": "deepgemm_fp8_mqa_logits"', '"peer": "deepgemm_fp8_mqa_logits_in_e2e_fi"')
+        extra = extra.replace('"median_ms": 2.06', '"median_ms": 2.3')
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "peers.jsonl"), "w") as f:
+                f.write("\n".join(lines + [extra]) + "\n")
+            rc, text = render("--ours", os.path.join(DATA, "bench.jsonl"), "--peers", os.path.join(d, "peers.jsonl"))
+        self.assertEqual(rc, 0)
+        r = row(section(text, "v32-16k"), "DeepGEMM logits inside DeepGEMM + FlashInfer")
+        self.assertEqual((r[1], r[3]), ("2.300", "0.64"))  # 2.30 / 3.59
 
     def test_fp4_adds_the_conversion_and_takes_the_budget_mode(self):
         s = section(self.text, "v41-chunk")
