@@ -367,10 +367,10 @@ fi
 
 if has clocks; then
   # The SM clock, board power and the driver's clock-event reasons while each long run
-  # works: ours (fast precision) on v32-16k and v32-64k, then DeepGEMM's logits kernel
-  # alone on v32-64k's longest 2 GiB chunk and the fp8 matmul ceiling, each back to back
-  # for 4 s (benches/clock_probe.py), nvidia-smi sampling every 20 ms (clocks-NAME.csv;
-  # it refreshes about every 100 ms).
+  # works: ours (fast precision) on v32-16k, v32-64k and v32-64k-tail (its last 8192 rows,
+  # about 4 s back to back), then DeepGEMM's logits kernel alone on those rows and the fp8
+  # matmul ceiling, each back to back for 4 s (benches/clock_probe.py); nvidia-smi samples
+  # every 20 ms (clocks-NAME.csv; it refreshes about every 100 ms).
   # One line per phase: the median and lowest SM clock, the median power and the reasons
   # mask seen most over the samples at which the GPU was busy (0x4 software power cap,
   # 0x8 hardware slowdown, 0x20 / 0x40 thermal, 0x80 power brake). A kernel that holds a
@@ -409,6 +409,7 @@ PY
   }
   sample ours-16k timeout 120 $B/dsa-indexer bench --device cuda --json --precision fast v32-16k --reps 40
   sample ours-64k timeout 180 $B/dsa-indexer bench --device cuda --json --precision fast v32-64k --reps 20
+  sample ours-64k-tail timeout 120 $B/dsa-indexer bench --device cuda --json --precision fast v32-64k-tail --reps 400
   sample deepgemm-64k timeout 120 python3 benches/clock_probe.py --seconds 4
   sample matmul-fp8 timeout 60 python3 benches/clock_probe.py --matmul --seconds 4
   grep '^{' "$OUT/clocks.txt" | grep -o '"name": "[^"]*"\|"median_ms": [0-9.]*\|"logits_ms": [0-9.]*\|"peer": "[^"]*"' \

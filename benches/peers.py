@@ -39,6 +39,7 @@ Workloads (one request of `S` tokens, its last `rows` positions as query rows, r
 |-----------|-------------|----|-----|------|---------|-------|
 | v32-16k   | e4m3 x e4m3 | 64 | 128 | 2048 | 16384   | 16384 |
 | v32-64k   | e4m3 x e4m3 | 64 | 128 | 2048 | 65536   | 65536 |
+| v32-64k-tail | e4m3 x e4m3 | 64 | 128 | 2048 | 65536 | 8192 (one call) |
 | v41-chunk | e2m1 x e2m1 | 32 | 128 | 512  | 262144  | 4096  |
 | v41-chunk-wide | e2m1 x e2m1, uniform scales | 32 | 128 | 512 | 262144 | 4096 |
 | v41-1m    | e2m1 x e2m1 | 32 | 128 | 512  | 1048576 | 16384 |
@@ -199,6 +200,7 @@ SPEC_BOUND_LOG2 = -8.0
 WORKLOADS = {
     "v32-16k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=16384, rows=16384),
     "v32-64k": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=65536, rows=65536),
+    "v32-64k-tail": dict(fp4=False, heads=64, dim=128, topk=2048, seq_len=65536, rows=8192),
     "v41-chunk": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=262144, rows=4096),
     "v41-chunk-wide": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=262144, rows=4096, draw="uniform"),
     "v41-1m": dict(fp4=True, heads=32, dim=128, topk=512, seq_len=1 << 20, rows=16384),

@@ -124,6 +124,14 @@ pub const WORKLOADS: &[Workload] = &[
         rows: 65536,
         ..V32
     },
+    // v32-64k's last 8192 rows, one 2 GiB tile: the shape benches/clock_probe.py runs
+    // DeepGEMM's logits on, so that both can be run back to back on the same rows.
+    Workload {
+        name: "v32-64k-tail",
+        seq_len: 65536,
+        rows: 8192,
+        ..V32
+    },
     V41,
     Workload {
         name: "v41-chunk-source",
@@ -200,7 +208,7 @@ pub fn workload(name: &str) -> Result<Workload> {
             Error::range(
                 "workload",
                 name,
-                "one of v32-16k, v32-64k, v41-chunk, v41-chunk-source, v41-chunk-wide, v41-1m, \
+                "one of v32-16k, v32-64k, v32-64k-tail, v41-chunk, v41-chunk-source, v41-chunk-wide, v41-1m, \
                  v41-1m-256m, v32-decode-b64-32k, v32-decode-b128-128k-mtp2, v32-decode-b1-128k, \
                  v41-decode-b64-64k",
             )
@@ -624,6 +632,22 @@ mod tests {
             .filter(|x| x.fp4 && x.name != "v41-chunk-wide")
             .all(|x| x.fp4_draw == Fp4Draw::Quantized));
         assert!(workload("v41-chunk-narrow").is_err());
+        // v32-64k-tail is v32-64k's last 8192 rows, whose logits fit its budget at once
+        // (rows padded to ROW_ALIGN floats stay within seq_len floats).
+        let (full, tail) = (
+            workload("v32-64k").unwrap(),
+            workload("v32-64k-tail").unwrap(),
+        );
+        assert_eq!(
+            Workload {
+                name: full.name,
+                rows: full.rows,
+                ..tail
+            },
+            full
+        );
+        assert_eq!(tail.seq_len % crate::cuda::ROW_ALIGN, 0);
+        assert!(tail.rows * tail.seq_len * 4 <= tail.budget);
     }
 
     /// A result of workload `name` whose figures are all 1 (no decode figures, full

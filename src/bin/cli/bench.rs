@@ -13,8 +13,8 @@ use crate::{checksum, parse_bytes, replay, Device, ShapeArgs};
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Named GPU workloads (v32-16k, v32-64k, v41-chunk, v41-chunk-source, v41-chunk-wide,
-    /// v41-1m, v41-1m-256m; decode over paged keys: v32-decode-b64-32k,
+    /// Named GPU workloads (v32-16k, v32-64k, v32-64k-tail, v41-chunk, v41-chunk-source,
+    /// v41-chunk-wide, v41-1m, v41-1m-256m; decode over paged keys: v32-decode-b64-32k,
     /// v32-decode-b128-128k-mtp2, v32-decode-b1-128k, v41-decode-b64-64k; or `all`), timed with CUDA events;
     /// needs `--device cuda`. Without one, the preset runs.
     workloads: Vec<String>,
