@@ -383,6 +383,15 @@ def free_memory():
 # ---------------------------------------------------------------------------------------
 
 
+def fp8_matmul(m, dev, fast):
+    """An `m^3` fp8 e4m3 matmul through `torch._scaled_mm` (bf16 out): the fp8 ceiling, as a
+    call to time."""
+    a8 = (torch.randn(m, m, device=dev) * 8).to(torch.float8_e4m3fn)
+    b8 = (torch.randn(m, m, device=dev) * 8).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev, dtype=torch.float32)
+    return lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
+
+
 def rand_bytes(shape, g, dev, lo=0, hi=256):
     return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=g, device=dev)
 
@@ -1709,13 +1718,7 @@ class Runner:
             self.record(base, "torch_bf16_matmul", error=f"{type(e).__name__}: {e}")
         for fast in (False, True):
             try:
-                a8 = (torch.randn(m, m, device=self.dev) * 8).to(torch.float8_e4m3fn)
-                b8 = (torch.randn(m, m, device=self.dev) * 8).to(torch.float8_e4m3fn).t()
-                one = torch.ones((), device=self.dev, dtype=torch.float32)
-
-                def mm():
-                    return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=fast)
-
+                mm = fp8_matmul(m, self.dev, fast)
                 v = []
                 for rep in range(reps + 2):
                     ms, _ = self.clock.time(mm)

@@ -192,22 +192,28 @@ class DecodePoolTest(unittest.TestCase):
         self.assertEqual(peers.kv_bytes_floor([32768] * 64, 64, 132), 64 * 32768 * 132)
 
 
+def run_emulated(name, spec, args, decode=False):
+    """peers.py's Runner on the stand-ins over workload `name` (registered as `spec` for the
+    run only), its output swallowed; returns the runner (its records and failures)."""
+    peers.WORKLOADS[name] = spec
+    try:
+        r = peers.Runner(args, peers.EmulatedDeepGemm(), True, torch.device("cpu"))
+        with contextlib.redirect_stdout(io.StringIO()):
+            (r.decode_workload if decode else r.workload)(name)
+    finally:
+        del peers.WORKLOADS[name]
+    return r
+
+
 @unittest.skipIf(torch is None, "torch is not importable")
 class PrefillPeerTest(unittest.TestCase):
     """The prefill harness on the stand-ins, rows chunked: every part recorded, and
     DeepGEMM's logits timed inside its run with FlashInfer's top-k."""
 
     def test_an_emulated_chunked_workload_records_the_logits_inside_the_pipeline(self):
-        name = "test-prefill"
-        peers.WORKLOADS[name] = dict(fp4=False, heads=64, dim=128, topk=16, seq_len=96, rows=48)
-        try:
-            # 16 rows of 96 keys per call: three chunks.
-            args = argparse.Namespace(reps=2, shrink=1, budget=4 * 96 * 16, full_max=0, flashinfer_so=None)
-            r = peers.Runner(args, peers.EmulatedDeepGemm(), True, torch.device("cpu"))
-            with contextlib.redirect_stdout(io.StringIO()):
-                r.workload(name)
-        finally:
-            del peers.WORKLOADS[name]
+        # 16 rows of 96 keys per call: three chunks.
+        args = argparse.Namespace(reps=2, shrink=1, budget=4 * 96 * 16, full_max=0, flashinfer_so=None)
+        r = run_emulated("test-prefill", dict(fp4=False, heads=64, dim=128, topk=16, seq_len=96, rows=48), args)
         self.assertEqual(r.failures, [])
         by = {x["peer"]: x for x in r.records}
         inside = by["EMULATED:deepgemm_fp8_mqa_logits_in_e2e_fi"]
@@ -265,15 +271,8 @@ class DecodePeerTest(unittest.TestCase):
         self.assertFalse(peers.same_selection(lg, zero, row_lens, peers.slots_to_keys(other, slots, meta["row_to_batch"], pool_slots), k)[0])
 
     def test_an_emulated_decode_workload_records_every_part(self):
-        name = "test-decode"
-        peers.WORKLOADS[name] = dict(fp4=False, heads=32, dim=128, topk=64, seq_len=200, rows=2, decode=dict(requests=3, page_size=64))
-        try:
-            args = argparse.Namespace(reps=2, shrink=1, flashinfer_so=None)
-            r = peers.Runner(args, self.dg, True, self.dev)
-            with contextlib.redirect_stdout(io.StringIO()):
-                r.decode_workload(name)
-        finally:
-            del peers.WORKLOADS[name]
+        spec = dict(fp4=False, heads=32, dim=128, topk=64, seq_len=200, rows=2, decode=dict(requests=3, page_size=64))
+        r = run_emulated("test-decode", spec, argparse.Namespace(reps=2, shrink=1, flashinfer_so=None), decode=True)
         self.assertEqual(r.failures, [])
         by = {x["peer"]: x for x in r.records}
         want = ["deepgemm_get_paged_mqa_logits_metadata", "deepgemm_fp8_paged_mqa_logits", "deepgemm_fp8_paged_mqa_logits_clean",
