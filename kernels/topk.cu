@@ -100,12 +100,6 @@
 #ifndef TK_SAMPLED_ORDERED
 #define TK_SAMPLED_ORDERED 0
 #endif
-// The sample's chunks each warp loads at once before it stores them to shared memory:
-// the loads in flight of the sample (1 to TK_SEL_CAP / TK_THREADS, a tuning define; 1 is
-// one chunk at a time, which measured the same on v32-64k: benches/RESULTS.md).
-#ifndef TK_SAMPLE_BATCH
-#define TK_SAMPLE_BATCH 4
-#endif
 // Blocks per SM the ragged top-k's registers must allow: 4 (32 registers) fits four
 // blocks' 41 KiB of shared memory and 2048 threads, so a tile of up to 4 * 132 rows is
 // one wave (at ptxas's own 40 registers, 3 blocks, a 512-row tile took two waves).
@@ -595,16 +589,9 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   constexpr u32 CAP = Sm::cap;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr u32 S = TK_SEL_CAP, CH = S / 32;
-  // Chunk c starts at c (n - 32) / (CH - 1): the chunks spread evenly over the row.
-  const auto chunk_start = [&](u32 c) { return (u32)(((u64)c * (n - 32)) / (CH - 1)); };
-  constexpr u32 WARPS = TK_THREADS / 32, PER = CH / WARPS, BATCH = TK_SAMPLE_BATCH;
-  static_assert(CH % WARPS == 0 && PER % BATCH == 0, "TK_SAMPLE_BATCH: a divisor of the chunks per warp");
-  for (u32 i0 = 0; i0 < PER; i0 += BATCH) {
-    u32 v[BATCH];
-#pragma unroll
-    for (u32 i = 0; i < BATCH; ++i) v[i] = load_key<MODE>(src, chunk_start(warp + (i0 + i) * WARPS) + lane);
-#pragma unroll
-    for (u32 i = 0; i < BATCH; ++i) sm.sel[(warp + (i0 + i) * WARPS) * 32 + lane] = v[i];
+  for (u32 c = warp; c < CH; c += TK_THREADS / 32) {
+    const u32 start = (u32)(((u64)c * (n - 32)) / (CH - 1));  // chunks spread evenly
+    sm.sel[c * 32 + lane] = load_key<MODE>(src, start + lane);
   }
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
