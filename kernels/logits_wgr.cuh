@@ -27,20 +27,20 @@ static_assert(WGR_N == 64, "one m64n64 tile per group");
 // The start of mqa_logits_wgr: the block's rows' weights into sw, the folding tables
 // into stab, the block's query-scale window (whether its queries fold, the exponents
 // qbase_g their operands are scaled against) and the query scales sqs (2^(ebq_g - 129)
-// when folding, else 2^(eq - 129)). One barrier, after which stab and the window are
-// visible.
-template <class RowOf>
+// when folding, else 2^(eq - 129)), for ROWS rows (mqa_logits_wgi8's blocks hold more).
+// One barrier, after which sw, stab and the window are visible.
+template <int ROWS = WGR_ROWS, class RowOf>
 __device__ __forceinline__ bool wgr_prologue(const u8 *q_scale, const float *w, RowOf row_of,
                                              float (*sw)[H], float (*sqs)[G * H],
                                              u32 (*stab)[2], u32 *swq_max, u32 *swq_min,
                                              int (&qbase)[G], const int tid, const int lane,
                                              const int warp) {
-  for (int t = tid; t < WGR_ROWS * H; t += WGR_THREADS)
+  for (int t = tid; t < ROWS * H; t += WGR_THREADS)
     sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
   shift_tables<false>(stab, tid);
   {
     u32 mx = 0u, mn = 255u;
-    for (int t = tid; t < WGR_ROWS * H * G; t += WGR_THREADS) {
+    for (int t = tid; t < ROWS * H * G; t += WGR_THREADS) {
       const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
       mx = max(mx, e);
       mn = min(mn, e);
@@ -54,7 +54,7 @@ __device__ __forceinline__ bool wgr_prologue(const u8 *q_scale, const float *w, 
   bool fold_q = block_window<WGR_THREADS / 32>(swq_max, swq_min, qbase, qtop) && SCALE_FOLD;
 #pragma unroll
   for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
-  for (int t = tid; t < WGR_ROWS * H * G; t += WGR_THREADS) {
+  for (int t = tid; t < ROWS * H * G; t += WGR_THREADS) {
     const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
     sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
                                : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
@@ -70,13 +70,15 @@ __device__ __forceinline__ bool wgr_prologue(const u8 *q_scale, const float *w, 
 // differ): t_g = X_g * cf[kk][g], one multiply by a power of two; else
 // t_g = (X_g * qs) * kc, qs per row and head from shared memory and kc from esc[kk], the
 // packed scale bytes of this thread's keys (0 for keys past the group's, whose
-// products are 0).
+// products are 0). LBO: the stride of sB's 16-byte dim chunks (wg_off of a staging of
+// LBO / 16 columns, of which the MMAs read the 64 from sB on).
+template <u32 LBO = (WGR_N / 8) * 128>
 __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G][4],
                                                const u8 *sB, const bool one, const bool fx,
                                                const float (&cf)[2][G],
                                                const float (*sqs)[G * H],
                                                const u32 (&esc)[2], const int tig) {
-  constexpr u32 lbo = (WGR_N / 8) * 128;
+  constexpr u32 lbo = LBO;
   float x0[32], x1[32];
 #pragma unroll
   for (int g2 = 0; g2 < G; g2 += 2) {
@@ -124,21 +126,21 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
 // B, the block's query operands in shared memory (wgmma K-major, no swizzle): column n
 // (row n / H, head n % H), group g: the word of dims 32 g + 8 tt .. + 7 -> bytes 4 tt of
 // chunk 2 g (dims + 0..3) and of chunk 2 g + 1 (dims + 4..7), doubled E2M1 values as
-// E4M3 bytes, times 2^(eq_g - qbase_g) when the queries fold. No barrier: the caller
-// fences and syncs.
-template <class RowOf>
+// E4M3 bytes, times 2^(eq_g - qbase_g) when the queries fold; ROWS rows (columns
+// n < ROWS * H). No barrier: the caller fences and syncs.
+template <int ROWS = WGR_ROWS, class RowOf>
 __device__ __forceinline__ void wgr_stage_queries(const u8 *q, const u8 *q_scale, RowOf row_of,
                                                   const bool fold_q, const int (&qbase)[G],
                                                   const u32 (*stab)[2], u8 *sB, const int tid) {
-  for (int t = tid; t < WGR_N * G * 4; t += WGR_THREADS) {
+  for (int t = tid; t < ROWS * H * G * 4; t += WGR_THREADS) {
     const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
     const u64 qrow = (u64)row_of(n / H) * H + n % H;
     const int sh = fold_q ? (int)q_scale[qrow * G + g] - qbase[g] : 0;
     const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
     u32 lo, hb;
     e2m1_word_tab(word, stab[sh + 9][0], stab[sh + 9][1], lo, hb);
-    *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g, WGR_N) + 4 * tt]) = lo;
-    *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g + 1, WGR_N) + 4 * tt]) = hb;
+    *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g, ROWS * H) + 4 * tt]) = lo;
+    *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g + 1, ROWS * H) + 4 * tt]) = hb;
   }
 }
 
@@ -206,8 +208,9 @@ __device__ __forceinline__ void wgr_prefetch(u32 (&raw)[2][G], u32 (&rsc)[2], bo
 // the tile ran the two multiplies. PIN_A: the A fragments are computed before next() and
 // the MMAs' fence (else the compiler may sink some decodes past the fence, and ptxas then
 // inserts a warpgroup arrive, which in a branch it cannot prove uniform serializes every
-// wgmma of the kernel: mqa_logits_wgi8's fallback tile).
-template <bool PIN_A = false, class Next>
+// wgmma of the kernel: mqa_logits_wgi8's fallback tile). LBO as in wgr_group_sums (sB,
+// sqs and sw then point at the two rows' part of a wider block's).
+template <bool PIN_A = false, u32 LBO = (WGR_N / 8) * 128, class Next>
 __device__ __forceinline__ float wgr_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
                                           const u8 *sB, const bool fold_q,
                                           const bool qsafe, const float (*sqs)[G * H],
@@ -270,6 +273,6 @@ __device__ __forceinline__ float wgr_tile(const u32 (&raw)[2][G], const u32 (&rs
   next();
 
   float a[32];
-  wgr_group_sums(a, af, sB, one, fx, cf, sqs, esc, tig);
+  wgr_group_sums<LBO>(a, af, sB, one, fx, cf, sqs, esc, tig);
   return two_row_head_sum<4>(a, sw, tig, odd, hi);
 }

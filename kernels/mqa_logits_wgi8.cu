@@ -1,5 +1,6 @@
 // mqa_logits_wgi8: SPEC 4's logits of the exact class (E2M1 x E2M1) for H = 32 and
-// D >= 64 on s8 wgmma where a tile's scales admit it, else mqa_logits_wgr's tile.
+// D >= 64 on s8 wgmma where a tile's scales and the block's weights admit it, else
+// mqa_logits_wgr's tile (on each pair of the block's rows).
 // Compiled after common.cuh, logits_common.cuh and logits_wgr.cuh (the fallback tile,
 // its prologue and key prefetch), for those variants only, under the int8_exact hook.
 //
@@ -49,17 +50,60 @@
 // mqa_logits_wgr's arithmetic on the same B staging that kernel uses (sB, folded when
 // the queries fold), so both paths are bitwise SPEC 4 and a tile's path changes no bit.
 //
+// ==== the head epilogue, and when it is bitwise ====
+//
+// The int8 path gives a_h = Y_h 2^E_h exactly (above), E_h = eq_min,h + ek_min - 256.
+// SPEC 4 then takes term_h = w_h * relu(a_h) and logit = P(term_0 .. term_31). With
+// cq_h = 2^(eq_min,h - 129) and ck = 2^(ek_min - 127) (so a_h = Y_h cq_h ck), the kernel
+// computes, per (row, key):
+// - v_h = w_h * cq_h and m_h = -v_h * 2^23, once per block (per column);
+// - x_h = 2^23 + max(Y_h, 0) as the bits of max(acc, 0x4B000000), the accumulator having
+//   started at 0x4B000000 (2^23 as an f32; |Y| < 2^21, so acc = 0x4B000000 + Y and, for
+//   Y >= 0, the f32 2^23 + Y);
+// - T_h = fma(v_h, x_h, m_h), one rounding of v_h relu(Y_h) (m_h is exactly -v_h 2^23);
+// - L = P(T_0 .. T_31) * ck, then -0 for a zero L when every w_h of the row has its sign
+//   bit set.
+// That is three operations per (row, head, key) (IMNMX, FFMA, FADD) against the two
+// roundings per group and the head sum's relu and weight of mqa_logits_wgr's tile.
+// It equals SPEC 4 bit for bit when, with f(v) the biased exponent field of v,
+//   f_lo >= 24 (f_lo: the smallest f(v_h) over the block's columns with w_h != 0),
+//   f_hi <= 227 (the largest over all columns), and for every key of the tile
+//   ek_min >= 151 - f_lo and ek_min <= 354 - f_hi:
+// - v_h is exact (w_h * cq_h is 0 or at least 2^-103: normal), and so is m_h
+//   (|v_h| 2^23 < 2^124).
+// - Y_h <= 0: SPEC 4's term is w_h * +0, a zero; T_h = fma(v, 2^23, -v 2^23) = +0.
+// - Y_h > 0, w_h != 0: the reals r = v_h Y_h and r ck = w_h a_h both lie in
+//   [2^-103, 2^127) (|v_h| >= 2^-103, |v_h| ck >= 2^(f_lo - 127 + ek_min - 127) >=
+//   2^-103, |v_h| < 2^101, |v_h| ck < 2^101, Y_h < 2^21), the normal range, where
+//   rounding commutes with a power of two: SPEC 4's term_h = RN(r ck) = RN(r) ck = T_h ck.
+// - The sums: every nonzero T_h and T_h ck is at least 2^-103, hence a multiple of
+//   2^-126, and so is every partial sum of P on either side; a nonzero one is thus
+//   normal, and below 32 * 2^122 = 2^127: each addition rounds the same real on both
+//   sides up to the factor ck. So SPEC 4's logit is P(T) ck as a value, and the final
+//   multiply is exact.
+// - Zeros: P(T) is never -0 (no T_h is -0). SPEC 4's logit is -0 iff every term_h is
+//   -0, which (with the values equal) happens iff the logit is 0 and every w_h has its
+//   sign bit set: then no term is positive, a negative one would leave a negative sum,
+//   and every zero term is w_h * (+0) = -0.
+// The guard is evaluated once per block (f_lo, f_hi) and per key beside the int8 guard;
+// docs/numerics.md section 6.7 has it with the host model's checks.
+
 // ==== layout ====
 //
-// As mqa_logits_wgr (the dims' permutation, A from registers, B in shared memory): the s8
-// A fragment of m64nNk32 and the s32 accumulator have the e4m3 ones' layouts, so sB8
-// (the shifted s8 queries) is staged at sB's offsets and the accumulator element i of a
-// thread is key 16 warp + gid + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 tig + (i & 1)
-// (column n: row n / 32, head n % 32), which two_row_head_sum takes as it is.
+// Four rows per block (WGI8_ROWS): B is 128 columns, row n / 32 and, within it, column
+// n' = 8 a + 2 t + e (a < 4, t < 4, e < 2) holding head e + 2 a + 8 t. The s32
+// accumulator element i of a thread (m64n128: i < 64) is key 16 warp + gid + 8 ((i >> 1)
+// & 1), column 8 (i >> 2) + 2 tig + (i & 1): so a thread holds, per row and key, the
+// heads of head bits 0..2 (e, a), and the lanes of its quad hold bits 3 and 4 (tig).
+// SPEC 4's pairwise head sum is then three levels in the thread and two across the quad.
+// The fallback stages B a second time (sB, mqa_logits_wgr's staging of the same rows,
+// heads in their natural order) and runs mqa_logits_wgr's tile on each pair of rows.
+#define WGI8_ROWS 4
+#define WGI8_N (WGI8_ROWS * H)
+static_assert(WGI8_N == WGR_THREADS, "one column per thread in the block's prologue");
+static_assert(WGI8_ROWS % WGR_ROWS == 0, "the fallback tile takes the rows in pairs");
 
-// Blocks per SM the registers must allow: 4 at D = 64; at D = 128, 3 (156 registers, no
-// spill), since the fallback tile beside the int8 one does not fit 128 registers (4
-// blocks spill 168 bytes, inside the int8 loop too). The int8 tile alone takes 91.
+// Blocks per SM the registers must allow: 3 at D = 128 (170 registers), 4 at D = 64.
 #ifndef WGI8_MIN_BLOCKS
 #define WGI8_MIN_BLOCKS (G == 4 ? 3 : 4)
 #endif
@@ -74,29 +118,38 @@
 #define I8_MAX_Q_EXP 244
 // Largest q_hi + ek_max: G * 4608 * 2^(x - 256) < 2^128.
 #define I8_MAX_EXP_SUM (G == 4 ? 369 : 370)
+// The head epilogue's: f_lo >= 24, f_hi <= 227, ek_min + f_lo >= 151, ek_min + f_hi <= 354.
+#define I8_MIN_V_EXP 24
+#define I8_MAX_V_EXP 227
+#define I8_MIN_VK_EXP 151
+#define I8_MAX_VK_EXP 354
 static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 
-// Packed window of query vectors for one min-reduction (__vminu4): byte 0 the smallest
-// byte, byte 1 255 - the largest, byte 2 1 while every vector spans <= I8_MAX_SPAN. A
-// thread without a vector holds the neutral 0x0001FFFF.
+// Packed window for one min-reduction (__vminu4): byte 0 the smallest byte, byte 1 255 -
+// the largest, byte 2 1 while every vector spans <= I8_MAX_SPAN. A thread without a
+// vector holds the neutral 0x0001FFFF.
 #define I8_QWIN_NONE 0x0001FFFFu
+
+// 2^23 as an f32, and as the bits the accumulator starts from.
+#define I8_MAGIC 8388608.0f
+#define I8_MAGIC_BITS 0x4B000000
 
 // ==== one key tile, int8 ====
 
-// One key tile on the int8 path from this thread's keys (raw, rsc): the s8 A fragments (each
-// key's values shifted by its group's offset from kmin[kk], its smallest byte), then
-// next() (the next tile's prefetch), one s32 chain of G k32 steps against sB8, and
-// a_h = f32(Y) * (cq * ck) per (column, key), cq = sqc[column] = 2^(eq_min - 129),
-// ck = 2^(ek_min - 127) of key kk. Returns the logit of this thread's row and key, as
-// wgr_tile does.
+// One key tile on the int8 path from this thread's keys (raw, rsc): the s8 A fragments
+// (each key's values shifted by its group's offset from kmin[kk], its smallest byte),
+// then next() (the next tile's prefetch), one s32 chain of G k32 steps against sB8 from
+// 2^23's bits, and the head epilogue above with the block's columns' (v, m) in svm
+// (float4 p = columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows hi and 2 + hi
+// (out[0], out[1]) at key 16 warp + gid + 8 odd; neg[r]: every weight of that row has its
+// sign bit set.
 template <class Next>
-__device__ __forceinline__ float wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
-                                           const int (&kmin)[2],
-                                           const u8 *sB8, const float *sqc,
-                                           const float (*sw)[H], const int tig,
-                                           const bool odd, const bool hi, Next next) {
-  constexpr u32 lbo = (WGR_N / 8) * 128;
-  const float ck[2] = {ue8m0_pow2((u32)kmin[0], 0), ue8m0_pow2((u32)kmin[1], 0)};
+__device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
+                                          const int (&kmin)[2], const u8 *sB8,
+                                          const float4 *svm, const bool (&neg)[2],
+                                          const int tig, const bool odd, const bool hi,
+                                          float (&out)[2], Next next) {
+  constexpr u32 lbo = (WGI8_N / 8) * 128;
   u32 af[G][4];
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk)
@@ -105,28 +158,55 @@ __device__ __forceinline__ float wgi8_tile(const u32 (&raw)[2][G], const u32 (&r
       const int sk = (int)((rsc[kk] >> (8 * g)) & 0xFFu) - kmin[kk];
       e2m1_word_s8(raw[kk][g], sk, af[g][kk], af[g][2 + kk]);
     }
+  const float ck = ue8m0_pow2((u32)kmin[odd ? 1 : 0], 0);
   fence_regs_a(af);
   next();
-  int y[32];
+  int y[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) y[i] = I8_MAGIC_BITS;
   wgmma_fence();
 #pragma unroll
   for (int g = 0; g < G; ++g)
-    wgmma_m64n64k32_s8_rs(y, af[g], wgmma_desc(sB8 + 2 * g * lbo, lbo, 128), g > 0 ? 1u : 0u);
+    wgmma_m64n128k32_s8_rs(y, af[g], wgmma_desc(sB8 + 2 * g * lbo, lbo, 128), 1u);
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs_s32(y);
-  float a[32];
+  // Per row r and key kk: head bits 0..2 in the thread (e, then a's two bits).
+  float p[WGI8_ROWS][2];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float2 cq = *reinterpret_cast<const float2 *>(&sqc[8 * j + 2 * tig]);
+  for (int r = 0; r < WGI8_ROWS; ++r) {
+    float s1[2][4];
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const int i = 4 * j + 2 * kk;
-      a[i] = __fmul_rn(__int2float_rn(y[i]), __fmul_rn(cq.x, ck[kk]));
-      a[i + 1] = __fmul_rn(__int2float_rn(y[i + 1]), __fmul_rn(cq.y, ck[kk]));
+    for (int a = 0; a < 4; ++a) {
+      const int j = 4 * r + a;
+      const float4 c = svm[4 * j + tig];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const int i = 4 * j + 2 * kk;
+        const float t0 = __fmaf_rn(c.x, __int_as_float(max(y[i], I8_MAGIC_BITS)), c.z);
+        const float t1 = __fmaf_rn(c.y, __int_as_float(max(y[i + 1], I8_MAGIC_BITS)), c.w);
+        s1[kk][a] = __fadd_rn(t0, t1);
+      }
     }
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+      p[r][kk] = __fadd_rn(__fadd_rn(s1[kk][0], s1[kk][1]), __fadd_rn(s1[kk][2], s1[kk][3]));
   }
-  return two_row_head_sum<4>(a, sw, tig, odd, hi);
+  // Head bit 3 (lane offset 1): odd lanes keep key gid + 8, even lanes key gid.
+  float q[WGI8_ROWS];
+#pragma unroll
+  for (int r = 0; r < WGI8_ROWS; ++r) {
+    const float send = odd ? p[r][0] : p[r][1];
+    q[r] = __fadd_rn(odd ? p[r][1] : p[r][0], __shfl_xor_sync(FULL_MASK, send, 1));
+  }
+  // Head bit 4 (lane offset 2): lanes with tig bit 1 keep rows 1 and 3, the others 0 and 2.
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const float send = hi ? q[2 * rr] : q[2 * rr + 1];
+    const float l = __fadd_rn(hi ? q[2 * rr + 1] : q[2 * rr], __shfl_xor_sync(FULL_MASK, send, 2));
+    const float x = __fmul_rn(l, ck);
+    out[rr] = (x == 0.0f && neg[rr]) ? -0.0f : x;
+  }
 }
 
 // Counts a block's tiles on each path (thread 0; every thread calls it).
@@ -138,7 +218,7 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
 
 // ==== kernel ====
 
-// block: rows grp.x + [0, 2) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
+// block: rows grp.x + [0, 4) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
 // (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
@@ -146,14 +226,16 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
     float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS) {
-  __shared__ __align__(128) u8 sB[WGR_N * D];
-  __shared__ __align__(128) u8 sB8[WGR_N * D];
-  __shared__ __align__(8) float sqs[WGR_ROWS][G * H];
-  __shared__ __align__(8) float sw[WGR_ROWS][H];
-  __shared__ __align__(8) float sqc[WGR_N];
+  __shared__ __align__(128) u8 sB[WGI8_N * D];
+  __shared__ __align__(128) u8 sB8[WGI8_N * D];
+  __shared__ __align__(16) float4 svm[WGI8_N / 2];
+  __shared__ __align__(8) float sqs[WGI8_ROWS][G * H];
+  __shared__ __align__(8) float sw[WGI8_ROWS][H];
   __shared__ u32 stab[15][2];
   __shared__ u32 swq[2][WGR_THREADS / 32];
   __shared__ u32 sqwin[WGR_THREADS / 32];
+  __shared__ u32 svwin[WGR_THREADS / 32];
+  __shared__ u32 sneg[WGI8_ROWS];
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
@@ -165,17 +247,20 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
   int qbase[G];
-  const bool fold_q =
-      wgr_prologue(q_scale, w, row_of, sw, sqs, stab, swq[0], swq[1], qbase, tid, lane, warp);
+  const bool fold_q = wgr_prologue<WGI8_ROWS>(q_scale, w, row_of, sw, sqs, stab, swq[0], swq[1],
+                                              qbase, tid, lane, warp);
   bool qsafe = fold_q;
 #pragma unroll
   for (int g = 0; g < G; ++g) qsafe = qsafe && qbase[g] >= 107 && qbase[g] <= 129;
 
-  // The int8 query window: thread n < 64 takes column n's vector (its bytes' span, its
-  // cq = 2^(eq_min - 129)), reduced over the block with the staging's barrier.
-  u32 qwin = I8_QWIN_NONE;
-  if (tid < WGR_N) {
-    const u64 qrow = (u64)row_of(tid / H) * H + tid % H;
+  // Thread tid takes column tid (row warp, head e + 2 a + 8 t of n' = lane = 8 a + 2 t + e):
+  // its vector's window (span, cq = 2^(eq_min - 129)), v = w cq and m = -v 2^23, the
+  // exponent window of v, and the row's weight signs. The windows are reduced over the
+  // block with the staging's barrier.
+  const auto head_of = [](int n) { return (n & 1) + 2 * ((n >> 3) & 3) + 8 * ((n >> 1) & 3); };
+  {
+    const int hh = head_of(lane);
+    const u64 qrow = (u64)row_of(warp) * H + hh;
     u32 mn = 255u, mx = 0u;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -183,19 +268,36 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
       mn = min(mn, e);
       mx = max(mx, e);
     }
-    sqc[tid] = ue8m0_pow2(mn, 2);
-    qwin = mn | ((255u - mx) << 8) | ((mx - mn <= I8_MAX_SPAN ? 1u : 0u) << 16);
-  }
+    const float wv = sw[warp][hh];
+    const float v = __fmul_rn(wv, ue8m0_pow2(mn, 2));
+    const float m = __fmul_rn(-v, I8_MAGIC);
+    float *vm = reinterpret_cast<float *>(&svm[tid >> 1]);
+    vm[tid & 1] = v;
+    vm[2 + (tid & 1)] = m;
+    u32 qwin = mn | ((255u - mx) << 8) | ((mx - mn <= I8_MAX_SPAN ? 1u : 0u) << 16);
+    const u32 f = (__float_as_uint(v) >> 23) & 0xFFu;
+    // byte 0: f over the columns with a nonzero weight (255: none), byte 1: 255 - f.
+    u32 vwin = (wv != 0.0f ? f : 255u) | ((255u - f) << 8);
 #pragma unroll
-  for (int o = 1; o < 32; o <<= 1) qwin = __vminu4(qwin, __shfl_xor_sync(FULL_MASK, qwin, o));
-  if (lane == 0) sqwin[warp] = qwin;
+    for (int o = 1; o < 32; o <<= 1) {
+      qwin = __vminu4(qwin, __shfl_xor_sync(FULL_MASK, qwin, o));
+      vwin = __vminu4(vwin, __shfl_xor_sync(FULL_MASK, vwin, o));
+    }
+    const bool neg = __all_sync(FULL_MASK, (__float_as_uint(wv) >> 31) != 0u);
+    if (lane == 0) {
+      sqwin[warp] = qwin;
+      svwin[warp] = vwin;
+      sneg[warp] = neg ? 1u : 0u;
+    }
+  }
 
-  wgr_stage_queries(q, q_scale, row_of, fold_q, qbase, stab, sB, tid);
+  wgr_stage_queries<WGI8_ROWS>(q, q_scale, row_of, fold_q, qbase, stab, sB, tid);
   // sB8: the same words as s8 values shifted by sq_g = eq_g - eq_min (clamped to 3 in a
-  // vector that spans more: the block then never takes the int8 path).
-  for (int t = tid; t < WGR_N * G * 4; t += WGR_THREADS) {
+  // vector that spans more: the block then never takes the int8 path), in the columns'
+  // head order above.
+  for (int t = tid; t < WGI8_N * G * 4; t += WGR_THREADS) {
     const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
-    const u64 qrow = (u64)row_of(n / H) * H + n % H;
+    const u64 qrow = (u64)row_of(n / H) * H + head_of(n % H);
     int mn = 255;
 #pragma unroll
     for (int gg = 0; gg < G; ++gg) mn = min(mn, (int)q_scale[qrow * G + gg]);
@@ -203,18 +305,25 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
     const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
     u32 lo, hb;
     e2m1_word_s8(word, sq, lo, hb);
-    *reinterpret_cast<u32 *>(&sB8[wg_off(n, 2 * g, WGR_N) + 4 * tt]) = lo;
-    *reinterpret_cast<u32 *>(&sB8[wg_off(n, 2 * g + 1, WGR_N) + 4 * tt]) = hb;
+    *reinterpret_cast<u32 *>(&sB8[wg_off(n, 2 * g, WGI8_N) + 4 * tt]) = lo;
+    *reinterpret_cast<u32 *>(&sB8[wg_off(n, 2 * g + 1, WGI8_N) + 4 * tt]) = hb;
   }
   fence_proxy_async();
   __syncthreads();
-  u32 bwin = sqwin[0];
+  u32 bwin = sqwin[0], vwin = svwin[0];
 #pragma unroll
-  for (int i = 1; i < WGR_THREADS / 32; ++i) bwin = __vminu4(bwin, sqwin[i]);
+  for (int i = 1; i < WGR_THREADS / 32; ++i) {
+    bwin = __vminu4(bwin, sqwin[i]);
+    vwin = __vminu4(vwin, svwin[i]);
+  }
   const int q_lo = (int)(bwin & 0xFFu), q_hi = 255 - (int)((bwin >> 8) & 0xFFu);
-  const bool q_i8 = ((bwin >> 16) & 0xFFu) != 0u && q_hi <= I8_MAX_Q_EXP;
-  // The key side of the guard as bounds on a key's smallest and largest byte.
-  const int k_floor = I8_MIN_EXP_SUM - q_lo, k_cap = I8_MAX_EXP_SUM - q_hi;
+  const int f_lo = (int)(vwin & 0xFFu), f_hi = 255 - (int)((vwin >> 8) & 0xFFu);
+  const bool q_i8 = ((bwin >> 16) & 0xFFu) != 0u && q_hi <= I8_MAX_Q_EXP &&
+                    f_lo >= I8_MIN_V_EXP && f_hi <= I8_MAX_V_EXP;
+  // The key side of both guards as bounds on a key's smallest and largest byte.
+  const int k_floor = max(I8_MIN_EXP_SUM - q_lo, I8_MIN_VK_EXP - f_lo);
+  const int k_cap = I8_MAX_EXP_SUM - q_hi, kmin_cap = I8_MAX_VK_EXP - f_hi;
+  const bool neg[2] = {sneg[hi ? 1 : 0] != 0u, sneg[hi ? 3 : 2] != 0u};
 
   u32 raw[2][G], rsc[2];
   bool none[2];
@@ -223,8 +332,27 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
   wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, blockIdx.x, sc_word, warp, gid, tig PG_PASS);
   bool two_mul = false;  // some fallback tile ran the two multiplies
   u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
-  // Two loops: a block whose queries the guard rejects runs mqa_logits_wgr's, with no
-  // per-tile decision and none of the int8 path's registers live.
+  // Tile c on mqa_logits_wgr's tile, each pair of rows in turn, the last pair's with the
+  // prefetch of tile c + gridDim.x.
+  auto fallback = [&](const u32 c) {
+    const u32 j0 = c * WGR_KEYS;
+    // One pair at a time (unrolled, the two pairs' tiles interleave and spill).
+#pragma unroll 1
+    for (int pr = 0; pr < WGI8_ROWS / WGR_ROWS; ++pr) {
+      const bool last = pr + 1 == WGI8_ROWS / WGR_ROWS;
+      const float logit = wgr_tile<true, (WGI8_N / 8) * 128>(
+          raw, rsc, sB + pr * (WGR_N / 8) * 128, fold_q, qsafe, sqs + WGR_ROWS * pr,
+          sw + WGR_ROWS * pr, stab, two_mul, tig, odd, hi, [&] {
+            if (last && c + gridDim.x < nchunks)
+              wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c + gridDim.x, sc_word, warp,
+                           gid, tig PG_PASS);
+          });
+      store_logit(logits, row_off, row_n, grp, WGR_ROWS * pr + (hi ? 1u : 0u),
+                  j0 + 16 * warp + gid, odd, logit);
+    }
+  };
+  // Two loops: a block whose queries or weights the guard rejects runs the fallback's,
+  // with no per-tile decision and none of the int8 path's registers live.
   if (q_i8) {
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
       const u32 j0 = c * WGR_KEYS;
@@ -242,32 +370,26 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
           mx = max(mx, e);
         }
         kmin[kk] = mn;
-        ok = ok && (none[kk] || (mx - mn <= I8_MAX_SPAN && mn >= k_floor && mx <= k_cap));
+        ok = ok && (none[kk] || (mx - mn <= I8_MAX_SPAN && mn >= k_floor && mx <= k_cap &&
+                                 mn <= kmin_cap));
       }
       const bool i8 = __syncthreads_and(ok ? 1 : 0) != 0;
       auto next = [&] {
         if (c + gridDim.x < nchunks)
           wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c + gridDim.x, sc_word, warp, gid, tig PG_PASS);
       };
-      float logit;
       if (i8) {
-        logit = wgi8_tile(raw, rsc, kmin, sB8, sqc, sw, tig, odd, hi, next);
+        float out[2];
+        wgi8_tile(raw, rsc, kmin, sB8, svm, neg, tig, odd, hi, out, next);
+        store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, out[0]);
+        store_logit(logits, row_off, row_n, grp, hi ? 3u : 2u, j0 + 16 * warp + gid, odd, out[1]);
         ++n_i8;
       } else {
-        logit = wgr_tile<true>(raw, rsc, sB, fold_q, qsafe, sqs, sw, stab, two_mul, tig, odd, hi, next);
+        fallback(c);
       }
-      store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, logit);
     }
   } else {
-    for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
-      const u32 j0 = c * WGR_KEYS;
-      const float logit =
-          wgr_tile<true>(raw, rsc, sB, fold_q, qsafe, sqs, sw, stab, two_mul, tig, odd, hi, [&] {
-            if (c + gridDim.x < nchunks)
-              wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c + gridDim.x, sc_word, warp, gid, tig PG_PASS);
-          });
-      store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, logit);
-    }
+    for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) fallback(c);
   }
   count_fold_paths(paths, fold_q, two_mul);
   count_int8_tiles(paths, n_i8, (nchunks - 1 - blockIdx.x) / gridDim.x + 1 - n_i8);

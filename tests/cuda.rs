@@ -18,7 +18,7 @@ use dsa_indexer::formats::{
 };
 use dsa_indexer::indexer::{run as run_backend, Backend};
 use dsa_indexer::problem::*;
-use dsa_indexer::reference::{self, Output};
+use dsa_indexer::reference::{self, int8_path, Output};
 use ndarray::{Array1, Array2, Array3};
 use proptest::prelude::*;
 use rayon::prelude::*;
@@ -1211,12 +1211,14 @@ fn s3(g: usize, groups: usize) -> usize {
 }
 
 /// Whether `mqa_logits_wgi8`'s guard (`kernels/mqa_logits_wgi8.cu`; docs/numerics.md
-/// section 6) admits the block of query rows `rows` (of one request) against its key tile
-/// `tile` (keys `64 tile ..` of the request, up to the rows' longest): every query vector
-/// of the rows spans at most 3 binades and `q_hi <= 244`, and every key of the tile spans
-/// at most 3 with `ek_min + q_lo >= 107` and `ek_max + q_hi <= 369` (`G = 4`) or 370
-/// (`G = 2`). The guard is monotone: a block of more rows or keys is admitted only if
-/// every part of it is.
+/// sections 6.4 and 6.7) admits the block of query rows `rows` (of one request) against
+/// its key tile `tile` (keys `64 tile ..` of the request, up to the rows' longest):
+/// - the int8 guard: every query vector of the rows spans at most 3 binades and
+///   `q_hi <= 244`, and every key of the tile spans at most 3 with `ek_min + q_lo >= 107`
+///   and `ek_max + q_hi <= 369` (`G = 4`) or 370 (`G = 2`);
+/// - the head epilogue's: with `v = w * 2^(eq_min - 129)` per (row, head) and `f` its
+///   exponent field, `f_lo >= 24` (over the nonzero weights), `f_hi <= 227`, and every
+///   key's `ek_min` in `151 - f_lo ..= 354 - f_hi`.
 fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
     let (_, h, g) = c.qs.dim();
     let kc = kernels::LOGITS_KEYS;
@@ -1228,67 +1230,68 @@ fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
         )
     };
     let (mut q_lo, mut q_hi, mut ok) = (255, 0, true);
+    let (mut f_lo, mut f_hi) = (255usize, 0usize);
     for &i in rows {
         for hh in 0..h {
             let (lo, hi) = window(&mut (0..g).map(|gg| c.qs[[i, hh, gg]]));
             ok = ok && hi - lo <= 3;
             (q_lo, q_hi) = (q_lo.min(lo), q_hi.max(hi));
+            let w = c.w[[i, hh]];
+            let v = w * int8_path::pow2_f32(lo as i32 - 129).unwrap();
+            let f = ((v.to_bits() >> 23) & 0xFF) as usize;
+            if w != 0.0 {
+                f_lo = f_lo.min(f);
+            }
+            f_hi = f_hi.max(f);
         }
     }
     let all = c.batch.rows();
     let n = rows.iter().map(|&i| all[i].n).max().unwrap();
     let top = if g == 4 { 369 } else { 370 };
     ok && q_hi <= 244
+        && f_lo >= 24
+        && f_hi <= 227
         && (kc * tile..(kc * tile + kc).min(n)).all(|j| {
             let (lo, hi) = window(&mut (0..g).map(|gg| c.ks[[all[rows[0]].ks + j, gg]]));
-            hi - lo <= 3 && lo + q_lo >= 107 && hi + q_hi <= top
+            hi - lo <= 3
+                && lo + q_lo >= 107
+                && hi + q_hi <= top
+                && lo + f_lo >= 151
+                && lo + f_hi <= 354
         })
 }
 
-/// The side the guard puts a case on, for any grouping of consecutive rows of a request
-/// into blocks of at most 2 (`kernels::LOGITS_WGR_ROWS`), from [`int8_guard_admits`]:
-/// `Int8` when every row and every pair of rows is admitted with every tile, `Fallback`
-/// when no single row is (with any tile), `Both` when some row is rejected with a tile and
-/// some row is admitted, with some tile, alone and with each neighbour; None otherwise (the
-/// side depends on the grouping).
-fn int8_side_on_the_host(c: &Case) -> Option<Int8Side> {
+/// The side the guard puts a case on in a run of one tile, from [`int8_guard_admits`]
+/// over the host's row groups (consecutive rows of a request, at most
+/// `kernels::LOGITS_WGI8_ROWS` each, as `cuda::geometry` forms them) and their key tiles:
+/// `Int8` when it admits every (group, tile), `Fallback` when none, `Both` otherwise.
+fn int8_side_on_the_host(c: &Case) -> Int8Side {
     let all = c.batch.rows();
     let kc = kernels::LOGITS_KEYS;
-    assert_eq!(kernels::LOGITS_WGR_ROWS, 2);
-    let same = |i: usize, j: usize| all[i].request == all[j].request;
-    let tiles = |rows: &[usize]| {
-        let n = rows.iter().map(|&i| all[i].n).max().unwrap();
-        0..n.div_ceil(kc)
-    };
-    let admitted = |rows: &[usize]| tiles(rows).all(|t| int8_guard_admits(c, rows, t));
-    let rejected = |rows: &[usize]| tiles(rows).all(|t| !int8_guard_admits(c, rows, t));
-    let t = all.len();
-    let pairs: Vec<[usize; 2]> = (1..t)
-        .filter(|&i| same(i - 1, i))
-        .map(|i| [i - 1, i])
-        .collect();
-    if (0..t).all(|i| admitted(&[i])) && pairs.iter().all(|p| admitted(p)) {
-        return Some(Int8Side::Int8);
-    }
-    if (0..t).all(|i| rejected(&[i])) {
-        return Some(Int8Side::Fallback);
-    }
-    let some_rejected = (0..t).any(|i| tiles(&[i]).any(|k| !int8_guard_admits(c, &[i], k)));
-    let some_admitted = (0..t).any(|i| {
-        tiles(&[i]).any(|k| {
-            let mut groups = vec![vec![i]];
-            if i > 0 && same(i - 1, i) {
-                groups.push(vec![i - 1, i]);
+    let (mut admitted, mut rejected) = (0usize, 0usize);
+    let mut i = 0;
+    while i < all.len() {
+        let mut e = i + 1;
+        while e < all.len() && e - i < kernels::LOGITS_WGI8_ROWS && all[e].request == all[i].request
+        {
+            e += 1;
+        }
+        let rows: Vec<usize> = (i..e).collect();
+        let n = rows.iter().map(|&r| all[r].n).max().unwrap();
+        for t in 0..n.div_ceil(kc) {
+            if int8_guard_admits(c, &rows, t) {
+                admitted += 1;
+            } else {
+                rejected += 1;
             }
-            if i + 1 < t && same(i, i + 1) {
-                groups.push(vec![i, i + 1]);
-            }
-            groups
-                .iter()
-                .all(|r| k < tiles(r).end && int8_guard_admits(c, r, k))
-        })
-    });
-    (some_rejected && some_admitted).then_some(Int8Side::Both)
+        }
+        i = e;
+    }
+    match (admitted > 0, rejected > 0) {
+        (true, false) => Int8Side::Int8,
+        (false, true) => Int8Side::Fallback,
+        _ => Int8Side::Both,
+    }
 }
 
 /// The int8 test cases at `D = d`, `H = 32`, each with the side its tiles take: ragged
@@ -1300,7 +1303,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
     use rand::{Rng, SeedableRng};
     let (h, groups) = (32, d / 32);
     let kc = kernels::LOGITS_KEYS;
-    let rows = 2 * kernels::LOGITS_WGR_ROWS + 3;
+    let rows = 2 * kernels::LOGITS_WGI8_ROWS + 3;
     let s = 3 * kc + 5;
     let batch = Batch::contiguous(&[s, kc + 2], &[s - rows, kc - 1], 1).unwrap();
     type Scales = (
@@ -1308,8 +1311,10 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
         fn(usize, usize, usize) -> u8,
     );
     // (name, side at G = 2, side at G = 4, query byte of (row, head, group, G), key byte
-    // of (key, group, G)).
-    let patterns: [(&str, Int8Side, Int8Side, Scales); 13] = [
+    // of (key, group, G), x: the weights are uniform in (-2^x, 2^x)). x moves the head
+    // epilogue's v = w 2^(eq_min - 129) into its guard's range (docs/numerics.md 6.7),
+    // so that the int8 guard's own edges decide the side.
+    let patterns: [(&str, Int8Side, Int8Side, Scales, i32); 13] = [
         (
             "spans of 3 on both sides",
             Int8Side::Int8,
@@ -1318,6 +1323,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
                 |_, _, g, gs| (125 + s3(g, gs)) as u8,
                 |x, g, gs| (126 + (s3(g, gs) + x) % 4) as u8,
             ),
+            0,
         ),
         (
             "a query vector spanning 4 (head 5 of row 0: its block falls back)",
@@ -1327,6 +1333,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
                 |i, h, g, _| if i == 0 && h == 5 && g == 0 { 131 } else { 127 },
                 |_, _, _| 127,
             ),
+            0,
         ),
         (
             "keys 64..128 span 4, the others 3",
@@ -1342,36 +1349,42 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
                     }
                 },
             ),
+            0,
         ),
         (
             "q_lo + k_lo = 107 (C = 2^-149, subnormal scores)",
             Int8Side::Int8,
             Int8Side::Int8,
             (|_, _, _, _| 50, |_, _, _| 57),
+            70,
         ),
         (
             "q_lo + k_lo = 106",
             Int8Side::Fallback,
             Int8Side::Fallback,
             (|_, _, _, _| 50, |_, _, _| 56),
+            70,
         ),
         (
             "q_hi + k_hi = 369",
             Int8Side::Int8,
             Int8Side::Int8,
             (|_, _, _, _| 200, |_, _, _| 169),
+            -40,
         ),
         (
             "q_hi + k_hi = 370 (G = 4 can overflow a half sum)",
             Int8Side::Int8,
             Int8Side::Fallback,
             (|_, _, _, _| 200, |_, _, _| 170),
+            -40,
         ),
         (
             "q_hi + k_hi = 372 (overflow to inf and NaN)",
             Int8Side::Fallback,
             Int8Side::Fallback,
             (|_, _, _, _| 200, |_, _, _| 172),
+            -40,
         ),
         (
             "query bytes up to 244, key bytes 0..=3",
@@ -1381,6 +1394,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
                 |_, h, g, gs| (241 + (s3(g, gs) + h) % 4) as u8,
                 |x, g, gs| ((s3(g, gs) + x) % 4) as u8,
             ),
+            -40,
         ),
         (
             "a query byte 245 (row 1: its block falls back)",
@@ -1396,6 +1410,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
                 },
                 |_, _, _| 0,
             ),
+            -40,
         ),
         (
             "key bytes up to 254",
@@ -1405,6 +1420,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
                 |_, h, g, gs| (100 + (s3(g, gs) + h) % 4) as u8,
                 |x, g, gs| (251 + (s3(g, gs) + x) % 4) as u8,
             ),
+            0,
         ),
         (
             "key byte 0 against query bytes 106 (q_lo + k_lo = 106)",
@@ -1414,6 +1430,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
                 |_, _, g, gs| (106 + s3(g, gs)) as u8,
                 |x, g, gs| ((s3(g, gs) + x) % 4) as u8,
             ),
+            80,
         ),
         (
             "key byte 0 against query bytes 107",
@@ -1423,11 +1440,13 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
                 |_, _, g, gs| (107 + s3(g, gs)) as u8,
                 |x, g, gs| ((s3(g, gs) + x) % 4) as u8,
             ),
+            80,
         ),
     ];
     let mut cases = Vec::new();
-    for (name, side2, side4, (qe, ke)) in patterns {
+    for (name, side2, side4, (qe, ke), x) in patterns {
         let mut c = Case::random(batch.clone(), h, d, (h * d + 7) as u64);
+        c.w.mapv_inplace(|w| w * 2f32.powi(x));
         c.qs = Array3::from_shape_fn(c.qs.dim(), |(i, hh, g)| qe(i, hh, g, groups));
         c.ks = Array2::from_shape_fn(c.ks.dim(), |(x, g)| ke(x, g, groups));
         let side = if groups == 2 { side2 } else { side4 };
@@ -1457,6 +1476,59 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
     c.k = Array2::from_shape_vec((l, d / 2), kp).unwrap();
     c.ks = Array2::from_shape_vec((l, groups), ks).unwrap();
     cases.push(("engine-like".into(), c, Int8Side::Int8));
+    // The head epilogue's guard (docs/numerics.md 6.7) on engine-like scales (bytes near
+    // 127, spans of 3): weights whose v = w 2^(eq_min - 129) leave the normal range
+    // send their block to the fallback; weights with every sign bit set give the
+    // reference's -0 on logits whose terms are all zero.
+    let base = |seed: u64| {
+        let mut c = Case::random(batch.clone(), h, d, seed);
+        c.qs = Array3::from_shape_fn(c.qs.dim(), |(_, hh, g)| {
+            (125 + (s3(g, groups) + hh) % 4) as u8
+        });
+        c.ks = Array2::from_shape_fn(c.ks.dim(), |(x, g)| (126 + (s3(g, groups) + x) % 4) as u8);
+        c
+    };
+    // f(v) near 24 (the smallest it admits): w = 2^-80 on row 0, head 3, so that for
+    // eq_min = 125, v = 2^-84 (f = 43) passes, and w = 2^-103 on row 4 (v = 2^-107, f = 20)
+    // sends its block back.
+    let mut c = base(9);
+    c.w[[0, 3]] = 2f32.powi(-80);
+    c.w[[4, 3]] = 2f32.powi(-103);
+    cases.push((
+        "weights of 2^-80 and 2^-103 (row 4's block falls back)".into(),
+        c,
+        Int8Side::Both,
+    ));
+    // Weights near the top: w = 2^100 on row 0 (v = 2^96 for eq_min = 125: f = 223, and
+    // ek_min + f = 349 <= 354 for the keys' ek_min = 126), beside 2^105 on row 8 (v =
+    // 2^101, f = 228 > 227: 32 terms could overflow; its block falls back).
+    let mut c = base(10);
+    c.w[[0, 7]] = 2f32.powi(100);
+    c.w[[8, 7]] = 2f32.powi(105);
+    cases.push((
+        "weights of 2^100 and 2^105 (row 8's block falls back)".into(),
+        c,
+        Int8Side::Both,
+    ));
+    // Every weight of rows 1 and 5 negative, of row 2 -0 and of row 6 +0, random codes
+    // with many zeros: the logits of keys whose heads are all <= 0 are -0 on rows 1, 2
+    // and 5, +0 on row 6.
+    let mut c = base(11);
+    c.w = Array2::from_shape_fn(c.w.dim(), |(i, _)| match i {
+        1 | 5 => -0.75,
+        2 => -0.0,
+        6 => 0.0,
+        _ => 0.5,
+    });
+    c.q = Array3::from_shape_fn(c.q.dim(), |_| {
+        if rng.gen_range(0..3) == 0 {
+            rng.gen()
+        } else {
+            0
+        }
+    });
+    c.k = Array2::from_shape_fn(c.k.dim(), |(x, _)| if x % 3 == 0 { 0 } else { rng.gen() });
+    cases.push(("weights of one sign, zero logits".into(), c, Int8Side::Int8));
     // The wide stress draw of v41-chunk-wide: every byte uniform in 124..=130, so that
     // every row has a head whose vector spans more than 3 binades.
     let mut c = Case::random(batch.clone(), h, d, 8);
@@ -1471,11 +1543,16 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
 /// inputs really have. Runs without a GPU.
 #[test]
 fn int8_cases_are_on_the_sides_they_name() {
+    let mut wrong = Vec::new();
     for d in [64, 128] {
         for (name, c, side) in int8_cases(d) {
-            assert_eq!(int8_side_on_the_host(&c), Some(side), "D={d}: {name}");
+            let got = int8_side_on_the_host(&c);
+            if got != side {
+                wrong.push(format!("D={d}: {name}: {got:?}, named {side:?}"));
+            }
         }
     }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 /// `mqa_logits_wgi8` (the `int8_exact` hook on top of this process's hooks) against the

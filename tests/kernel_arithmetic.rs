@@ -976,3 +976,114 @@ fn int8_path_admits_engine_like_inputs() {
         );
     }
 }
+
+/// The int8 kernel's head epilogue (`int8_path::epilogue_logit`: one fma per head from
+/// the accumulator's bits, the pairwise head sum, one multiply by the key's scale, the
+/// sign of a zero from the weights) against SPEC 4's steps 2 to 4 (`exact_head_score`,
+/// `w * relu(a)`, the pairwise head sum), over 32 heads: wherever every head's pair and
+/// the epilogue's guard admit (`docs/numerics.md` 6.7), bitwise. Draws cover the whole
+/// exponent range: a base scale byte and weight exponent per sample with small spreads
+/// per head, the key byte anywhere, group sums from 0 to +-4608, weights of either sign,
+/// zeros among them, and samples whose weights all have the sign bit set (some with no
+/// positive head score).
+#[test]
+fn int8_epilogue_matches_the_reference_wherever_its_guard_admits() {
+    use dsa_indexer::reference::int8_path::{
+        epilogue_admits, epilogue_logit, epilogue_weight, int8_pair_admits, pow2_f32,
+    };
+    use dsa_indexer::reference::logits::{exact_head_score, pairwise_f32, relu};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(67);
+    let (heads, samples) = (32usize, 40_000usize);
+    let (mut admitted, mut rejected, mut rejected_differ, mut neg_zero) = (0, 0, 0, 0);
+    for n in 0..samples {
+        let g = [2usize, 4][n % 2];
+        let ek: Vec<u8> = {
+            let lo = rng.gen_range(0..=251u8);
+            (0..g).map(|_| lo + rng.gen_range(0..=3)).collect()
+        };
+        let ek_min = *ek.iter().min().unwrap();
+        let (eq0, x0) = (rng.gen_range(0..=238u8), rng.gen_range(-150..=130i32));
+        // Every weight's sign bit set, and (with it, one sample in 35) every group sum
+        // <= 0: logits of all-zero terms, SPEC 4's -0.
+        let (all_neg, non_pos) = (n % 7 == 0, n % 5 == 0);
+        let (mut y, mut eq_min, mut w, mut want_terms) = (vec![], vec![], vec![], vec![]);
+        let mut pairs_ok = true;
+        for _ in 0..heads {
+            let eq: Vec<u8> = {
+                let lo = eq0 + rng.gen_range(0..=6);
+                (0..g).map(|_| lo + rng.gen_range(0..=3)).collect()
+            };
+            let e_min = *eq.iter().min().unwrap();
+            pairs_ok = pairs_ok && int8_pair_admits(&eq, &ek);
+            // Group sums X_g = 4 s_g: zero, small, or anywhere in range.
+            let x: Vec<i32> = (0..g)
+                .map(|_| match rng.gen_range(0..4) {
+                    0 => 0,
+                    1 => rng.gen_range(-8..=8),
+                    _ => rng.gen_range(-4608..=4608),
+                })
+                .map(|v: i32| if non_pos { -v.abs() } else { v })
+                .collect();
+            let yh: i32 = (0..g)
+                .map(|i| x[i] << ((eq[i] - e_min) + (ek[i] - ek_min)))
+                .sum();
+            let wh = match rng.gen_range(0..16) {
+                0 => 0.0f32,
+                _ => {
+                    let m: f32 = rng.gen_range(1.0..2.0);
+                    let e = (x0 - rng.gen_range(0..=6)).clamp(-149, 127);
+                    m * pow2_f32(e).unwrap()
+                }
+            };
+            let wh = if all_neg || rng.gen_bool(0.3) {
+                -wh
+            } else {
+                wh
+            };
+            let s: Vec<f32> = x.iter().map(|&v| v as f32 / 4.0).collect();
+            let qs: Vec<f32> = eq
+                .iter()
+                .map(|&e| pow2_f32(e as i32 - 127).unwrap())
+                .collect();
+            let ks: Vec<f32> = ek
+                .iter()
+                .map(|&e| pow2_f32(e as i32 - 127).unwrap())
+                .collect();
+            want_terms.push(wh * relu(exact_head_score(&s, &qs, &ks)));
+            y.push(yh);
+            eq_min.push(e_min);
+            w.push(wh);
+        }
+        if !pairs_ok {
+            continue;
+        }
+        let want = pairwise_f32(&want_terms);
+        let got = epilogue_logit(&y, &eq_min, &w, ek_min);
+        let v: Vec<f32> = w
+            .iter()
+            .zip(&eq_min)
+            .map(|(&w, &e)| epilogue_weight(w, e))
+            .collect();
+        if epilogue_admits(&w, &v, ek_min) {
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "sample {n}: model {got:e}, reference {want:e}; ek {ek:?} eq_min {eq_min:?} w {w:?} y {y:?}"
+            );
+            admitted += 1;
+            neg_zero += (want.to_bits() == 0x8000_0000) as u32;
+        } else {
+            rejected += 1;
+            rejected_differ += (got.to_bits() != want.to_bits()) as u32;
+        }
+    }
+    println!(
+        "admitted {admitted}, rejected {rejected} ({rejected_differ} differ), -0 logits {neg_zero}"
+    );
+    // Both sides reached, the sign rule exercised, and the guard not vacuous: some
+    // samples it rejects do differ.
+    assert!(
+        admitted > 1_000 && rejected > 1_000 && rejected_differ > 100 && neg_zero > 10,
+        "admitted {admitted}, rejected {rejected} ({rejected_differ} differ), -0 {neg_zero}"
+    );
+}

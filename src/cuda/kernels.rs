@@ -127,9 +127,13 @@ pub fn logits_on_fp8_accumulator(v: Variant, hooks: Hooks) -> bool {
 /// `logits_e4m3_h64.cuh`: 2 rows x 64 heads = one 128-column MMA).
 pub const LOGITS_W16_ROWS: usize = 2;
 
-/// Rows per `mqa_logits_wgr` and `mqa_logits_wgi8` block (`WGR_ROWS` in `logits_wgr.cuh`: 2
-/// rows x 32 heads = one 64-column MMA).
+/// Rows per `mqa_logits_wgr` block (`WGR_ROWS` in `logits_wgr.cuh`: 2 rows x 32 heads =
+/// one 64-column MMA).
 pub const LOGITS_WGR_ROWS: usize = 2;
+
+/// Rows per `mqa_logits_wgi8` block (`WGI8_ROWS` in `mqa_logits_wgi8.cu`: 4 rows x 32
+/// heads = one 128-column s8 MMA, whose keys are decoded once for all four rows).
+pub const LOGITS_WGI8_ROWS: usize = 4;
 
 /// Threads per block of the `wgmma` logits kernels: one warpgroup (`WGR_THREADS`,
 /// `H64_THREADS`).
@@ -167,11 +171,12 @@ pub struct Hooks {
     /// (fewer than `K` keys at or above its threshold, or more than `TK_CAND_CAP`).
     pub no_sampled_threshold: bool,
     /// `mqa_logits_wgi8` where `mqa_logits_wgr` serves the exact class (`H = 32`,
-    /// `D >= 64`): each key tile whose scales pass the int8 guard (every query vector
-    /// and key spanning at most 3 binades, and range bounds; `kernels/mqa_logits_wgi8.cu`
-    /// derives it) runs one exact `s8` `wgmma` chain over all groups and one multiply per
-    /// head score; the others run `mqa_logits_wgr`'s tile. Off by default until it is
-    /// measured; [`crate::cuda::FoldCounts`] counts the tiles on each path.
+    /// `D >= 64`), four rows per block: each key tile whose scales and weights pass the
+    /// guard (every query vector and key spanning at most 3 binades, range bounds on the
+    /// scales, and the weights' terms in f32's normal range; `kernels/mqa_logits_wgi8.cu`
+    /// derives it) runs one exact `s8` `wgmma` chain over all groups and a head epilogue
+    /// of three operations per head score; the others run `mqa_logits_wgr`'s tile on each
+    /// pair of rows. [`crate::cuda::FoldCounts`] counts the tiles on each path.
     pub int8_exact: bool,
     /// `topk_ragged_f32` for every tile's long rows: no tile takes
     /// `topk_ragged_wide_f32`, which production launches for tiles of at most
@@ -325,12 +330,10 @@ pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
     };
     if logits_wgmma(v, hooks) {
         if exact {
-            let name = if hooks.int8_exact {
-                "mqa_logits_wgi8"
-            } else {
-                "mqa_logits_wgr"
-            };
-            return (name, LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
+            if hooks.int8_exact {
+                return ("mqa_logits_wgi8", LOGITS_WGI8_ROWS, LOGITS_WG_THREADS);
+            }
+            return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
         }
         if fast {
             return ("mqa_logits_w8", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
@@ -829,6 +832,12 @@ mod tests {
         pinned(LOGITS_WGR_TILE, wgr, "WGR_KEYS", LOGITS_KEYS);
         pinned(LOGITS_WGR_TILE, wgr, "WGR_ROWS", LOGITS_WGR_ROWS);
         pinned(LOGITS_WGR_TILE, wgr, "WGR_THREADS", LOGITS_WG_THREADS);
+        pinned(
+            LOGITS_WGI8,
+            "mqa_logits_wgi8.cu",
+            "WGI8_ROWS",
+            LOGITS_WGI8_ROWS,
+        );
         let h64 = "logits_e4m3_h64.cuh";
         pinned(LOGITS_E4M3_H64, h64, "H64_KEYS", LOGITS_KEYS);
         pinned(LOGITS_E4M3_H64, h64, "H64_ROWS", LOGITS_W16_ROWS);

@@ -738,8 +738,8 @@ mod tests {
                 "{}",
                 v.name()
             );
-            // The int8 hook runs the exact class's wgmma shapes on mqa_logits_wgi8 (same
-            // rows and threads) and changes nothing else.
+            // The int8 hook runs the exact class's wgmma shapes on mqa_logits_wgi8 (4 rows
+            // per block, the same threads) and changes nothing else.
             let int8 = Hooks {
                 int8_exact: true,
                 ..Hooks::default()
@@ -748,7 +748,7 @@ mod tests {
             if wg {
                 assert_eq!(
                     (name8, rows8, threads8),
-                    ("mqa_logits_wgi8", rows, threads),
+                    ("mqa_logits_wgi8", kernels::LOGITS_WGI8_ROWS, threads),
                     "{}",
                     v.name()
                 );

@@ -81,7 +81,7 @@ path_counters! {
         /// Threads of which some key tile ran the reference's two multiplies.
         pub threads_two_multiplies: u64,
         /// `mqa_logits_wgi8` ([`super::Hooks::int8_exact`]): key tiles (per block) that
-        /// passed the int8 guard and ran one `s8` chain and one multiply per head score.
+        /// passed the guard and ran one `s8` chain and the int8 head epilogue.
         pub tiles_int8: u64,
         /// `mqa_logits_wgi8`: key tiles (per block) the guard sent to `mqa_logits_wgr`'s
         /// tile.

@@ -206,3 +206,69 @@ pub fn int8_path_admits(q: ScaleWindow, k: ScaleWindow, groups: usize) -> bool {
         && q.hi <= MAX_Q_EXP
         && q.hi as u32 + k.hi as u32 <= top
 }
+
+/// The head epilogue's guard bounds (`docs/numerics.md` 6.7): with `v_h = w_h * cq_h`
+/// and `f` an f32's biased exponent field, `f_lo >= 24` over the nonzero weights...
+pub const EPI_MIN_V_EXP: u32 = 24;
+/// ... `f_hi <= 227` over all ...
+pub const EPI_MAX_V_EXP: u32 = 227;
+/// ... and every key's `ek_min + f_lo >= 151` ...
+pub const EPI_MIN_VK_EXP: u32 = 151;
+/// ... and `ek_min + f_hi <= 354`.
+pub const EPI_MAX_VK_EXP: u32 = 354;
+
+/// `v_h = w_h * 2^(eq_min,h - 129)` of one head, one f32 multiply (the kernel's per-column
+/// constant).
+pub fn epilogue_weight(w: f32, eq_min: u8) -> f32 {
+    // eq_min - 129 >= -129: always an f32.
+    w * pow2_f32(eq_min as i32 - 129).expect("2^(e - 129) is an f32 for every byte")
+}
+
+/// Whether the head epilogue's guard admits one (row, key): the weights' `v_h`
+/// ([`epilogue_weight`]) and the key's smallest scale byte `ek_min`. The kernel checks
+/// the same bounds over a block's rows and a tile's keys, which implies this for each
+/// (row, key) of the tile.
+pub fn epilogue_admits(w: &[f32], v: &[f32], ek_min: u8) -> bool {
+    let f = |x: f32| (x.to_bits() >> 23) & 0xFF;
+    let lo = w
+        .iter()
+        .zip(v)
+        .filter(|(&w, _)| w != 0.0)
+        .map(|(_, &v)| f(v))
+        .min()
+        .unwrap_or(255);
+    let hi = v.iter().map(|&v| f(v)).max().unwrap_or(0);
+    let k = ek_min as u32;
+    lo >= EPI_MIN_V_EXP
+        && hi <= EPI_MAX_V_EXP
+        && k + lo >= EPI_MIN_VK_EXP
+        && k + hi <= EPI_MAX_VK_EXP
+}
+
+/// The kernel's head epilogue for one (row, key), from the int32 head sums `y` (one per
+/// head, a power-of-two count), the heads' `eq_min`, the weights `w` and the key's
+/// `ek_min`: `T_h = fma(v_h, 2^23 + max(y_h, 0), -v_h 2^23)`, `L = P(T) * 2^(ek_min - 127)`,
+/// and `-0` for a zero `L` when every weight has its sign bit set. Where
+/// [`epilogue_admits`] holds and every head's pair is admitted ([`int8_pair_admits`]),
+/// this is SPEC 4's logit.
+pub fn epilogue_logit(y: &[i32], eq_min: &[u8], w: &[f32], ek_min: u8) -> f32 {
+    let magic = 8_388_608.0f32; // 2^23
+    let t: Vec<f32> = y
+        .iter()
+        .zip(eq_min)
+        .zip(w)
+        .map(|((&y, &e), &w)| {
+            let v = epilogue_weight(w, e);
+            // The bits max(acc, 0x4B000000), acc = 0x4B000000 + y: 2^23 + max(y, 0).
+            let x = f32::from_bits((0x4B00_0000i32 + y).max(0x4B00_0000) as u32);
+            v.mul_add(x, -v * magic)
+        })
+        .collect();
+    let l = super::logits::pairwise_f32(&t)
+        * pow2_f32(ek_min as i32 - 127).expect("2^(e - 127) is an f32 for every byte");
+    if l == 0.0 && w.iter().all(|w| w.is_sign_negative()) {
+        -0.0
+    } else {
+        l
+    }
+}
