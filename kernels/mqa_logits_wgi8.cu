@@ -90,22 +90,31 @@
 
 // ==== layout ====
 //
-// Four rows per block (WGI8_ROWS): B is 128 columns, row n / 32 and, within it, column
-// n' = 8 a + 2 t + e (a < 4, t < 4, e < 2) holding head e + 2 a + 8 t. The s32
-// accumulator element i of a thread (m64n128: i < 64) is key 16 warp + gid + 8 ((i >> 1)
-// & 1), column 8 (i >> 2) + 2 tig + (i & 1): so a thread holds, per row and key, the
-// heads of head bits 0..2 (e, a), and the lanes of its quad hold bits 3 and 4 (tig).
-// SPEC 4's pairwise head sum is then three levels in the thread and two across the quad.
-// The fallback stages B a second time (sB, mqa_logits_wgr's staging of the same rows,
-// heads in their natural order) and runs mqa_logits_wgr's tile on each pair of rows.
+// WGI8_ROWS rows per block (4, or 8 as a tuning define): B has 32 columns per row, and
+// within a row column n' = 8 a + 2 t + e (a < 4, t < 4, e < 2) holds head e + 2 a + 8 t.
+// The s8 MMAs run on 128 columns (four rows) at a time, one s32 accumulator of 64
+// elements each: element i of a thread is key 16 warp + gid + 8 ((i >> 1) & 1), column
+// 8 (i >> 2) + 2 tig + (i & 1) of its four rows. So a thread holds, per row and key, the
+// heads of head bits 0..2 (e, a), and the lanes of its quad hold bits 3 and 4 (tig):
+// SPEC 4's pairwise head sum is three levels in the thread and two across the quad.
+// With eight rows the second four rows' MMAs run while the first four's epilogue does.
+// The fallback (mqa_logits_wgr's tile on each pair of rows) reads mqa_logits_wgr's
+// staging of the rows (heads in their natural order): all of them in sQ when the block's
+// queries or weights are rejected (sQ then holds no s8 operands), else one pair at a
+// time in sF, staged when a key tile is rejected.
+#ifndef WGI8_ROWS
 #define WGI8_ROWS 4
+#endif
 #define WGI8_N (WGI8_ROWS * H)
-static_assert(WGI8_N == WGR_THREADS, "one column per thread in the block's prologue");
-static_assert(WGI8_ROWS % WGR_ROWS == 0, "the fallback tile takes the rows in pairs");
+// Rows per s8 MMA (128 columns).
+#define WGI8_MMA_ROWS 4
+static_assert(WGI8_ROWS == 4 || WGI8_ROWS == 8, "WGI8_ROWS: 4 or 8");
+static_assert(WGI8_MMA_ROWS * H == WGR_THREADS, "one column per thread per MMA in the prologue");
 
-// Blocks per SM the registers must allow: 3 at D = 128 (170 registers), 4 at D = 64.
+// Blocks per SM the registers must allow: at four rows 3 at D = 128 (170 registers) and 4
+// at D = 64; at eight rows 2.
 #ifndef WGI8_MIN_BLOCKS
-#define WGI8_MIN_BLOCKS (G == 4 ? 3 : 4)
+#define WGI8_MIN_BLOCKS (WGI8_ROWS == 8 ? 2 : G == 4 ? 3 : 4)
 #endif
 
 // ==== the guard's bounds (docs/numerics.md section 6) ====
@@ -130,62 +139,35 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 // vector holds the neutral 0x0001FFFF.
 #define I8_QWIN_NONE 0x0001FFFFu
 
-// 2^23 as an f32, and as the bits the accumulator starts from.
+// 2^23 as an f32, and its bits: the epilogue reads max(Y + 0x4B000000, 0x4B000000) (one
+// VIADDMNMX) as the f32 2^23 + max(Y, 0).
 #define I8_MAGIC 8388608.0f
 #define I8_MAGIC_BITS 0x4B000000
 
 // ==== one key tile, int8 ====
 
-// One key tile on the int8 path from this thread's keys (raw, rsc): the s8 A fragments
-// (each key's values shifted by its group's offset from kmin[kk], its smallest byte),
-// then next() (the next tile's prefetch), one s32 chain of G k32 steps against sB8 from
-// 2^23's bits, and the head epilogue above with the block's columns' (v, m) in svm
-// (float4 p = columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows hi and 2 + hi
-// (out[0], out[1]) at key 16 warp + gid + 8 odd; neg[r]: every weight of that row has its
-// sign bit set.
-template <class Next>
-__device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
-                                          const int (&kmin)[2], const u8 *sB8,
-                                          const float4 *svm, const bool (&neg)[2],
-                                          const int tig, const bool odd, const bool hi,
-                                          float (&out)[2], Next next) {
-  constexpr u32 lbo = (WGI8_N / 8) * 128;
-  u32 af[G][4];
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int sk = (int)((rsc[kk] >> (8 * g)) & 0xFFu) - kmin[kk];
-      e2m1_word_s8(raw[kk][g], sk, af[g][kk], af[g][2 + kk]);
-    }
-  const float ck = ue8m0_pow2((u32)kmin[odd ? 1 : 0], 0);
-  fence_regs_a(af);
-  next();
-  int y[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) y[i] = I8_MAGIC_BITS;
-  wgmma_fence();
-#pragma unroll
-  for (int g = 0; g < G; ++g)
-    wgmma_m64n128k32_s8_rs(y, af[g], wgmma_desc(sB8 + 2 * g * lbo, lbo, 128), 1u);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_regs_s32(y);
+// The head epilogue of four rows (r0 .. r0 + 3) from their accumulator y (the s32 head
+// sums Y): the logits of rows r0 + hi and r0 + 2 + hi at this thread's key kk = odd,
+// into out[0], out[1]; ck = 2^(ek_min - 127) of that key, neg[r]: every weight of row r
+// has its sign bit set.
+__device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *svm, const int r0,
+                                              const float ck, const u32 neg, const int tig,
+                                              const bool odd, const bool hi, float (&out)[2]) {
   // Per row r and key kk: head bits 0..2 in the thread (e, then a's two bits).
-  float p[WGI8_ROWS][2];
+  float p[WGI8_MMA_ROWS][2];
 #pragma unroll
-  for (int r = 0; r < WGI8_ROWS; ++r) {
+  for (int r = 0; r < WGI8_MMA_ROWS; ++r) {
     float s1[2][4];
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const int j = 4 * r + a;
-      const float4 c = svm[4 * j + tig];
+      const float4 c = svm[4 * (4 * r0 + j) + tig];
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         const int i = 4 * j + 2 * kk;
-        const float t0 = __fmaf_rn(c.x, __int_as_float(max(y[i], I8_MAGIC_BITS)), c.z);
-        const float t1 = __fmaf_rn(c.y, __int_as_float(max(y[i + 1], I8_MAGIC_BITS)), c.w);
-        s1[kk][a] = __fadd_rn(t0, t1);
+        const float x0 = __int_as_float(__viaddmax_s32(y[i], I8_MAGIC_BITS, I8_MAGIC_BITS));
+        const float x1 = __int_as_float(__viaddmax_s32(y[i + 1], I8_MAGIC_BITS, I8_MAGIC_BITS));
+        s1[kk][a] = __fadd_rn(__fmaf_rn(c.x, x0, c.z), __fmaf_rn(c.y, x1, c.w));
       }
     }
 #pragma unroll
@@ -193,9 +175,9 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
       p[r][kk] = __fadd_rn(__fadd_rn(s1[kk][0], s1[kk][1]), __fadd_rn(s1[kk][2], s1[kk][3]));
   }
   // Head bit 3 (lane offset 1): odd lanes keep key gid + 8, even lanes key gid.
-  float q[WGI8_ROWS];
+  float q[WGI8_MMA_ROWS];
 #pragma unroll
-  for (int r = 0; r < WGI8_ROWS; ++r) {
+  for (int r = 0; r < WGI8_MMA_ROWS; ++r) {
     const float send = odd ? p[r][0] : p[r][1];
     q[r] = __fadd_rn(odd ? p[r][1] : p[r][0], __shfl_xor_sync(FULL_MASK, send, 1));
   }
@@ -205,7 +187,60 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
     const float send = hi ? q[2 * rr] : q[2 * rr + 1];
     const float l = __fadd_rn(hi ? q[2 * rr + 1] : q[2 * rr], __shfl_xor_sync(FULL_MASK, send, 2));
     const float x = __fmul_rn(l, ck);
-    out[rr] = (x == 0.0f && neg[rr]) ? -0.0f : x;
+    const bool nr = ((neg >> (r0 + 2 * rr + (hi ? 1 : 0))) & 1u) != 0u;
+    out[rr] = (x == 0.0f && nr) ? -0.0f : x;
+  }
+}
+
+// One key tile on the int8 path from this thread's keys (raw, rsc): the s8 A fragments
+// (each key's values shifted by its group's offset from kmin[kk], its smallest byte),
+// then next() (the next tile's prefetch), per four rows one s32 chain of G k32 steps
+// against sB8, and the head epilogue above with the block's columns' (v, m) in svm
+// (float4 p = columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows
+// 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r
+// of neg: every weight of row r has its sign bit set.
+template <class Next>
+__device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
+                                          const int (&kmin)[2], const u8 *sB8,
+                                          const float4 *svm, const u32 neg, const int tig,
+                                          const bool odd, const bool hi,
+                                          float (&out)[WGI8_ROWS / 2], Next next) {
+  constexpr u32 lbo = (WGI8_N / 8) * 128;
+  constexpr int M = WGI8_ROWS / WGI8_MMA_ROWS;
+  u32 af[G][4];
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int sk = (int)((rsc[kk] >> (8 * g)) & 0xFFu) - kmin[kk];
+      e2m1_word_s8(raw[kk][g], sk, af[g][kk], af[g][2 + kk]);
+    }
+  const float ck = ue8m0_pow2((u32)(odd ? kmin[1] : kmin[0]), 0);
+  fence_regs_a(af);
+  next();
+  int y[M][64];
+  wgmma_fence();
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+      wgmma_m64n128k32_s8_rs(y[m], af[g],
+                             wgmma_desc(sB8 + 2 * g * lbo + m * (WGI8_MMA_ROWS * H / 8) * 128, lbo, 128),
+                             g > 0 ? 1u : 0u);
+    wgmma_commit();
+  }
+  // Four rows' epilogue while the next four rows' MMAs run.
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    if (m + 1 < M)
+      wgmma_wait<1>();
+    else
+      wgmma_wait<0>();
+    fence_regs_s32(y[m]);
+    float o[2];
+    wgi8_epilogue(y[m], svm, WGI8_MMA_ROWS * m, ck, neg, tig, odd, hi, o);
+    out[2 * m] = o[0];
+    out[2 * m + 1] = o[1];
   }
 }
 
@@ -218,7 +253,7 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
 
 // ==== kernel ====
 
-// block: rows grp.x + [0, 4) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
+// block: rows grp.x + [0, WGI8_ROWS) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
 // (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(
     const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
@@ -226,8 +261,8 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
     const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
     const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
     float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS) {
-  __shared__ __align__(128) u8 sB[WGI8_N * D];
-  __shared__ __align__(128) u8 sB8[WGI8_N * D];
+  __shared__ __align__(128) u8 sQ[WGI8_N * D];
+  __shared__ __align__(128) u8 sF[WGR_N * D];
   __shared__ __align__(16) float4 svm[WGI8_N / 2];
   __shared__ __align__(8) float sqs[WGI8_ROWS][G * H];
   __shared__ __align__(8) float sw[WGI8_ROWS][H];
@@ -253,68 +288,53 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
 #pragma unroll
   for (int g = 0; g < G; ++g) qsafe = qsafe && qbase[g] >= 107 && qbase[g] <= 129;
 
-  // Thread tid takes column tid (row warp, head e + 2 a + 8 t of n' = lane = 8 a + 2 t + e):
-  // its vector's window (span, cq = 2^(eq_min - 129)), v = w cq and m = -v 2^23, the
-  // exponent window of v, and the row's weight signs. The windows are reduced over the
-  // block with the staging's barrier.
+  // Thread tid takes column 128 m + tid (row 4 m + warp, head e + 2 a + 8 t of n' = lane =
+  // 8 a + 2 t + e) of each four rows m: its vector's window (span, cq = 2^(eq_min - 129)),
+  // v = w cq and m = -v 2^23, the exponent window of v, and the row's weight signs. The
+  // windows are reduced over the block after a barrier.
   const auto head_of = [](int n) { return (n & 1) + 2 * ((n >> 3) & 3) + 8 * ((n >> 1) & 3); };
   {
-    const int hh = head_of(lane);
-    const u64 qrow = (u64)row_of(warp) * H + hh;
-    u32 mn = 255u, mx = 0u;
+    u32 qwin = I8_QWIN_NONE, vwin = 0x0000FFFFu, negs = 0u;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const u32 e = q_scale[qrow * G + g];
-      mn = min(mn, e);
-      mx = max(mx, e);
+    for (int m = 0; m < WGI8_ROWS / WGI8_MMA_ROWS; ++m) {
+      const int r = WGI8_MMA_ROWS * m + warp, hh = head_of(lane), n = WGR_THREADS * m + tid;
+      const u64 qrow = (u64)row_of(r) * H + hh;
+      u32 mn = 255u, mx = 0u;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const u32 e = q_scale[qrow * G + g];
+        mn = min(mn, e);
+        mx = max(mx, e);
+      }
+      const float wv = sw[r][hh];
+      const float v = __fmul_rn(wv, ue8m0_pow2(mn, 2));
+      float *vm = reinterpret_cast<float *>(&svm[n >> 1]);
+      vm[n & 1] = v;
+      vm[2 + (n & 1)] = __fmul_rn(-v, I8_MAGIC);
+      qwin = __vminu4(qwin, mn | ((255u - mx) << 8) | ((mx - mn <= I8_MAX_SPAN ? 1u : 0u) << 16));
+      const u32 f = (__float_as_uint(v) >> 23) & 0xFFu;
+      // byte 0: f over the columns with a nonzero weight (255: none), byte 1: 255 - f.
+      vwin = __vminu4(vwin, (wv != 0.0f ? f : 255u) | ((255u - f) << 8));
+      if (__all_sync(FULL_MASK, (__float_as_uint(wv) >> 31) != 0u)) negs |= 1u << r;
     }
-    const float wv = sw[warp][hh];
-    const float v = __fmul_rn(wv, ue8m0_pow2(mn, 2));
-    const float m = __fmul_rn(-v, I8_MAGIC);
-    float *vm = reinterpret_cast<float *>(&svm[tid >> 1]);
-    vm[tid & 1] = v;
-    vm[2 + (tid & 1)] = m;
-    u32 qwin = mn | ((255u - mx) << 8) | ((mx - mn <= I8_MAX_SPAN ? 1u : 0u) << 16);
-    const u32 f = (__float_as_uint(v) >> 23) & 0xFFu;
-    // byte 0: f over the columns with a nonzero weight (255: none), byte 1: 255 - f.
-    u32 vwin = (wv != 0.0f ? f : 255u) | ((255u - f) << 8);
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       qwin = __vminu4(qwin, __shfl_xor_sync(FULL_MASK, qwin, o));
       vwin = __vminu4(vwin, __shfl_xor_sync(FULL_MASK, vwin, o));
     }
-    const bool neg = __all_sync(FULL_MASK, (__float_as_uint(wv) >> 31) != 0u);
     if (lane == 0) {
       sqwin[warp] = qwin;
       svwin[warp] = vwin;
-      sneg[warp] = neg ? 1u : 0u;
+      sneg[warp] = negs;
     }
   }
-
-  wgr_stage_queries<WGI8_ROWS>(q, q_scale, row_of, fold_q, qbase, stab, sB, tid);
-  // sB8: the same words as s8 values shifted by sq_g = eq_g - eq_min (clamped to 3 in a
-  // vector that spans more: the block then never takes the int8 path), in the columns'
-  // head order above.
-  for (int t = tid; t < WGI8_N * G * 4; t += WGR_THREADS) {
-    const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
-    const u64 qrow = (u64)row_of(n / H) * H + head_of(n % H);
-    int mn = 255;
-#pragma unroll
-    for (int gg = 0; gg < G; ++gg) mn = min(mn, (int)q_scale[qrow * G + gg]);
-    const int sq = min((int)q_scale[qrow * G + g] - mn, I8_MAX_SPAN);
-    const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
-    u32 lo, hb;
-    e2m1_word_s8(word, sq, lo, hb);
-    *reinterpret_cast<u32 *>(&sB8[wg_off(n, 2 * g, WGI8_N) + 4 * tt]) = lo;
-    *reinterpret_cast<u32 *>(&sB8[wg_off(n, 2 * g + 1, WGI8_N) + 4 * tt]) = hb;
-  }
-  fence_proxy_async();
   __syncthreads();
-  u32 bwin = sqwin[0], vwin = svwin[0];
+  u32 bwin = sqwin[0], vwin = svwin[0], neg = sneg[0];
 #pragma unroll
   for (int i = 1; i < WGR_THREADS / 32; ++i) {
     bwin = __vminu4(bwin, sqwin[i]);
     vwin = __vminu4(vwin, svwin[i]);
+    neg |= sneg[i];
   }
   const int q_lo = (int)(bwin & 0xFFu), q_hi = 255 - (int)((bwin >> 8) & 0xFFu);
   const int f_lo = (int)(vwin & 0xFFu), f_hi = 255 - (int)((vwin >> 8) & 0xFFu);
@@ -323,7 +343,29 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
   // The key side of both guards as bounds on a key's smallest and largest byte.
   const int k_floor = max(I8_MIN_EXP_SUM - q_lo, I8_MIN_VK_EXP - f_lo);
   const int k_cap = I8_MAX_EXP_SUM - q_hi, kmin_cap = I8_MAX_VK_EXP - f_hi;
-  const bool neg[2] = {sneg[hi ? 1 : 0] != 0u, sneg[hi ? 3 : 2] != 0u};
+
+  if (q_i8) {
+    // sQ: the s8 operands, each word's values shifted by sq_g = eq_g - eq_min (every
+    // vector spans <= 3 here), in the columns' head order above.
+    for (int t = tid; t < WGI8_N * G * 4; t += WGR_THREADS) {
+      const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
+      const u64 qrow = (u64)row_of(n / H) * H + head_of(n % H);
+      int mn = 255;
+#pragma unroll
+      for (int gg = 0; gg < G; ++gg) mn = min(mn, (int)q_scale[qrow * G + gg]);
+      const int sq = (int)q_scale[qrow * G + g] - mn;
+      const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
+      u32 lo, hb;
+      e2m1_word_s8(word, sq, lo, hb);
+      *reinterpret_cast<u32 *>(&sQ[wg_off(n, 2 * g, WGI8_N) + 4 * tt]) = lo;
+      *reinterpret_cast<u32 *>(&sQ[wg_off(n, 2 * g + 1, WGI8_N) + 4 * tt]) = hb;
+    }
+  } else {
+    // sQ: mqa_logits_wgr's staging of all the rows, for the fallback alone.
+    wgr_stage_queries<WGI8_ROWS>(q, q_scale, row_of, fold_q, qbase, stab, sQ, tid);
+  }
+  fence_proxy_async();
+  __syncthreads();
 
   u32 raw[2][G], rsc[2];
   bool none[2];
@@ -332,27 +374,10 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
   wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, blockIdx.x, sc_word, warp, gid, tig PG_PASS);
   bool two_mul = false;  // some fallback tile ran the two multiplies
   u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
-  // Tile c on mqa_logits_wgr's tile, each pair of rows in turn, the last pair's with the
-  // prefetch of tile c + gridDim.x.
-  auto fallback = [&](const u32 c) {
-    const u32 j0 = c * WGR_KEYS;
-    // One pair at a time (unrolled, the two pairs' tiles interleave and spill).
-#pragma unroll 1
-    for (int pr = 0; pr < WGI8_ROWS / WGR_ROWS; ++pr) {
-      const bool last = pr + 1 == WGI8_ROWS / WGR_ROWS;
-      const float logit = wgr_tile<true, (WGI8_N / 8) * 128>(
-          raw, rsc, sB + pr * (WGR_N / 8) * 128, fold_q, qsafe, sqs + WGR_ROWS * pr,
-          sw + WGR_ROWS * pr, stab, two_mul, tig, odd, hi, [&] {
-            if (last && c + gridDim.x < nchunks)
-              wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c + gridDim.x, sc_word, warp,
-                           gid, tig PG_PASS);
-          });
-      store_logit(logits, row_off, row_n, grp, WGR_ROWS * pr + (hi ? 1u : 0u),
-                  j0 + 16 * warp + gid, odd, logit);
-    }
+  auto prefetch = [&](const u32 c) {
+    if (c < nchunks)
+      wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c, sc_word, warp, gid, tig PG_PASS);
   };
-  // Two loops: a block whose queries or weights the guard rejects runs the fallback's,
-  // with no per-tile decision and none of the int8 path's registers live.
   if (q_i8) {
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
       const u32 j0 = c * WGR_KEYS;
@@ -373,23 +398,52 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
         ok = ok && (none[kk] || (mx - mn <= I8_MAX_SPAN && mn >= k_floor && mx <= k_cap &&
                                  mn <= kmin_cap));
       }
-      const bool i8 = __syncthreads_and(ok ? 1 : 0) != 0;
-      auto next = [&] {
-        if (c + gridDim.x < nchunks)
-          wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c + gridDim.x, sc_word, warp, gid, tig PG_PASS);
-      };
-      if (i8) {
-        float out[2];
-        wgi8_tile(raw, rsc, kmin, sB8, svm, neg, tig, odd, hi, out, next);
-        store_logit(logits, row_off, row_n, grp, hi ? 1u : 0u, j0 + 16 * warp + gid, odd, out[0]);
-        store_logit(logits, row_off, row_n, grp, hi ? 3u : 2u, j0 + 16 * warp + gid, odd, out[1]);
+      if (__syncthreads_and(ok ? 1 : 0) != 0) {
+        float out[WGI8_ROWS / 2];
+        wgi8_tile(raw, rsc, kmin, sQ, svm, neg, tig, odd, hi, out, [&] { prefetch(c + gridDim.x); });
+#pragma unroll
+        for (int i = 0; i < WGI8_ROWS / 2; ++i)
+          store_logit(logits, row_off, row_n, grp, 2 * i + (hi ? 1u : 0u), j0 + 16 * warp + gid,
+                      odd, out[i]);
         ++n_i8;
       } else {
-        fallback(c);
+        // mqa_logits_wgr's tile on each pair of rows, staged in sF in turn (the barriers:
+        // every thread's MMAs on the last pair are done before sF is restaged), the last
+        // pair's with the prefetch.
+#pragma unroll 1
+        for (int pr = 0; pr < WGI8_ROWS / WGR_ROWS; ++pr) {
+          __syncthreads();
+          wgr_stage_queries<WGR_ROWS>(q, q_scale, [&](u32 r) { return row_of(WGR_ROWS * pr + r); },
+                                      fold_q, qbase, stab, sF, tid);
+          fence_proxy_async();
+          __syncthreads();
+          const bool last = pr + 1 == WGI8_ROWS / WGR_ROWS;
+          const float logit =
+              wgr_tile<true>(raw, rsc, sF, fold_q, qsafe, sqs + WGR_ROWS * pr, sw + WGR_ROWS * pr,
+                             stab, two_mul, tig, odd, hi, [&] {
+                               if (last) prefetch(c + gridDim.x);
+                             });
+          store_logit(logits, row_off, row_n, grp, WGR_ROWS * pr + (hi ? 1u : 0u),
+                      j0 + 16 * warp + gid, odd, logit);
+        }
       }
     }
   } else {
-    for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) fallback(c);
+    // Every tile on mqa_logits_wgr's tile, each pair of rows in turn from sQ (one pair at
+    // a time: unrolled, the pairs' tiles interleave and spill).
+    for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
+#pragma unroll 1
+      for (int pr = 0; pr < WGI8_ROWS / WGR_ROWS; ++pr) {
+        const bool last = pr + 1 == WGI8_ROWS / WGR_ROWS;
+        const float logit = wgr_tile<true, (WGI8_N / 8) * 128>(
+            raw, rsc, sQ + pr * (WGR_N / 8) * 128, fold_q, qsafe, sqs + WGR_ROWS * pr,
+            sw + WGR_ROWS * pr, stab, two_mul, tig, odd, hi, [&] {
+              if (last) prefetch(c + gridDim.x);
+            });
+        store_logit(logits, row_off, row_n, grp, WGR_ROWS * pr + (hi ? 1u : 0u),
+                    c * WGR_KEYS + 16 * warp + gid, odd, logit);
+      }
+    }
   }
   count_fold_paths(paths, fold_q, two_mul);
   count_int8_tiles(paths, n_i8, (nchunks - 1 - blockIdx.x) / gridDim.x + 1 - n_i8);

@@ -1263,7 +1263,7 @@ fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
 
 /// The side the guard puts a case on in a run of one tile, from [`int8_guard_admits`]
 /// over the host's row groups (consecutive rows of a request, at most
-/// `kernels::LOGITS_WGI8_ROWS` each, as `cuda::geometry` forms them) and their key tiles:
+/// `kernels::logits_wgi8_rows()` each, as `cuda::geometry` forms them) and their key tiles:
 /// `Int8` when it admits every (group, tile), `Fallback` when none, `Both` otherwise.
 fn int8_side_on_the_host(c: &Case) -> Int8Side {
     let all = c.batch.rows();
@@ -1272,7 +1272,9 @@ fn int8_side_on_the_host(c: &Case) -> Int8Side {
     let mut i = 0;
     while i < all.len() {
         let mut e = i + 1;
-        while e < all.len() && e - i < kernels::LOGITS_WGI8_ROWS && all[e].request == all[i].request
+        while e < all.len()
+            && e - i < kernels::logits_wgi8_rows()
+            && all[e].request == all[i].request
         {
             e += 1;
         }
@@ -1303,7 +1305,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
     use rand::{Rng, SeedableRng};
     let (h, groups) = (32, d / 32);
     let kc = kernels::LOGITS_KEYS;
-    let rows = 2 * kernels::LOGITS_WGI8_ROWS + 3;
+    let rows = 2 * kernels::logits_wgi8_rows() + 3;
     let s = 3 * kc + 5;
     let batch = Batch::contiguous(&[s, kc + 2], &[s - rows, kc - 1], 1).unwrap();
     type Scales = (

@@ -135,6 +135,15 @@ pub const LOGITS_WGR_ROWS: usize = 2;
 /// heads = one 128-column s8 MMA, whose keys are decoded once for all four rows).
 pub const LOGITS_WGI8_ROWS: usize = 4;
 
+/// Rows per `mqa_logits_wgi8` block in this process: [`LOGITS_WGI8_ROWS`], or a
+/// `WGI8_ROWS=8` override in `$DSA_CUDA_DEFINES` (`tuning` feature; the kernel gets the
+/// same define and runs two 128-column MMAs per key tile).
+pub fn logits_wgi8_rows() -> usize {
+    define_in("WGI8_ROWS", 4..=8)
+        .filter(|&r| r == 4 || r == 8)
+        .unwrap_or(LOGITS_WGI8_ROWS)
+}
+
 /// Threads per block of the `wgmma` logits kernels: one warpgroup (`WGR_THREADS`,
 /// `H64_THREADS`).
 pub const LOGITS_WG_THREADS: usize = 128;
@@ -331,7 +340,7 @@ pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
     if logits_wgmma(v, hooks) {
         if exact {
             if hooks.int8_exact {
-                return ("mqa_logits_wgi8", LOGITS_WGI8_ROWS, LOGITS_WG_THREADS);
+                return ("mqa_logits_wgi8", logits_wgi8_rows(), LOGITS_WG_THREADS);
             }
             return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
         }

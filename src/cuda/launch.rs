@@ -748,7 +748,7 @@ mod tests {
             if wg {
                 assert_eq!(
                     (name8, rows8, threads8),
-                    ("mqa_logits_wgi8", kernels::LOGITS_WGI8_ROWS, threads),
+                    ("mqa_logits_wgi8", kernels::logits_wgi8_rows(), threads),
                     "{}",
                     v.name()
                 );
