@@ -45,13 +45,14 @@
 # Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
 # (comma-separated): mma_sync_only (mma.sync where wgmma is the default), no_scale_fold
 # (the exact class's two-multiply epilogue), no_short_rows (no shared-memory row),
-# no_sampled_threshold (no sampled threshold), int8_exact (the exact class at H = 32 on
-# s8 wgmma where the int8 guard admits a tile, mqa_logits_wgi8; opt-in, not a fallback),
+# no_sampled_threshold (no sampled threshold), no_int8_exact (the exact class at H = 32 on
+# mqa_logits_wgr's fp8 tile everywhere, where mqa_logits_wgi8 runs s8 wgmma on the tiles
+# its guard admits),
 # no_wide_topk (topk_ragged_f32 where tiles of few rows take topk_ragged_wide_f32). The GPU tests read it in any build (and
 # one test runs every hook in-process); the benchmark only with `tuning`.
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
-# #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, W16_MIN_BLOCKS,
+# #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, WGI8_ROWS (4 or 8), W16_MIN_BLOCKS,
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, TK_BITMAP (0: sampled
 #   rows sort their selected ids instead of scanning a bitmap), TK_SAMPLED_ORDERED (1:
 #   sampled rows of at most 16 * K keys end with the ordered pass), TK_STOP (profiling:
@@ -96,10 +97,11 @@ if has tests; then
   hook_tests no_short_rows boundary topk_ special golden same_bits
   hook_tests no_sampled_threshold boundary topk_ golden same_bits decode_step
   hook_tests no_wide_topk boundary topk_ golden same_bits decode_step paged engine
-  # The int8 exact path (mqa_logits_wgi8) on every exact-class test, and its fallback tile
-  # unfolded.
-  hook_tests int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
-  hook_tests int8_exact,no_scale_fold int8_exact exact_class special golden
+  # The exact class at H = 32 on mqa_logits_wgr alone (no int8 tile), folded and not.
+  hook_tests no_int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
+  hook_tests no_int8_exact,no_scale_fold int8_exact exact_class special golden
+  # mqa_logits_wgi8 at four rows per block (one MMA per key tile).
+  knob_tests "WGI8_ROWS=4" int8_exact exact_class boundary special golden same_bits paged decode_step
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
@@ -177,7 +179,7 @@ if has ab; then
   # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
   # precision=fast, each against the same run's default run above ($AB: a shorter
   # list). Needs the `tuning` build.
-  AB="${AB:-v41-chunk:hooks=int8_exact;v41-chunk-wide:hooks=int8_exact;v41-chunk:hooks=int8_exact WGI8_MIN_BLOCKS=4;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
+  AB="${AB:-v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="" hooks="" prec=full

@@ -2,7 +2,8 @@
 // D >= 64 on s8 wgmma where a tile's scales and the block's weights admit it, else
 // mqa_logits_wgr's tile (on each pair of the block's rows).
 // Compiled after common.cuh, logits_common.cuh and logits_wgr.cuh (the fallback tile,
-// its prologue and key prefetch), for those variants only, under the int8_exact hook.
+// its prologue and key prefetch), for those variants only (the no_int8_exact hook runs
+// mqa_logits_wgr instead).
 //
 // ==== the int8 path, and when it is bitwise ====
 //
@@ -90,7 +91,7 @@
 
 // ==== layout ====
 //
-// WGI8_ROWS rows per block (4, or 8 as a tuning define): B has 32 columns per row, and
+// WGI8_ROWS rows per block (8, or 4 as a tuning define): B has 32 columns per row, and
 // within a row column n' = 8 a + 2 t + e (a < 4, t < 4, e < 2) holds head e + 2 a + 8 t.
 // The s8 MMAs run on 128 columns (four rows) at a time, one s32 accumulator of 64
 // elements each: element i of a thread is key 16 warp + gid + 8 ((i >> 1) & 1), column
@@ -103,7 +104,7 @@
 // queries or weights are rejected (sQ then holds no s8 operands), else one pair at a
 // time in sF, staged when a key tile is rejected.
 #ifndef WGI8_ROWS
-#define WGI8_ROWS 4
+#define WGI8_ROWS 8
 #endif
 #define WGI8_N (WGI8_ROWS * H)
 // Rows per s8 MMA (128 columns).
@@ -111,8 +112,8 @@
 static_assert(WGI8_ROWS == 4 || WGI8_ROWS == 8, "WGI8_ROWS: 4 or 8");
 static_assert(WGI8_MMA_ROWS * H == WGR_THREADS, "one column per thread per MMA in the prologue");
 
-// Blocks per SM the registers must allow: at four rows 3 at D = 128 (170 registers) and 4
-// at D = 64; at eight rows 2.
+// Blocks per SM the registers must allow: at eight rows 2 (214 registers at D = 128; one
+// measured the same on v41-chunk); at four rows 3 at D = 128 (168) and 4 at D = 64.
 #ifndef WGI8_MIN_BLOCKS
 #define WGI8_MIN_BLOCKS (WGI8_ROWS == 8 ? 2 : G == 4 ? 3 : 4)
 #endif

@@ -1557,15 +1557,13 @@ fn int8_cases_are_on_the_sides_they_name() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
-/// `mqa_logits_wgi8` (the `int8_exact` hook on top of this process's hooks) against the
+/// `mqa_logits_wgi8` (production's kernel for the exact class at `H = 32`) against the
 /// reference, bitwise (logits and outputs at several budgets), at `H = 32`, `D = 64` and
-/// 128, on [`int8_cases`]: the tile counters show that each case took its side.
+/// 128, on [`int8_cases`]: the tile counters show that each case took its side (under
+/// this process's hooks `mma_sync_only` or `no_int8_exact`, no tile counts as either).
 #[test]
 fn int8_exact_path_is_bitwise_on_both_sides_of_its_guard() {
-    let h8 = Hooks {
-        int8_exact: true,
-        ..hooks()
-    };
+    let h8 = hooks();
     let Some(mut b) = gpu_with(h8) else { return };
     for d in [64, 128] {
         let v = Variant::logits(
@@ -1577,9 +1575,10 @@ fn int8_exact_path_is_bitwise_on_both_sides_of_its_guard() {
             Precision::Full,
         );
         let kernel = kernels::logits_kernel(v, h8).0;
-        // mma_sync_only in $DSA_CUDA_HOOKS: mqa_logits, which counts no int8 tiles.
+        // mma_sync_only or no_int8_exact in $DSA_CUDA_HOOKS: mqa_logits or mqa_logits_wgr,
+        // which count no int8 tiles.
         let on_wgi8 = kernel == "mqa_logits_wgi8";
-        assert_eq!(on_wgi8, !h8.mma_sync_only);
+        assert_eq!(on_wgi8, !h8.mma_sync_only && !h8.no_int8_exact);
         for (name, c, side) in int8_cases(d) {
             let tag = format!("H=32 D={d} ({kernel}): {name}");
             check_exact(&mut b, &tag, &c.problem(Params::new(9), Role::Plain));
@@ -1954,15 +1953,15 @@ fn each_hook_takes_its_fallback_and_both_sides_match_the_reference() {
         let f = b.fold_counts();
         let want_kernel = if h.mma_sync_only {
             "mqa_logits"
-        } else if h.int8_exact {
-            "mqa_logits_wgi8"
-        } else {
+        } else if h.no_int8_exact {
             "mqa_logits_wgr"
+        } else {
+            "mqa_logits_wgi8"
         };
         assert_eq!(kernels::logits_kernel(v, h).0, want_kernel, "{tag}");
         // Only mqa_logits_wgi8 counts int8 tiles; these scales span up to 14 binades per
         // vector, so its tiles fall back to mqa_logits_wgr's (which fold, as below).
-        if h.int8_exact {
+        if want_kernel == "mqa_logits_wgi8" {
             assert!(f.tiles_int8_fallback > 0, "{tag}: {f:?}");
         } else {
             assert_eq!(

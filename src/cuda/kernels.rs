@@ -34,10 +34,11 @@ pub const LOGITS_MMA: &str = include_str!("../../kernels/mqa_logits_mma.cu");
 /// `kernels/logits_wgr.cuh`: the tile of `mqa_logits_wgr`, and the fallback tile of
 /// `mqa_logits_wgi8`.
 pub const LOGITS_WGR_TILE: &str = include_str!("../../kernels/logits_wgr.cuh");
-/// `kernels/mqa_logits_wgr.cu`: `mqa_logits_wgr` (the exact class at `H = 32` on `wgmma`).
+/// `kernels/mqa_logits_wgr.cu`: `mqa_logits_wgr` (the exact class at `H = 32` on fp8
+/// `wgmma`; [`Hooks::no_int8_exact`]).
 pub const LOGITS_WGR: &str = include_str!("../../kernels/mqa_logits_wgr.cu");
 /// `kernels/mqa_logits_wgi8.cu`: `mqa_logits_wgi8` (the exact class at `H = 32` on s8
-/// `wgmma` where the scales admit it; [`Hooks::int8_exact`]).
+/// `wgmma` where the scales and weights admit it, else `mqa_logits_wgr`'s tile).
 pub const LOGITS_WGI8: &str = include_str!("../../kernels/mqa_logits_wgi8.cu");
 /// `kernels/logits_e4m3_h64.cuh`: the tile of `mqa_logits_w16` and `mqa_logits_w8`.
 pub const LOGITS_E4M3_H64: &str = include_str!("../../kernels/logits_e4m3_h64.cuh");
@@ -72,8 +73,8 @@ pub fn logits_rows(heads: usize) -> usize {
     define_in("LG_ROWS", 1..=16).unwrap_or(default)
 }
 /// Whether the logits of this variant run on Hopper `wgmma` rather than `mqa_logits`
-/// (`mma.sync`): `mqa_logits_wgr` for the exact class with `H = 32` and `D >= 64`
-/// (`mqa_logits_wgi8` under [`Hooks::int8_exact`]), `mqa_logits_w16` (f16 operands) for
+/// (`mma.sync`): `mqa_logits_wgi8` for the exact class with `H = 32` and `D >= 64`
+/// (`mqa_logits_wgr` under [`Hooks::no_int8_exact`]), `mqa_logits_w16` (f16 operands) for
 /// E4M3 x E4M3 with `H = 64`.
 /// [`Hooks::mma_sync_only`] turns both off (the `mma.sync` fallback, forced).
 pub fn logits_wgmma(v: Variant, hooks: Hooks) -> bool {
@@ -81,7 +82,7 @@ pub fn logits_wgmma(v: Variant, hooks: Hooks) -> bool {
 }
 
 /// The `wgmma` kernels that can serve variant `v`, default first, whatever the hooks
-/// and `$DSA_CUDA_DEFINES` say: `mqa_logits_wgr` and `mqa_logits_wgi8` for the exact class
+/// and `$DSA_CUDA_DEFINES` say: `mqa_logits_wgi8` and `mqa_logits_wgr` for the exact class
 /// with `H = 32` and `D >= 64`, `mqa_logits_w16` and `mqa_logits_w8` for E4M3 x E4M3 with
 /// `H = 64`.
 fn wgmma_family(v: Variant) -> Option<&'static [&'static str]> {
@@ -92,7 +93,7 @@ fn wgmma_family(v: Variant) -> Option<&'static [&'static str]> {
             q: Format::E2m1,
             k: Format::E2m1,
             ..
-        } if groups >= 2 => Some(&["mqa_logits_wgr", "mqa_logits_wgi8"]),
+        } if groups >= 2 => Some(&["mqa_logits_wgi8", "mqa_logits_wgr"]),
         Variant::Logits {
             heads: 64,
             q: Format::E4m3,
@@ -131,13 +132,14 @@ pub const LOGITS_W16_ROWS: usize = 2;
 /// one 64-column MMA).
 pub const LOGITS_WGR_ROWS: usize = 2;
 
-/// Rows per `mqa_logits_wgi8` block (`WGI8_ROWS` in `mqa_logits_wgi8.cu`: 4 rows x 32
-/// heads = one 128-column s8 MMA, whose keys are decoded once for all four rows).
-pub const LOGITS_WGI8_ROWS: usize = 4;
+/// Rows per `mqa_logits_wgi8` block (`WGI8_ROWS` in `mqa_logits_wgi8.cu`: 8 rows x 32
+/// heads = two 128-column s8 MMAs from the same key fragments, so that each key tile is
+/// decoded once for eight rows).
+pub const LOGITS_WGI8_ROWS: usize = 8;
 
 /// Rows per `mqa_logits_wgi8` block in this process: [`LOGITS_WGI8_ROWS`], or a
-/// `WGI8_ROWS=8` override in `$DSA_CUDA_DEFINES` (`tuning` feature; the kernel gets the
-/// same define and runs two 128-column MMAs per key tile).
+/// `WGI8_ROWS=4` override in `$DSA_CUDA_DEFINES` (`tuning` feature; the kernel gets the
+/// same define and runs one 128-column MMA per key tile).
 pub fn logits_wgi8_rows() -> usize {
     define_in("WGI8_ROWS", 4..=8)
         .filter(|&r| r == 4 || r == 8)
@@ -150,9 +152,7 @@ pub const LOGITS_WG_THREADS: usize = 128;
 
 /// Test hooks: each forces one fallback path, everywhere, that production takes only
 /// on some inputs or shapes, so that the tests can hold that path to the reference on
-/// every input; `int8_exact` instead turns on a path that is not yet production's, so
-/// that the tests and the benchmark can run it. [`Hooks::default()`] is production: no
-/// hook set. A
+/// every input. [`Hooks::default()`] is production: no hook set. A
 /// [`crate::cuda::Device`] carries its hooks ([`crate::cuda::Device::with_hooks`]); its
 /// modules are compiled under them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -179,14 +179,15 @@ pub struct Hooks {
     /// keys, among others) and falls back to it when a sample's candidates miss
     /// (fewer than `K` keys at or above its threshold, or more than `TK_CAND_CAP`).
     pub no_sampled_threshold: bool,
-    /// `mqa_logits_wgi8` where `mqa_logits_wgr` serves the exact class (`H = 32`,
-    /// `D >= 64`), four rows per block: each key tile whose scales and weights pass the
-    /// guard (every query vector and key spanning at most 3 binades, range bounds on the
+    /// `mqa_logits_wgr` for the exact class at `H = 32`, `D >= 64`, where production
+    /// runs `mqa_logits_wgi8`: each key tile whose scales and weights pass its guard
+    /// (every query vector and key spanning at most 3 binades, range bounds on the
     /// scales, and the weights' terms in f32's normal range; `kernels/mqa_logits_wgi8.cu`
     /// derives it) runs one exact `s8` `wgmma` chain over all groups and a head epilogue
-    /// of three operations per head score; the others run `mqa_logits_wgr`'s tile on each
-    /// pair of rows. [`crate::cuda::FoldCounts`] counts the tiles on each path.
-    pub int8_exact: bool,
+    /// of three operations per head score, the others `mqa_logits_wgr`'s tile on each
+    /// pair of rows ([`crate::cuda::FoldCounts`] counts the tiles on each path). Under
+    /// this hook every tile runs `mqa_logits_wgr`, as on inputs the guard rejects.
+    pub no_int8_exact: bool,
     /// `topk_ragged_f32` for every tile's long rows: no tile takes
     /// `topk_ragged_wide_f32`, which production launches for tiles of at most
     /// [`TOPK_WIDE_BLOCKS_PER_SM`] rows per SM ([`topk_wide`]).
@@ -200,7 +201,7 @@ impl Hooks {
         "no_scale_fold",
         "no_short_rows",
         "no_sampled_threshold",
-        "int8_exact",
+        "no_int8_exact",
         "no_wide_topk",
     ];
 
@@ -214,7 +215,7 @@ impl Hooks {
                     "hooks",
                     name,
                     "mma_sync_only, no_scale_fold, no_short_rows, no_sampled_threshold, \
-                     int8_exact or no_wide_topk",
+                     no_int8_exact or no_wide_topk",
                 )
             })? = true;
         }
@@ -240,14 +241,14 @@ impl Hooks {
             "no_scale_fold" => Some(&mut self.no_scale_fold),
             "no_short_rows" => Some(&mut self.no_short_rows),
             "no_sampled_threshold" => Some(&mut self.no_sampled_threshold),
-            "int8_exact" => Some(&mut self.int8_exact),
+            "no_int8_exact" => Some(&mut self.no_int8_exact),
             "no_wide_topk" => Some(&mut self.no_wide_topk),
             _ => None,
         }
     }
 
     /// The `#define`s a logits module of formats `q`, `k` gets: `SCALE_FOLD` in the exact
-    /// class, the only one that folds (`mma_sync_only` and `int8_exact` act in the host's
+    /// class, the only one that folds (`mma_sync_only` and `no_int8_exact` act in the host's
     /// choice of kernel, [`logits_kernel`]).
     fn logits_defines(self, q: Format, k: Format) -> &'static str {
         if self.no_scale_fold && q == Format::E2m1 && k == Format::E2m1 {
@@ -339,10 +340,10 @@ pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
     };
     if logits_wgmma(v, hooks) {
         if exact {
-            if hooks.int8_exact {
-                return ("mqa_logits_wgi8", logits_wgi8_rows(), LOGITS_WG_THREADS);
+            if hooks.no_int8_exact {
+                return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
             }
-            return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
+            return ("mqa_logits_wgi8", logits_wgi8_rows(), LOGITS_WG_THREADS);
         }
         if fast {
             return ("mqa_logits_w8", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
@@ -773,10 +774,10 @@ mod tests {
                         "{name} {}",
                         v.name()
                     );
-                } else if name == "int8_exact" && logits_kernel(v, h).0 == "mqa_logits_wgi8" {
-                    // The exact class at H = 32, D >= 64: the int8 kernel's module.
+                } else if name == "no_int8_exact" && logits_kernel(v, h).0 == "mqa_logits_wgr" {
+                    // The exact class at H = 32, D >= 64: the fp8 kernel's module.
                     assert!(
-                        Some(src) == logits_source(v, "mqa_logits_wgi8", Hooks::default()),
+                        Some(src) == logits_source(v, "mqa_logits_wgr", Hooks::default()),
                         "{name} {}",
                         v.name()
                     );

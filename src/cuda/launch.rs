@@ -705,8 +705,9 @@ mod tests {
             let fast = precision == Precision::Fast;
             // Only E4M3 x E4M3 at H = 64 has a fast variant (Variant::logits).
             assert!(!fast || w16, "{}", v.name());
-            // The exact class at H = 32, D >= 64 on wgmma, its keys in registers.
-            assert_eq!(name == "mqa_logits_wgr", wg, "{}", v.name());
+            // The exact class at H = 32, D >= 64 on s8 wgmma (mqa_logits_wgr's tile where
+            // its guard rejects).
+            assert_eq!(name == "mqa_logits_wgi8", wg, "{}", v.name());
             // E4M3 x E4M3 at H = 64 on f16 wgmma by default, on fp8 wgmma in the fast
             // mode.
             assert_eq!(name == "mqa_logits_w16", w16 && !fast, "{}", v.name());
@@ -723,9 +724,16 @@ mod tests {
                 "{}",
                 v.name()
             );
-            if wg || w16 {
-                // One warpgroup per 2 rows: 2 x 32 heads = the 64 columns of its MMA, or
-                // 2 x 64 heads = 128.
+            if wg {
+                // One warpgroup per 8 rows: two MMAs of 4 x 32 heads.
+                assert_eq!(
+                    (rows, threads),
+                    (kernels::logits_wgi8_rows(), 128),
+                    "{}",
+                    v.name()
+                );
+            } else if w16 {
+                // One warpgroup per 2 rows: 2 x 64 heads = the 128 columns of its MMA.
                 assert_eq!((rows, threads), (2, 128), "{}", v.name());
             } else {
                 assert_eq!(rows, kernels::logits_rows(heads), "{}", v.name());
@@ -738,22 +746,22 @@ mod tests {
                 "{}",
                 v.name()
             );
-            // The int8 hook runs the exact class's wgmma shapes on mqa_logits_wgi8 (4 rows
-            // per block, the same threads) and changes nothing else.
-            let int8 = Hooks {
-                int8_exact: true,
+            // The no_int8_exact hook runs the exact class's wgmma shapes on
+            // mqa_logits_wgr (2 rows per block, the same threads) and changes nothing else.
+            let fp8 = Hooks {
+                no_int8_exact: true,
                 ..Hooks::default()
             };
-            let (name8, rows8, threads8) = kernels::logits_kernel(v, int8);
+            let (name8, rows8, threads8) = kernels::logits_kernel(v, fp8);
             if wg {
                 assert_eq!(
                     (name8, rows8, threads8),
-                    ("mqa_logits_wgi8", kernels::logits_wgi8_rows(), threads),
+                    ("mqa_logits_wgr", kernels::LOGITS_WGR_ROWS, threads),
                     "{}",
                     v.name()
                 );
                 assert!(
-                    v.source(int8).contains(") mqa_logits_wgi8(\n"),
+                    v.source(fp8).contains(") mqa_logits_wgr(\n"),
                     "{}",
                     v.name()
                 );
@@ -764,7 +772,7 @@ mod tests {
                     "{}",
                     v.name()
                 );
-                assert!(v.source(int8) == v.source(production), "{}", v.name());
+                assert!(v.source(fp8) == v.source(production), "{}", v.name());
             }
             // The mma.sync hook runs every variant on mqa_logits.
             let (name, rows, threads) = kernels::logits_kernel(v, mma_sync);

@@ -80,8 +80,8 @@ path_counters! {
         pub threads_one_multiply: u64,
         /// Threads of which some key tile ran the reference's two multiplies.
         pub threads_two_multiplies: u64,
-        /// `mqa_logits_wgi8` ([`super::Hooks::int8_exact`]): key tiles (per block) that
-        /// passed the guard and ran one `s8` chain and the int8 head epilogue.
+        /// `mqa_logits_wgi8` (the exact class at `H = 32`, `D >= 64`): key tiles (per
+        /// block) that passed the guard and ran one `s8` chain and the int8 head epilogue.
         pub tiles_int8: u64,
         /// `mqa_logits_wgi8`: key tiles (per block) the guard sent to `mqa_logits_wgr`'s
         /// tile.
