@@ -1913,7 +1913,7 @@ fn each_hook_takes_its_fallback_and_both_sides_match_the_reference() {
     }
     let v = Variant::logits(32, 4, Format::E2m1, Format::E2m1, false, Precision::Full);
     let production = Hooks::default();
-    assert_eq!(kernels::logits_kernel(v, production).0, "mqa_logits_wgr");
+    assert_eq!(kernels::logits_kernel(v, production).0, "mqa_logits_wgi8");
     // Two requests, 40 + 10 rows; query and key scales within 15 binades: they fold.
     let batch = Batch::contiguous(&[300, 70], &[260, 60], 1).unwrap();
     let exact = Case::random(batch, 32, 128, 21);
