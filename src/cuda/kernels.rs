@@ -727,6 +727,31 @@ mod tests {
         );
     }
 
+    /// `mqa_logits_wgi8`'s guard bounds are the host model's (`reference::int8_path`,
+    /// whose tests check them against SPEC 4; docs/numerics.md 6.4 and 6.7).
+    #[test]
+    fn int8_guard_bounds_are_the_host_models() {
+        use crate::reference::int8_path as m;
+        let f = "mqa_logits_wgi8.cu";
+        pinned(LOGITS_WGI8, f, "I8_MAX_SPAN", m::S8_MAX_SPAN);
+        pinned(LOGITS_WGI8, f, "I8_MIN_EXP_SUM", m::MIN_EXP_SUM);
+        pinned(LOGITS_WGI8, f, "I8_MAX_Q_EXP", m::MAX_Q_EXP);
+        let (g4, g2) = (
+            m::block_max_exp_sum(4).unwrap(),
+            m::block_max_exp_sum(2).unwrap(),
+        );
+        pinned(
+            LOGITS_WGI8,
+            f,
+            "I8_MAX_EXP_SUM",
+            format!("(G == 4 ? {g4} : {g2})"),
+        );
+        pinned(LOGITS_WGI8, f, "I8_MIN_V_EXP", m::EPI_MIN_V_EXP);
+        pinned(LOGITS_WGI8, f, "I8_MAX_V_EXP", m::EPI_MAX_V_EXP);
+        pinned(LOGITS_WGI8, f, "I8_MIN_VK_EXP", m::EPI_MIN_VK_EXP);
+        pinned(LOGITS_WGI8, f, "I8_MAX_VK_EXP", m::EPI_MAX_VK_EXP);
+    }
+
     /// `Hooks::parse` takes the field names and names an unknown one; each hook's
     /// `#define` reaches the modules that read it and no other.
     #[test]
