@@ -100,8 +100,8 @@ if has tests; then
   # The exact class at H = 32 on mqa_logits_wgr alone (no int8 tile), folded and not.
   hook_tests no_int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
   hook_tests no_int8_exact,no_scale_fold int8_exact exact_class special golden
-  # mqa_logits_wgi8 at four rows per block (one MMA per key tile).
-  knob_tests "WGI8_ROWS=4" int8_exact exact_class boundary special golden same_bits paged decode_step
+  # mqa_logits_wgi8 at eight rows per block (two MMAs per key tile).
+  knob_tests "WGI8_ROWS=8" int8_exact exact_class boundary special golden same_bits paged decode_step
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
@@ -179,7 +179,7 @@ if has ab; then
   # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
   # precision=fast, each against the same run's default run above ($AB: a shorter
   # list). Needs the `tuning` build.
-  AB="${AB:-v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
+  AB="${AB:-v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=8;v41-chunk-wide:WGI8_ROWS=8;v41-1m-256m:WGI8_ROWS=8;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="" hooks="" prec=full

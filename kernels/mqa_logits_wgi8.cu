@@ -91,20 +91,22 @@
 
 // ==== layout ====
 //
-// WGI8_ROWS rows per block (8, or 4 as a tuning define): B has 32 columns per row, and
+// WGI8_ROWS rows per block (4, or 8 as a tuning define): B has 32 columns per row, and
 // within a row column n' = 8 a + 2 t + e (a < 4, t < 4, e < 2) holds head e + 2 a + 8 t.
 // The s8 MMAs run on 128 columns (four rows) at a time, one s32 accumulator of 64
 // elements each: element i of a thread is key 16 warp + gid + 8 ((i >> 1) & 1), column
 // 8 (i >> 2) + 2 tig + (i & 1) of its four rows. So a thread holds, per row and key, the
 // heads of head bits 0..2 (e, a), and the lanes of its quad hold bits 3 and 4 (tig):
 // SPEC 4's pairwise head sum is three levels in the thread and two across the quad.
-// With eight rows the second four rows' MMAs run while the first four's epilogue does.
+// With eight rows the second four rows' MMAs run while the first four's epilogue does;
+// a group of fewer rows (decode: one to four per request) still runs both, so eight rows
+// stay a tuning form (benches/RESULTS.md).
 // The fallback (mqa_logits_wgr's tile on each pair of rows) reads mqa_logits_wgr's
 // staging of the rows (heads in their natural order): all of them in sQ when the block's
 // queries or weights are rejected (sQ then holds no s8 operands), else one pair at a
 // time in sF, staged when a key tile is rejected.
 #ifndef WGI8_ROWS
-#define WGI8_ROWS 8
+#define WGI8_ROWS 4
 #endif
 #define WGI8_N (WGI8_ROWS * H)
 // Rows per s8 MMA (128 columns).

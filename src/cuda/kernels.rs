@@ -132,14 +132,14 @@ pub const LOGITS_W16_ROWS: usize = 2;
 /// one 64-column MMA).
 pub const LOGITS_WGR_ROWS: usize = 2;
 
-/// Rows per `mqa_logits_wgi8` block (`WGI8_ROWS` in `mqa_logits_wgi8.cu`: 8 rows x 32
-/// heads = two 128-column s8 MMAs from the same key fragments, so that each key tile is
-/// decoded once for eight rows).
-pub const LOGITS_WGI8_ROWS: usize = 8;
+/// Rows per `mqa_logits_wgi8` block (`WGI8_ROWS` in `mqa_logits_wgi8.cu`: 4 rows x 32
+/// heads = one 128-column s8 MMA, whose key fragments are decoded once for the four).
+pub const LOGITS_WGI8_ROWS: usize = 4;
 
 /// Rows per `mqa_logits_wgi8` block in this process: [`LOGITS_WGI8_ROWS`], or a
-/// `WGI8_ROWS=4` override in `$DSA_CUDA_DEFINES` (`tuning` feature; the kernel gets the
-/// same define and runs one 128-column MMA per key tile).
+/// `WGI8_ROWS=8` override in `$DSA_CUDA_DEFINES` (`tuning` feature; the kernel gets the
+/// same define and runs two 128-column MMAs per key tile: faster prefill, slower decode,
+/// whose groups hold one row).
 pub fn logits_wgi8_rows() -> usize {
     define_in("WGI8_ROWS", 4..=8)
         .filter(|&r| r == 4 || r == 8)

@@ -725,7 +725,7 @@ mod tests {
                 v.name()
             );
             if wg {
-                // One warpgroup per 8 rows: two MMAs of 4 x 32 heads.
+                // One warpgroup per 4 rows: one MMA of 4 x 32 heads.
                 assert_eq!(
                     (rows, threads),
                     (kernels::logits_wgi8_rows(), 128),
