@@ -40,7 +40,7 @@
 //
 // The guard, evaluated per tile from each side's window (a block-level condition, warp-
 // and block-uniform: the wgmma needs the whole warpgroup on one path):
-//   queries (once per block, the 64 (row, head) vectors): every vector spans <= 3, and
+//   queries (once per block, its WGI8_ROWS x 32 (row, head) vectors): every vector spans <= 3, and
 //   q_hi <= 244 (q_lo, q_hi: the smallest and largest byte of the block);
 //   keys (per tile, each key of the tile in the group): its bytes span <= 3,
 //   ek_min + q_lo >= 107 and ek_max + q_hi <= 369 (G = 4) or 370 (G = 2).
@@ -48,8 +48,9 @@
 // eq_min + ek_min >= q_lo + ek_min >= 107 (E >= -149, and E <= 369 - 256 < 127),
 // eq_g <= q_hi <= 244, e_g <= q_hi + ek_max. It is docs/numerics.md's block guard (there
 // derived with the cases that make each bound necessary). A tile it rejects runs
-// mqa_logits_wgr's arithmetic on the same B staging that kernel uses (sB, folded when
-// the queries fold), so both paths are bitwise SPEC 4 and a tile's path changes no bit.
+// mqa_logits_wgr's arithmetic on that kernel's B staging (folded when the queries fold;
+// the layout below says where it is staged), so both paths are bitwise SPEC 4 and a
+// tile's path changes no bit.
 //
 // ==== the head epilogue, and when it is bitwise ====
 //
