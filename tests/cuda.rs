@@ -1237,7 +1237,7 @@ fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
             ok = ok && hi - lo <= 3;
             (q_lo, q_hi) = (q_lo.min(lo), q_hi.max(hi));
             let w = c.w[[i, hh]];
-            let v = w * int8_path::pow2_f32(lo as i32 - 129).unwrap();
+            let v = int8_path::epilogue_weight(w, lo as u8);
             let f = ((v.to_bits() >> 23) & 0xFF) as usize;
             if w != 0.0 {
                 f_lo = f_lo.min(f);
@@ -1249,15 +1249,15 @@ fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
     let n = rows.iter().map(|&i| all[i].n).max().unwrap();
     let top = if g == 4 { 369 } else { 370 };
     ok && q_hi <= 244
-        && f_lo >= 24
-        && f_hi <= 227
+        && f_lo >= int8_path::EPI_MIN_V_EXP as usize
+        && f_hi <= int8_path::EPI_MAX_V_EXP as usize
         && (kc * tile..(kc * tile + kc).min(n)).all(|j| {
             let (lo, hi) = window(&mut (0..g).map(|gg| c.ks[[all[rows[0]].ks + j, gg]]));
             hi - lo <= 3
                 && lo + q_lo >= 107
                 && hi + q_hi <= top
-                && lo + f_lo >= 151
-                && lo + f_hi <= 354
+                && lo + f_lo >= int8_path::EPI_MIN_VK_EXP as usize
+                && lo + f_hi <= int8_path::EPI_MAX_VK_EXP as usize
         })
 }
 
