@@ -52,14 +52,15 @@
 # one test runs every hook in-process); the benchmark only with `tuning`.
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
-# #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, WGI8_ROWS (4 or 8), W16_MIN_BLOCKS,
+# #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, WGI8_R8_MIN_BLOCKS, W16_MIN_BLOCKS,
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, TK_BITMAP (0: sampled
 #   rows sort their selected ids instead of scanning a bitmap), TK_SAMPLED_ORDERED (1:
 #   sampled rows of at most 16 * K keys end with the ordered pass), TK_STOP (profiling:
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
 #   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),
 #   W8_TMA (0: the fast kernel's keys in registers), W8_LPT (0: a launch's groups in launch
-#   order, not longest first); host side: LG_PER_BLOCK.
+#   order, not longest first); host side: LG_PER_BLOCK, WGI8_ROWS (4 or 8: that form of
+#   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -100,7 +101,9 @@ if has tests; then
   # The exact class at H = 32 on mqa_logits_wgr alone (no int8 tile), folded and not.
   hook_tests no_int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
   hook_tests no_int8_exact,no_scale_fold int8_exact exact_class special golden
-  # mqa_logits_wgi8 at eight rows per block (two MMAs per key tile).
+  # mqa_logits_wgi8's two forms, each in every launch: four rows per block (decode's) and
+  # eight (prefill's: two MMAs per key tile).
+  knob_tests "WGI8_ROWS=4" int8_exact exact_class boundary special golden same_bits paged decode_step
   knob_tests "WGI8_ROWS=8" int8_exact exact_class boundary special golden same_bits paged decode_step
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
@@ -179,7 +182,7 @@ if has ab; then
   # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
   # precision=fast, each against the same run's default run above ($AB: a shorter
   # list). Needs the `tuning` build.
-  AB="${AB:-v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=8;v41-chunk-wide:WGI8_ROWS=8;v41-1m-256m:WGI8_ROWS=8;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
+  AB="${AB:-v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="" hooks="" prec=full

@@ -40,7 +40,7 @@
 //
 // The guard, evaluated per tile from each side's window (a block-level condition, warp-
 // and block-uniform: the wgmma needs the whole warpgroup on one path):
-//   queries (once per block, its WGI8_ROWS x 32 (row, head) vectors): every vector spans <= 3, and
+//   queries (once per block, its R x 32 (row, head) vectors): every vector spans <= 3, and
 //   q_hi <= 244 (q_lo, q_hi: the smallest and largest byte of the block);
 //   keys (per tile, each key of the tile in the group): its bytes span <= 3,
 //   ek_min + q_lo >= 107 and ek_max + q_hi <= 369 (G = 4) or 370 (G = 2).
@@ -92,33 +92,34 @@
 
 // ==== layout ====
 //
-// WGI8_ROWS rows per block (4, or 8 as a tuning define): B has 32 columns per row, and
-// within a row column n' = 8 a + 2 t + e (a < 4, t < 4, e < 2) holds head e + 2 a + 8 t.
+// R rows per block, in two entries of one module: mqa_logits_wgi8 (R = 4) and
+// mqa_logits_wgi8_r8 (R = 8); the host picks one per launch (the eight-row form where the
+// launch's row groups hold more than four rows on average: prefill; the four-row one for
+// decode, whose groups hold one to four rows). B has 32 columns per row, and within a row
+// column n' = 8 a + 2 t + e (a < 4, t < 4, e < 2) holds head e + 2 a + 8 t.
 // The s8 MMAs run on 128 columns (four rows) at a time, one s32 accumulator of 64
 // elements each: element i of a thread is key 16 warp + gid + 8 ((i >> 1) & 1), column
 // 8 (i >> 2) + 2 tig + (i & 1) of its four rows. So a thread holds, per row and key, the
 // heads of head bits 0..2 (e, a), and the lanes of its quad hold bits 3 and 4 (tig):
 // SPEC 4's pairwise head sum is three levels in the thread and two across the quad.
-// With eight rows the second four rows' MMAs run while the first four's epilogue does;
-// a group of fewer rows (decode: one to four per request) still runs both, so eight rows
-// stay a tuning form (benches/RESULTS.md).
+// With eight rows the second four rows' MMAs run while the first four's epilogue does,
+// from the same key fragments (the key decode is paid once per eight rows).
 // The fallback (mqa_logits_wgr's tile on each pair of rows) reads mqa_logits_wgr's
 // staging of the rows (heads in their natural order): all of them in sQ when the block's
 // queries or weights are rejected (sQ then holds no s8 operands), else one pair at a
 // time in sF, staged when a key tile is rejected.
-#ifndef WGI8_ROWS
-#define WGI8_ROWS 4
-#endif
-#define WGI8_N (WGI8_ROWS * H)
 // Rows per s8 MMA (128 columns).
 #define WGI8_MMA_ROWS 4
-static_assert(WGI8_ROWS == 4 || WGI8_ROWS == 8, "WGI8_ROWS: 4 or 8");
 static_assert(WGI8_MMA_ROWS * H == WGR_THREADS, "one column per thread per MMA in the prologue");
 
-// Blocks per SM the registers must allow: at eight rows 2 (214 registers at D = 128; one
-// measured the same on v41-chunk); at four rows 3 at D = 128 (168) and 4 at D = 64.
+// Blocks per SM the registers must allow: at four rows 3 at D = 128 (168 registers) and
+// 4 at D = 64; at eight rows 2 (214 registers at D = 128; one measured the same on
+// v41-chunk).
 #ifndef WGI8_MIN_BLOCKS
-#define WGI8_MIN_BLOCKS (WGI8_ROWS == 8 ? 2 : G == 4 ? 3 : 4)
+#define WGI8_MIN_BLOCKS (G == 4 ? 3 : 4)
+#endif
+#ifndef WGI8_R8_MIN_BLOCKS
+#define WGI8_R8_MIN_BLOCKS 2
 #endif
 
 // ==== the guard's bounds (docs/numerics.md section 6) ====
@@ -203,14 +204,14 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 // (float4 p = columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows
 // 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r
 // of neg: every weight of row r has its sign bit set.
-template <class Next>
+template <int R, class Next>
 __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
                                           const int (&kmin)[2], const u8 *sB8,
                                           const float4 *svm, const u32 neg, const int tig,
                                           const bool odd, const bool hi,
-                                          float (&out)[WGI8_ROWS / 2], Next next) {
-  constexpr u32 lbo = (WGI8_N / 8) * 128;
-  constexpr int M = WGI8_ROWS / WGI8_MMA_ROWS;
+                                          float (&out)[R / 2], Next next) {
+  constexpr u32 lbo = (R * H / 8) * 128;
+  constexpr int M = R / WGI8_MMA_ROWS;
   u32 af[G][4];
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk)
@@ -257,24 +258,33 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
 
 // ==== kernel ====
 
-// block: rows grp.x + [0, WGI8_ROWS) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
+// The kernel's arguments, and their names in the call of its body.
+#define WGI8_PARAMS                                                                            \
+  const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,          \
+      const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,                    \
+      const float *__restrict__ w, const u32 *__restrict__ row_n,                              \
+      const u32 *__restrict__ row_ks, const u64 *__restrict__ row_off,                         \
+      const uint4 *__restrict__ groups, u32 group0, float *__restrict__ logits,                \
+      u32 *__restrict__ paths LG_PAGED_PARAMS
+#define WGI8_ARGS \
+  q, q_scale, k, k_scale8, k_scale32, w, row_n, row_ks, row_off, groups, group0, logits, paths PG_PASS
+
+// block: rows grp.x + [0, R) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
 // (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
-extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(
-    const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
-    const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
-    const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
-    const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS) {
-  __shared__ __align__(128) u8 sQ[WGI8_N * D];
+template <int R>
+__device__ __forceinline__ void wgi8_block(WGI8_PARAMS) {
+  static_assert(R == 4 || R == 8, "mqa_logits_wgi8: 4 or 8 rows per block");
+  constexpr int N = R * H;  // B's columns
+  __shared__ __align__(128) u8 sQ[N * D];
   __shared__ __align__(128) u8 sF[WGR_N * D];
-  __shared__ __align__(16) float4 svm[WGI8_N / 2];
-  __shared__ __align__(8) float sqs[WGI8_ROWS][G * H];
-  __shared__ __align__(8) float sw[WGI8_ROWS][H];
+  __shared__ __align__(16) float4 svm[N / 2];
+  __shared__ __align__(8) float sqs[R][G * H];
+  __shared__ __align__(8) float sw[R][H];
   __shared__ u32 stab[15][2];
   __shared__ u32 swq[2][WGR_THREADS / 32];
   __shared__ u32 sqwin[WGR_THREADS / 32];
   __shared__ u32 svwin[WGR_THREADS / 32];
-  __shared__ u32 sneg[WGI8_ROWS];
+  __shared__ u32 sneg[R];
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
@@ -286,8 +296,8 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
   auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
 
   int qbase[G];
-  const bool fold_q = wgr_prologue<WGI8_ROWS>(q_scale, w, row_of, sw, sqs, stab, swq[0], swq[1],
-                                              qbase, tid, lane, warp);
+  const bool fold_q =
+      wgr_prologue<R>(q_scale, w, row_of, sw, sqs, stab, swq[0], swq[1], qbase, tid, lane, warp);
   bool qsafe = fold_q;
 #pragma unroll
   for (int g = 0; g < G; ++g) qsafe = qsafe && qbase[g] >= 107 && qbase[g] <= 129;
@@ -300,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
   {
     u32 qwin = I8_QWIN_NONE, vwin = 0x0000FFFFu, negs = 0u;
 #pragma unroll
-    for (int m = 0; m < WGI8_ROWS / WGI8_MMA_ROWS; ++m) {
+    for (int m = 0; m < R / WGI8_MMA_ROWS; ++m) {
       const int r = WGI8_MMA_ROWS * m + warp, hh = head_of(lane), n = WGR_THREADS * m + tid;
       const u64 qrow = (u64)row_of(r) * H + hh;
       u32 mn = 255u, mx = 0u;
@@ -351,7 +361,7 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
   if (q_i8) {
     // sQ: the s8 operands, each word's values shifted by sq_g = eq_g - eq_min (every
     // vector spans <= 3 here), in the columns' head order above.
-    for (int t = tid; t < WGI8_N * G * 4; t += WGR_THREADS) {
+    for (int t = tid; t < N * G * 4; t += WGR_THREADS) {
       const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
       const u64 qrow = (u64)row_of(n / H) * H + head_of(n % H);
       int mn = 255;
@@ -361,12 +371,12 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
       const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
       u32 lo, hb;
       e2m1_word_s8(word, sq, lo, hb);
-      *reinterpret_cast<u32 *>(&sQ[wg_off(n, 2 * g, WGI8_N) + 4 * tt]) = lo;
-      *reinterpret_cast<u32 *>(&sQ[wg_off(n, 2 * g + 1, WGI8_N) + 4 * tt]) = hb;
+      *reinterpret_cast<u32 *>(&sQ[wg_off(n, 2 * g, N) + 4 * tt]) = lo;
+      *reinterpret_cast<u32 *>(&sQ[wg_off(n, 2 * g + 1, N) + 4 * tt]) = hb;
     }
   } else {
     // sQ: mqa_logits_wgr's staging of all the rows, for the fallback alone.
-    wgr_stage_queries<WGI8_ROWS>(q, q_scale, row_of, fold_q, qbase, stab, sQ, tid);
+    wgr_stage_queries<R>(q, q_scale, row_of, fold_q, qbase, stab, sQ, tid);
   }
   fence_proxy_async();
   __syncthreads();
@@ -403,10 +413,10 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
                                  mn <= kmin_cap));
       }
       if (__syncthreads_and(ok ? 1 : 0) != 0) {
-        float out[WGI8_ROWS / 2];
-        wgi8_tile(raw, rsc, kmin, sQ, svm, neg, tig, odd, hi, out, [&] { prefetch(c + gridDim.x); });
+        float out[R / 2];
+        wgi8_tile<R>(raw, rsc, kmin, sQ, svm, neg, tig, odd, hi, out, [&] { prefetch(c + gridDim.x); });
 #pragma unroll
-        for (int i = 0; i < WGI8_ROWS / 2; ++i)
+        for (int i = 0; i < R / 2; ++i)
           store_logit(logits, row_off, row_n, grp, 2 * i + (hi ? 1u : 0u), j0 + 16 * warp + gid,
                       odd, out[i]);
         ++n_i8;
@@ -415,13 +425,13 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
         // every thread's MMAs on the last pair are done before sF is restaged), the last
         // pair's with the prefetch.
 #pragma unroll 1
-        for (int pr = 0; pr < WGI8_ROWS / WGR_ROWS; ++pr) {
+        for (int pr = 0; pr < R / WGR_ROWS; ++pr) {
           __syncthreads();
           wgr_stage_queries<WGR_ROWS>(q, q_scale, [&](u32 r) { return row_of(WGR_ROWS * pr + r); },
                                       fold_q, qbase, stab, sF, tid);
           fence_proxy_async();
           __syncthreads();
-          const bool last = pr + 1 == WGI8_ROWS / WGR_ROWS;
+          const bool last = pr + 1 == R / WGR_ROWS;
           const float logit =
               wgr_tile<true>(raw, rsc, sF, fold_q, qsafe, sqs + WGR_ROWS * pr, sw + WGR_ROWS * pr,
                              stab, two_mul, tig, odd, hi, [&] {
@@ -437,9 +447,9 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
     // a time: unrolled, the pairs' tiles interleave and spill).
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
 #pragma unroll 1
-      for (int pr = 0; pr < WGI8_ROWS / WGR_ROWS; ++pr) {
-        const bool last = pr + 1 == WGI8_ROWS / WGR_ROWS;
-        const float logit = wgr_tile<true, (WGI8_N / 8) * 128>(
+      for (int pr = 0; pr < R / WGR_ROWS; ++pr) {
+        const bool last = pr + 1 == R / WGR_ROWS;
+        const float logit = wgr_tile<true, (N / 8) * 128>(
             raw, rsc, sQ + pr * (WGR_N / 8) * 128, fold_q, qsafe, sqs + WGR_ROWS * pr,
             sw + WGR_ROWS * pr, stab, two_mul, tig, odd, hi, [&] {
               if (last) prefetch(c + gridDim.x);
@@ -451,4 +461,14 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
   }
   count_fold_paths(paths, fold_q, two_mul);
   count_int8_tiles(paths, n_i8, (nchunks - 1 - blockIdx.x) / gridDim.x + 1 - n_i8);
+}
+
+// The two forms (the host's kernels::logits_kernel_for picks one per launch).
+extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(
+    WGI8_PARAMS) {
+  wgi8_block<4>(WGI8_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS) mqa_logits_wgi8_r8(
+    WGI8_PARAMS) {
+  wgi8_block<8>(WGI8_ARGS);
 }

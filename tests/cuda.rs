@@ -1262,23 +1262,25 @@ fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
 }
 
 /// The side the guard puts a case on in a run of one tile, from [`int8_guard_admits`]
-/// over the host's row groups (consecutive rows of a request, at most
-/// `kernels::logits_wgi8_rows()` each, as `cuda::geometry` forms them) and their key tiles:
-/// `Int8` when it admits every (group, tile), `Fallback` when none, `Both` otherwise.
+/// over the row groups the host launches (`cuda::tile_logits_kernel`'s entry for the
+/// tile, `cuda::row_groups` at its rows) and their key tiles: `Int8` when it admits every
+/// (group, tile), `Fallback` when none, `Both` otherwise.
 fn int8_side_on_the_host(c: &Case) -> Int8Side {
     let all = c.batch.rows();
     let kc = kernels::LOGITS_KEYS;
+    let v = Variant::logits(
+        32,
+        c.ks.ncols(),
+        Format::E2m1,
+        Format::E2m1,
+        false,
+        Precision::Full,
+    );
+    let tile = 0..all.len();
+    let (_, lg_rows, _) = cuda::tile_logits_kernel(all, tile.clone(), v, Hooks::default());
     let (mut admitted, mut rejected) = (0usize, 0usize);
-    let mut i = 0;
-    while i < all.len() {
-        let mut e = i + 1;
-        while e < all.len()
-            && e - i < kernels::logits_wgi8_rows()
-            && all[e].request == all[i].request
-        {
-            e += 1;
-        }
-        let rows: Vec<usize> = (i..e).collect();
+    for group in cuda::row_groups(all, tile, lg_rows) {
+        let rows: Vec<usize> = group.collect();
         let n = rows.iter().map(|&r| all[r].n).max().unwrap();
         for t in 0..n.div_ceil(kc) {
             if int8_guard_admits(c, &rows, t) {
@@ -1287,7 +1289,6 @@ fn int8_side_on_the_host(c: &Case) -> Int8Side {
                 rejected += 1;
             }
         }
-        i = e;
     }
     match (admitted > 0, rejected > 0) {
         (true, false) => Int8Side::Int8,
@@ -1305,7 +1306,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
     use rand::{Rng, SeedableRng};
     let (h, groups) = (32, d / 32);
     let kc = kernels::LOGITS_KEYS;
-    let rows = 2 * kernels::logits_wgi8_rows() + 3;
+    let rows = 2 * kernels::LOGITS_WGI8_ROWS + 3;
     let s = 3 * kc + 5;
     let batch = Batch::contiguous(&[s, kc + 2], &[s - rows, kc - 1], 1).unwrap();
     type Scales = (

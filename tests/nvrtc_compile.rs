@@ -76,7 +76,9 @@ fn every_kernel_compiles_for_sm90a() {
                         modules += 1;
                         let name = named(format!("{}.{kernel}", v.name()));
                         match compile_logits(*v, kernel, h) {
-                            Ok(ptx) => check(&name, &ptx.to_src(), &[kernel], write),
+                            Ok(ptx) => {
+                                check(&name, &ptx.to_src(), kernels::module_entries(kernel), write)
+                            }
                             Err(e) => failures.push(format!("{name}: {e}")),
                         }
                     }

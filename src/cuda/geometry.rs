@@ -138,6 +138,8 @@ pub(super) struct TileGeom {
     pub(super) short_cap: u32,
     /// The tile's longest row (keys).
     pub(super) max_n: usize,
+    /// The tile's logits entry and threads per block ([`tile_logits_kernel`]).
+    pub(super) logits: (&'static str, usize),
 }
 
 /// Rows x segments of a tile whose top-k is split across blocks on a GPU of `sms` SMs
@@ -324,8 +326,10 @@ struct Layout<'a> {
     requests: &'a [Request],
     shape: &'a Shape,
     fp: &'a RowFootprint,
-    /// Rows of one logits block (a row group's most).
-    lg_rows: usize,
+    /// The logits variant and the hooks its kernels run under (a tile's logits entry, and
+    /// so its row groups' most rows, follows from them: [`tile_logits_kernel`]).
+    variant: Variant,
+    hooks: Hooks,
     /// The GPU's SMs.
     sms: usize,
     /// Longest row the shared-memory row may take ([`kernels::topk_short_cap`]).
@@ -358,7 +362,6 @@ impl RowMeta {
             npub: 0,
             bitmap_words: 0,
         };
-        let (_, lg_rows, _) = kernels::logits_kernel(shape.logits_variant(), hooks);
         for r in rows {
             m.row_n.push(r.n as u32);
             m.row_ks.push(match shape.paged {
@@ -379,7 +382,8 @@ impl RowMeta {
             requests: batch.requests(),
             shape,
             fp,
-            lg_rows,
+            variant: shape.logits_variant(),
+            hooks,
             sms,
             short_cap: kernels::topk_short_cap(hooks),
         };
@@ -396,7 +400,9 @@ impl RowMeta {
         let (mut off, mut boff) = (0u64, 0u64);
         let g0 = self.groups.len() / 4;
         let mut max_blocks = 0usize;
-        let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), l.lg_rows);
+        let (lg_name, lg_rows, lg_threads) =
+            tile_logits_kernel(rows, tile.clone(), l.variant, l.hooks);
+        let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), lg_rows);
         let short_cap = short_row_cap(
             rows[tile.clone()].iter().map(|r| r.n),
             shape.topk,
@@ -423,8 +429,44 @@ impl RowMeta {
             segments: split_segments(tile.len(), max_n, shape.topk, l.sms),
             short_cap,
             max_n,
+            logits: (lg_name, lg_threads),
         });
     }
+}
+
+/// The logits entry of a tile of rows `rows[tile]` of variant `v` under `hooks` (entry
+/// name, rows per block, threads per block): [`kernels::logits_kernel_for`], wide when the
+/// tile's row groups at the wide entry's rows fill them more than half
+/// ([`kernels::groups_fill_wide`]: prefill's tiles; decode's rows of one to four per
+/// request are not).
+pub fn tile_logits_kernel(
+    rows: &[Row],
+    tile: Range<usize>,
+    v: Variant,
+    hooks: Hooks,
+) -> (&'static str, usize, usize) {
+    let wide = kernels::logits_kernel_for(v, hooks, true);
+    let narrow = kernels::logits_kernel_for(v, hooks, false);
+    if wide == narrow {
+        return narrow;
+    }
+    let groups = row_groups(rows, tile.clone(), wide.1).len();
+    if kernels::groups_fill_wide(tile.len(), groups, wide.1) {
+        wide
+    } else {
+        narrow
+    }
+}
+
+/// The row groups of tile rows `rows[tile]` at most `lg_rows` rows each, as the logits
+/// launches take them: runs of consecutive rows of one request.
+pub fn row_groups(rows: &[Row], tile: Range<usize>, lg_rows: usize) -> Vec<Range<usize>> {
+    let mut words = Vec::new();
+    push_row_groups(&mut words, rows, tile, lg_rows);
+    words
+        .chunks_exact(4)
+        .map(|g| g[0] as usize..(g[0] + g[1]) as usize)
+        .collect()
 }
 
 /// Append the row groups of tile rows `tile` to `groups` (4 words each: first row, rows,
@@ -464,6 +506,65 @@ mod tests {
     const H200_SMS: usize = 132;
     /// SMs of an H100 PCIe.
     const H100_PCIE_SMS: usize = 114;
+
+    /// A tile of prefill rows (runs of more than four rows per request) takes
+    /// `mqa_logits_wgi8`'s eight-row entry, a tile of decode rows (one to four per
+    /// request) the four-row one, and the row groups follow the entry's rows; every other
+    /// variant has its one entry whatever its rows.
+    #[test]
+    fn prefill_tiles_take_the_eight_row_entry_and_decode_tiles_the_four_row_one() {
+        #[cfg(feature = "tuning")]
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // WGI8_ROWS forces one form on purpose
+        }
+        let exact = Variant::logits(32, 4, Format::E2m1, Format::E2m1, false, Precision::Full);
+        let h = Hooks::default();
+        let pick = |seq: &[usize], q0: &[usize]| {
+            let b = Batch::contiguous(seq, q0, 1).unwrap();
+            let rows = b.rows();
+            let (name, r, _) = tile_logits_kernel(rows, 0..rows.len(), exact, h);
+            (name, r, row_groups(rows, 0..rows.len(), r).len())
+        };
+        // Prefill: 100 rows of one request; 5 rows each (groups of 5 at eight rows: 5 > 4).
+        assert_eq!(pick(&[300], &[200]), ("mqa_logits_wgi8_r8", 8, 13));
+        assert_eq!(pick(&[50, 60], &[45, 55]), ("mqa_logits_wgi8_r8", 8, 2));
+        // Decode: 1 and 4 rows per request (groups of 4 fill eight rows by half: not wide).
+        assert_eq!(
+            pick(&[50, 60, 70], &[49, 59, 69]),
+            ("mqa_logits_wgi8", 4, 3)
+        );
+        assert_eq!(pick(&[50, 60], &[46, 56]), ("mqa_logits_wgi8", 4, 2));
+        // A run of 9 rows: groups of 8 and 1 at eight rows (4.5 > 4 on average).
+        assert_eq!(pick(&[50], &[41]), ("mqa_logits_wgi8_r8", 8, 2));
+        // Groups never span requests, and split at the entry's rows.
+        let b = Batch::contiguous(&[50, 60], &[41, 57], 1).unwrap();
+        assert_eq!(row_groups(b.rows(), 0..12, 4), [0..4, 4..8, 8..9, 9..12]);
+        assert_eq!(row_groups(b.rows(), 2..12, 8), [2..9, 9..12]);
+        // The hook that runs mqa_logits_wgr has one entry, as has every other variant.
+        let wgr = Hooks {
+            no_int8_exact: true,
+            ..Hooks::default()
+        };
+        let b = Batch::contiguous(&[300], &[200], 1).unwrap();
+        let all = 0..b.rows().len();
+        assert_eq!(
+            tile_logits_kernel(b.rows(), all.clone(), exact, wgr).0,
+            "mqa_logits_wgr"
+        );
+        for v in Variant::all() {
+            if matches!(v, Variant::Logits { .. }) && v != exact {
+                let one = kernels::logits_kernel(v, h);
+                if one.0 != "mqa_logits_wgi8" {
+                    assert_eq!(
+                        tile_logits_kernel(b.rows(), all.clone(), v, h),
+                        one,
+                        "{}",
+                        v.name()
+                    );
+                }
+            }
+        }
+    }
 
     /// Long rows take the wide launch up to 3 rows per SM, with its candidate memory after
     /// the consumer bitmap (rounded up to 16 bytes), while both fit the dynamic shared

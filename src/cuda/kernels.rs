@@ -132,18 +132,42 @@ pub const LOGITS_W16_ROWS: usize = 2;
 /// one 64-column MMA).
 pub const LOGITS_WGR_ROWS: usize = 2;
 
-/// Rows per `mqa_logits_wgi8` block (`WGI8_ROWS` in `mqa_logits_wgi8.cu`: 4 rows x 32
+/// Rows per block of `mqa_logits_wgi8`'s four-row entry `mqa_logits_wgi8` (4 rows x 32
 /// heads = one 128-column s8 MMA, whose key fragments are decoded once for the four).
 pub const LOGITS_WGI8_ROWS: usize = 4;
 
-/// Rows per `mqa_logits_wgi8` block in this process: [`LOGITS_WGI8_ROWS`], or a
-/// `WGI8_ROWS=8` override in `$DSA_CUDA_DEFINES` (`tuning` feature; the kernel gets the
-/// same define and runs two 128-column MMAs per key tile: faster prefill, slower decode,
-/// whose groups hold one row).
-pub fn logits_wgi8_rows() -> usize {
-    define_in("WGI8_ROWS", 4..=8)
-        .filter(|&r| r == 4 || r == 8)
-        .unwrap_or(LOGITS_WGI8_ROWS)
+/// Rows per block of `mqa_logits_wgi8`'s eight-row entry `mqa_logits_wgi8_r8` (two
+/// 128-column MMAs from the same key fragments: the key decode is paid once per eight
+/// rows, at two blocks per SM against three).
+pub const LOGITS_WGI8_WIDE_ROWS: usize = 8;
+
+/// `mqa_logits_wgi8`'s form forced by a `WGI8_ROWS=4` or `WGI8_ROWS=8` define in
+/// `$DSA_CUDA_DEFINES` (`tuning` feature; a host-side number): that form for every
+/// launch. None: each launch takes the form its row groups favour ([`logits_kernel_for`]).
+pub fn wgi8_rows_override() -> Option<usize> {
+    define_in("WGI8_ROWS", 4..=8).filter(|&r| r == LOGITS_WGI8_ROWS || r == LOGITS_WGI8_WIDE_ROWS)
+}
+
+/// Whether a launch of `rows` rows in `groups` row groups of at most `group_rows` rows
+/// each fills them more than half on average: then a kernel's form of `group_rows` rows
+/// per block pays (the eight-row `mqa_logits_wgi8_r8` on prefill); otherwise its blocks
+/// would run as many MMAs and epilogues on padding as on rows (decode: one to four rows
+/// per request).
+pub fn groups_fill_wide(rows: usize, groups: usize, group_rows: usize) -> bool {
+    2 * rows > groups * group_rows
+}
+
+/// The entries of the module that holds logits kernel `kernel` and that the host
+/// launches by name: `mqa_logits_wgi8`'s module holds its eight-row form beside it.
+pub fn module_entries(kernel: &'static str) -> &'static [&'static str] {
+    match kernel {
+        "mqa_logits_wgi8" => &["mqa_logits_wgi8", "mqa_logits_wgi8_r8"],
+        "mqa_logits" => &["mqa_logits"],
+        "mqa_logits_wgr" => &["mqa_logits_wgr"],
+        "mqa_logits_w16" => &["mqa_logits_w16"],
+        "mqa_logits_w8" => &["mqa_logits_w8"],
+        _ => &[],
+    }
 }
 
 /// Threads per block of the `wgmma` logits kernels: one warpgroup (`WGR_THREADS`,
@@ -322,8 +346,18 @@ fn define_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize
 }
 
 /// The logits kernel of variant `v` under `hooks`: entry name, rows per block, threads
-/// per block.
+/// per block. The module's kernel, and the entry of launches whose row groups are not
+/// wide ([`logits_kernel_for`]).
 pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
+    logits_kernel_for(v, hooks, false)
+}
+
+/// The logits entry of a launch of variant `v` under `hooks` whose row groups are wide
+/// (`wide`: they hold more than four rows on average, [`groups_fill_wide`]) or not:
+/// entry name, rows per block, threads per block. Only the exact class at `H = 32`,
+/// `D >= 64` has two forms (`mqa_logits_wgi8_r8` for wide groups, `mqa_logits_wgi8` for
+/// others, or the one [`wgi8_rows_override`] forces); every other variant has one entry.
+pub fn logits_kernel_for(v: Variant, hooks: Hooks, wide: bool) -> (&'static str, usize, usize) {
     let (heads, exact, fast) = match v {
         Variant::Logits {
             heads,
@@ -343,7 +377,19 @@ pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
             if hooks.no_int8_exact {
                 return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
             }
-            return ("mqa_logits_wgi8", logits_wgi8_rows(), LOGITS_WG_THREADS);
+            return match wgi8_rows_override() {
+                Some(LOGITS_WGI8_WIDE_ROWS) => (
+                    "mqa_logits_wgi8_r8",
+                    LOGITS_WGI8_WIDE_ROWS,
+                    LOGITS_WG_THREADS,
+                ),
+                None if wide => (
+                    "mqa_logits_wgi8_r8",
+                    LOGITS_WGI8_WIDE_ROWS,
+                    LOGITS_WG_THREADS,
+                ),
+                _ => ("mqa_logits_wgi8", LOGITS_WGI8_ROWS, LOGITS_WG_THREADS),
+            };
         }
         if fast {
             return ("mqa_logits_w8", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
@@ -867,12 +913,15 @@ mod tests {
         pinned(LOGITS_WGR_TILE, wgr, "WGR_KEYS", LOGITS_KEYS);
         pinned(LOGITS_WGR_TILE, wgr, "WGR_ROWS", LOGITS_WGR_ROWS);
         pinned(LOGITS_WGR_TILE, wgr, "WGR_THREADS", LOGITS_WG_THREADS);
-        pinned(
-            LOGITS_WGI8,
-            "mqa_logits_wgi8.cu",
-            "WGI8_ROWS",
-            LOGITS_WGI8_ROWS,
-        );
+        // mqa_logits_wgi8's two entries, and their rows per block.
+        for (entry, rows) in [
+            ("mqa_logits_wgi8", LOGITS_WGI8_ROWS),
+            ("mqa_logits_wgi8_r8", LOGITS_WGI8_WIDE_ROWS),
+        ] {
+            let body =
+                format!("{entry}(\n    WGI8_PARAMS) {{\n  wgi8_block<{rows}>(WGI8_ARGS);\n}}");
+            assert!(LOGITS_WGI8.contains(&body), "{body}");
+        }
         let h64 = "logits_e4m3_h64.cuh";
         pinned(LOGITS_E4M3_H64, h64, "H64_KEYS", LOGITS_KEYS);
         pinned(LOGITS_E4M3_H64, h64, "H64_ROWS", LOGITS_W16_ROWS);
@@ -890,6 +939,10 @@ mod tests {
             (
                 LOGITS_WGI8,
                 "__launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(",
+            ),
+            (
+                LOGITS_WGI8,
+                "__launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS) mqa_logits_wgi8_r8(",
             ),
             (
                 LOGITS_W16,

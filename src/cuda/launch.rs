@@ -725,10 +725,18 @@ mod tests {
                 v.name()
             );
             if wg {
-                // One warpgroup per 4 rows: one MMA of 4 x 32 heads.
+                // One warpgroup per 4 rows: one MMA of 4 x 32 heads; launches of wide row
+                // groups take the module's eight-row entry (two MMAs).
+                assert_eq!((rows, threads), (4, 128), "{}", v.name());
                 assert_eq!(
-                    (rows, threads),
-                    (kernels::logits_wgi8_rows(), 128),
+                    kernels::logits_kernel_for(v, production, true),
+                    ("mqa_logits_wgi8_r8", 8, 128),
+                    "{}",
+                    v.name()
+                );
+                assert_eq!(
+                    kernels::module_entries(name),
+                    ["mqa_logits_wgi8", "mqa_logits_wgi8_r8"],
                     "{}",
                     v.name()
                 );
@@ -738,6 +746,16 @@ mod tests {
             } else {
                 assert_eq!(rows, kernels::logits_rows(heads), "{}", v.name());
                 assert_eq!(threads, rows * 32, "{}", v.name());
+            }
+            // Every other variant has one entry, whatever its launch's row groups.
+            if !wg {
+                assert_eq!(
+                    kernels::logits_kernel_for(v, production, true),
+                    (name, rows, threads),
+                    "{}",
+                    v.name()
+                );
+                assert_eq!(kernels::module_entries(name), [name], "{}", v.name());
             }
             // The host's choice is in the variant's source (tests/nvrtc_compile.rs checks
             // the compiled module's entries).

@@ -76,7 +76,7 @@ pub use engine::{
     DeviceInputs, DeviceKeys, DeviceOutput, DeviceQueries, DeviceRun, DeviceRunInfo, Engine,
     INPUT_ALIGN,
 };
-pub use geometry::{MAX_TOPK, ROW_ALIGN};
+pub use geometry::{row_groups, tile_logits_kernel, MAX_TOPK, ROW_ALIGN};
 pub use kernels::{Hooks, Precision, Variant};
 pub use paths::{FoldCounts, TopkPaths};
 pub use tolerance::{

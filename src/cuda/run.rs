@@ -387,7 +387,7 @@ impl Run {
         let a = self.addrs(s);
         // 1. Logits.
         if g.chunks > 0 && a.logits != 0 {
-            let (name, _, threads) = kernels::logits_kernel(sh.logits_variant(), dev.hooks());
+            let (name, threads) = g.logits;
             let f = dev.function(sh.logits_variant(), name)?;
             // Key tiles per block: enough blocks to fill the GPU several times over, and
             // up to kernels::logits_tiles_per_block() tiles per block so the query
