@@ -793,18 +793,21 @@ impl Case {
 #[test]
 fn boundary_sizes_from_the_kernel_constants() {
     let Some(mut b) = gpu() else { return };
-    let (r, kc, chunk) = (
-        kernels::logits_kernel(
-            Variant::logits(32, 2, Format::E2m1, Format::E2m1, false, Precision::Full),
-            b.device().hooks(),
-        )
-        .1,
-        kernels::LOGITS_KEYS,
-        kernels::TOPK_CHUNK,
+    let v = Variant::logits(32, 2, Format::E2m1, Format::E2m1, false, Precision::Full);
+    // Rows per block of the launches whose row groups are not wide, and of those that are.
+    let (r, rw) = (
+        kernels::logits_kernel_for(v, b.device().hooks(), false).1,
+        kernels::logits_kernel_for(v, b.device().hooks(), true).1,
     );
-    // Context lengths around the logits key tile, its m-tile pairs, and rows around a group.
+    let (kc, chunk) = (kernels::LOGITS_KEYS, kernels::TOPK_CHUNK);
+    let mut row_counts = vec![1, r - 1, r, r + 1, rw - 1, rw, rw + 1, 2 * rw + 3];
+    row_counts.sort_unstable();
+    row_counts.dedup();
+    // Context lengths around the logits key tile, its m-tile pairs, and rows around a group
+    // of each form (beside a request of 3 rows, the tile takes the wide form from 7 rows to
+    // 8 and at 2 rw + 3: cuda::tile_logits_kernel).
     for s in [1, 15, 16, 17, 31, 32, 33, kc - 1, kc, kc + 1, 2 * kc + 1] {
-        for rows in [1, r - 1, r, r + 1, 2 * r + 3] {
+        for &rows in &row_counts {
             let rows = rows.min(s);
             let batch = Batch::contiguous(&[s, 3], &[s - rows, 0], 1).unwrap();
             let c = Case::random(batch, 32, 64, (s * 100 + rows) as u64);

@@ -345,11 +345,17 @@ fn define_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize
         .find(|v| range.contains(v))
 }
 
-/// The logits kernel of variant `v` under `hooks`: entry name, rows per block, threads
-/// per block. The module's kernel, and the entry of launches whose row groups are not
-/// wide ([`logits_kernel_for`]).
+/// The logits kernel of variant `v` under `hooks`: the kernel its module holds (one of
+/// [`logits_kernels`]), and the rows and threads per block of launches whose row groups
+/// are not wide. The entry a launch runs is [`logits_kernel_for`]'s: the module of
+/// `mqa_logits_wgi8` holds its eight-row entry `mqa_logits_wgi8_r8` too.
 pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
-    logits_kernel_for(v, hooks, false)
+    let (entry, rows, threads) = logits_kernel_for(v, hooks, false);
+    let kernel = match entry {
+        "mqa_logits_wgi8_r8" => "mqa_logits_wgi8",
+        e => e,
+    };
+    (kernel, rows, threads)
 }
 
 /// The logits entry of a launch of variant `v` under `hooks` whose row groups are wide
