@@ -216,6 +216,7 @@ pub struct DecodeStep<'a> {
     shape: DecodeShape,
     /// Kernels, compiled and configured when the step is made.
     f: Functions,
+    lg_name: &'static str,
     lg_rows: usize,
     lg_threads: usize,
     logits_args: LogitsArgs,
@@ -355,6 +356,7 @@ impl Engine {
             engine: self.clone(),
             shape: *shape,
             f,
+            lg_name,
             lg_rows,
             lg_threads,
             logits_args,
@@ -531,8 +533,12 @@ impl DecodeStep<'_> {
         // 2. Logits: every request's key tiles across blocks.
         let chunks = sh.max_keys().div_ceil(kernels::LOGITS_KEYS);
         if chunks > 0 {
-            let per_block = (chunks * ngroups / (8 * dev.sm_count()))
-                .clamp(1, kernels::logits_tiles_per_block());
+            let per_block = kernels::logits_launch_tiles_per_block(
+                self.lg_name,
+                chunks,
+                ngroups,
+                dev.sm_count(),
+            );
             let gx = chunks.div_ceil(per_block) as u32;
             launch::logits(s, &self.f.logits, a, 0..ngroups, gx, self.lg_threads as u32)?;
         }

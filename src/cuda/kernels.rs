@@ -436,8 +436,36 @@ pub fn topk_wide(rows: usize, sm_count: usize, hooks: Hooks) -> bool {
 /// Most key tiles one logits block walks (the launch gives each block up to this many
 /// so that a block's query staging is paid once per that many tiles): the logits ran
 /// faster with each doubling from 16 to 128 tiles (benches/RESULTS.md). The launch takes
-/// fewer tiles per block where more would leave fewer than 8 x 132 blocks.
+/// fewer tiles per block where more would leave fewer blocks per SM than
+/// [`logits_blocks_per_sm`] ([`logits_launch_tiles_per_block`]).
 pub const LOGITS_TILES_PER_BLOCK: usize = 128;
+
+/// Blocks per SM a logits launch of `entry` is given at least (fewer key tiles per block
+/// where [`logits_tiles_per_block`] would leave fewer), so that its last wave is a small
+/// part of it: 8 for every entry but `mqa_logits_wgi8_r8`, which holds two blocks per SM
+/// (8 would be four waves, whose tail held v41-1m's tiles of 64 rows at 256 MiB 14 %
+/// behind its tiles of 512 rows at 2 GiB); 16 for it.
+pub fn logits_blocks_per_sm(entry: &str) -> usize {
+    if entry == "mqa_logits_wgi8_r8" {
+        16
+    } else {
+        8
+    }
+}
+
+/// Key tiles per block of a logits launch of `entry` over `chunks` key tiles and
+/// `groups` row groups on `sms` SMs: at least [`logits_blocks_per_sm`] blocks per SM,
+/// and up to [`logits_tiles_per_block`] tiles per block so that a block's query staging
+/// is paid once per that many.
+pub fn logits_launch_tiles_per_block(
+    entry: &str,
+    chunks: usize,
+    groups: usize,
+    sms: usize,
+) -> usize {
+    (chunks * groups.max(1) / (logits_blocks_per_sm(entry) * sms.max(1)))
+        .clamp(1, logits_tiles_per_block())
+}
 
 /// [`LOGITS_TILES_PER_BLOCK`], or an `LG_PER_BLOCK=` override (1..=1024) in
 /// `$DSA_CUDA_DEFINES` (`tuning` feature; a host-side number).
@@ -960,6 +988,39 @@ mod tests {
             ),
         ] {
             assert!(src.contains(bounds), "{bounds}");
+        }
+    }
+
+    /// Logits launches take up to 128 key tiles per block, fewer where that would leave
+    /// fewer than 8 blocks per SM (16 for the eight-row entry, two blocks per SM).
+    #[test]
+    fn logits_launches_fill_the_gpu_several_waves_over() {
+        #[cfg(feature = "tuning")]
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // LG_PER_BLOCK changes the cap on purpose
+        }
+        let per = logits_launch_tiles_per_block;
+        // v41-1m's tiles: 64 rows at 256 MiB (8 groups of 8, 16384 key tiles), 512 at 2 GiB.
+        assert_eq!(per("mqa_logits_wgi8_r8", 16384, 8, 132), 62);
+        assert_eq!(per("mqa_logits_wgi8", 16384, 16, 132), LOGITS_TILES_PER_BLOCK);
+        assert_eq!(
+            per("mqa_logits_wgi8_r8", 16384, 64, 132),
+            LOGITS_TILES_PER_BLOCK
+        );
+        // Decode: 64 requests of 65536 keys, one group each.
+        assert_eq!(per("mqa_logits_wgi8", 1024, 64, 132), 62);
+        assert_eq!(per("mqa_logits_w16", 1024, 64, 132), 62);
+        // Small launches: one tile per block; no group or SM count is a division by 0.
+        assert_eq!(per("mqa_logits", 3, 1, 132), 1);
+        assert_eq!(per("mqa_logits", 3, 0, 0), 1);
+        for entry in [
+            "mqa_logits",
+            "mqa_logits_wgr",
+            "mqa_logits_wgi8",
+            "mqa_logits_w16",
+            "mqa_logits_w8",
+        ] {
+            assert_eq!(logits_blocks_per_sm(entry), 8, "{entry}");
         }
     }
 

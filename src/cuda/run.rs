@@ -392,9 +392,12 @@ impl Run {
             // Key tiles per block: enough blocks to fill the GPU several times over, and
             // up to kernels::logits_tiles_per_block() tiles per block so the query
             // fragments are loaded once per that many.
-            let ngroups = g.groups.len().max(1);
-            let per_block = (g.chunks as usize * ngroups / (8 * dev.sm_count()))
-                .clamp(1, kernels::logits_tiles_per_block());
+            let per_block = kernels::logits_launch_tiles_per_block(
+                name,
+                g.chunks as usize,
+                g.groups.len(),
+                dev.sm_count(),
+            );
             let gx = (g.chunks as usize).div_ceil(per_block) as u32;
             let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
             let args = LogitsArgs {
