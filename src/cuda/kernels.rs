@@ -436,35 +436,38 @@ pub fn topk_wide(rows: usize, sm_count: usize, hooks: Hooks) -> bool {
 /// Most key tiles one logits block walks (the launch gives each block up to this many
 /// so that a block's query staging is paid once per that many tiles): the logits ran
 /// faster with each doubling from 16 to 128 tiles (benches/RESULTS.md). The launch takes
-/// fewer tiles per block where more would leave fewer blocks per SM than
-/// [`logits_blocks_per_sm`] ([`logits_launch_tiles_per_block`]).
+/// fewer tiles per block where more would leave too few blocks to fill the GPU several
+/// waves over ([`logits_launch_tiles_per_block`]).
 pub const LOGITS_TILES_PER_BLOCK: usize = 128;
 
-/// Blocks per SM a logits launch of `entry` is given at least (fewer key tiles per block
-/// where [`logits_tiles_per_block`] would leave fewer), so that its last wave is a small
-/// part of it: 8 for every entry but `mqa_logits_wgi8_r8`, which holds two blocks per SM
-/// (8 would be four waves, whose tail held v41-1m's tiles of 64 rows at 256 MiB 14 %
-/// behind its tiles of 512 rows at 2 GiB); 16 for it.
-pub fn logits_blocks_per_sm(entry: &str) -> usize {
-    if entry == "mqa_logits_wgi8_r8" {
-        16
-    } else {
-        8
-    }
-}
+/// Blocks of `mqa_logits_wgi8_r8` resident per SM: its launch bounds' minimum
+/// (`WGI8_R8_MIN_BLOCKS`), which its registers allow and no more (216 per thread).
+pub const LOGITS_WGI8_WIDE_BLOCKS_PER_SM: usize = 2;
 
 /// Key tiles per block of a logits launch of `entry` over `chunks` key tiles and
-/// `groups` row groups on `sms` SMs: at least [`logits_blocks_per_sm`] blocks per SM,
-/// and up to [`logits_tiles_per_block`] tiles per block so that a block's query staging
-/// is paid once per that many.
+/// `groups` row groups on `sms` SMs, up to [`logits_tiles_per_block`] so that a block's
+/// query staging is paid once per that many:
+/// - `mqa_logits_wgi8_r8`: whole waves. The launch takes `W` waves of
+///   [`LOGITS_WGI8_WIDE_BLOCKS_PER_SM`] blocks per SM, at least 8 and as many as the
+///   largest blocks need, and spreads each group's tiles over its share of them. Blocks
+///   of 124 tiles over v41-1m's tiles of 64 rows (8 groups) at 256 MiB made 1064 blocks,
+///   4.03 waves, whose nearly empty last wave held them 14 % behind the tiles of 512
+///   rows at 2 GiB.
+/// - every other entry: at least 8 blocks per SM.
 pub fn logits_launch_tiles_per_block(
     entry: &str,
     chunks: usize,
     groups: usize,
     sms: usize,
 ) -> usize {
-    (chunks * groups.max(1) / (logits_blocks_per_sm(entry) * sms.max(1)))
-        .clamp(1, logits_tiles_per_block())
+    let (cap, groups, sms) = (logits_tiles_per_block(), groups.max(1), sms.max(1));
+    if entry == "mqa_logits_wgi8_r8" {
+        let slots = LOGITS_WGI8_WIDE_BLOCKS_PER_SM * sms;
+        let waves = (groups * chunks.div_ceil(cap)).div_ceil(slots).max(8);
+        let per_group = (waves * slots / groups).max(1);
+        return chunks.div_ceil(per_group).clamp(1, cap);
+    }
+    (chunks * groups / (8 * sms)).clamp(1, cap)
 }
 
 /// [`LOGITS_TILES_PER_BLOCK`], or an `LG_PER_BLOCK=` override (1..=1024) in
@@ -947,6 +950,12 @@ mod tests {
         pinned(LOGITS_WGR_TILE, wgr, "WGR_KEYS", LOGITS_KEYS);
         pinned(LOGITS_WGR_TILE, wgr, "WGR_ROWS", LOGITS_WGR_ROWS);
         pinned(LOGITS_WGR_TILE, wgr, "WGR_THREADS", LOGITS_WG_THREADS);
+        pinned(
+            LOGITS_WGI8,
+            "mqa_logits_wgi8.cu",
+            "WGI8_R8_MIN_BLOCKS",
+            LOGITS_WGI8_WIDE_BLOCKS_PER_SM,
+        );
         // mqa_logits_wgi8's two entries, and their rows per block.
         for (entry, rows) in [
             ("mqa_logits_wgi8", LOGITS_WGI8_ROWS),
@@ -992,7 +1001,8 @@ mod tests {
     }
 
     /// Logits launches take up to 128 key tiles per block, fewer where that would leave
-    /// fewer than 8 blocks per SM (16 for the eight-row entry, two blocks per SM).
+    /// fewer than 8 blocks per SM; the eight-row entry's launches run whole waves of 2
+    /// blocks per SM, at least 8 of them.
     #[test]
     fn logits_launches_fill_the_gpu_several_waves_over() {
         #[cfg(feature = "tuning")]
@@ -1000,28 +1010,33 @@ mod tests {
             return; // LG_PER_BLOCK changes the cap on purpose
         }
         let per = logits_launch_tiles_per_block;
-        // v41-1m's tiles: 64 rows at 256 MiB (8 groups of 8, 16384 key tiles), 512 at 2 GiB.
-        assert_eq!(per("mqa_logits_wgi8_r8", 16384, 8, 132), 62);
-        assert_eq!(per("mqa_logits_wgi8", 16384, 16, 132), LOGITS_TILES_PER_BLOCK);
+        let sms = 132;
+        let waves = |entry: &str, chunks: usize, groups: usize| {
+            let blocks = groups * chunks.div_ceil(per(entry, chunks, groups, sms));
+            blocks as f64 / (LOGITS_WGI8_WIDE_BLOCKS_PER_SM * sms) as f64
+        };
+        // v41-1m's tiles: 64 rows at 256 MiB (8 groups of 8, 16384 key tiles): 2088
+        // blocks of 63 tiles, 7.91 waves (not 4.03).
+        assert_eq!(per("mqa_logits_wgi8_r8", 16384, 8, sms), 63);
+        assert!((7.8..=8.0).contains(&waves("mqa_logits_wgi8_r8", 16384, 8)));
+        // 512 rows at 2 GiB (64 groups): 32 whole waves of 125-tile blocks.
+        assert_eq!(per("mqa_logits_wgi8_r8", 16384, 64, sms), 125);
+        assert_eq!(waves("mqa_logits_wgi8_r8", 16384, 64), 32.0);
+        // v41-chunk's tiles of 2048 rows of 4096 key tiles.
+        assert!((31.0..=32.0).contains(&waves("mqa_logits_wgi8_r8", 4096, 256)));
+        // A small launch: one tile per block.
+        assert_eq!(per("mqa_logits_wgi8_r8", 3, 1, sms), 1);
+        // The other entries: at least 8 blocks per SM.
         assert_eq!(
-            per("mqa_logits_wgi8_r8", 16384, 64, 132),
+            per("mqa_logits_wgi8", 16384, 16, sms),
             LOGITS_TILES_PER_BLOCK
         );
-        // Decode: 64 requests of 65536 keys, one group each.
-        assert_eq!(per("mqa_logits_wgi8", 1024, 64, 132), 62);
-        assert_eq!(per("mqa_logits_w16", 1024, 64, 132), 62);
-        // Small launches: one tile per block; no group or SM count is a division by 0.
-        assert_eq!(per("mqa_logits", 3, 1, 132), 1);
+        assert_eq!(per("mqa_logits_wgi8", 1024, 64, sms), 62);
+        assert_eq!(per("mqa_logits_w16", 1024, 64, sms), 62);
+        assert_eq!(per("mqa_logits", 3, 1, sms), 1);
+        // No group or SM count is a division by 0.
         assert_eq!(per("mqa_logits", 3, 0, 0), 1);
-        for entry in [
-            "mqa_logits",
-            "mqa_logits_wgr",
-            "mqa_logits_wgi8",
-            "mqa_logits_w16",
-            "mqa_logits_w8",
-        ] {
-            assert_eq!(logits_blocks_per_sm(entry), 8, "{entry}");
-        }
+        assert_eq!(per("mqa_logits_wgi8_r8", 3, 0, 0), 1);
     }
 
     /// A logits module holds the family file of its kernel and no other, and every
