@@ -438,7 +438,7 @@ impl RowMeta {
 /// name, rows per block, threads per block): [`kernels::logits_kernel_for`], wide when the
 /// tile's row groups at the wide entry's rows fill them more than half
 /// ([`kernels::groups_fill_wide`]: prefill's tiles; decode's rows of one to four per
-/// request are not).
+/// request are not). Rows of `tile` past `rows` are not part of it.
 pub fn tile_logits_kernel(
     rows: &[Row],
     tile: Range<usize>,
@@ -450,6 +450,7 @@ pub fn tile_logits_kernel(
     if wide == narrow {
         return narrow;
     }
+    let tile = within(tile, rows.len());
     let groups = row_groups(rows, tile.clone(), wide.1).len();
     if kernels::groups_fill_wide(tile.len(), groups, wide.1) {
         wide
@@ -458,15 +459,21 @@ pub fn tile_logits_kernel(
     }
 }
 
-/// The row groups of tile rows `rows[tile]` at most `lg_rows` rows each, as the logits
-/// launches take them: runs of consecutive rows of one request.
+/// The row groups of tile rows `rows[tile]` at most `lg_rows` rows each (at least one),
+/// as the logits launches take them: runs of consecutive rows of one request. Rows of
+/// `tile` past `rows` are not part of it.
 pub fn row_groups(rows: &[Row], tile: Range<usize>, lg_rows: usize) -> Vec<Range<usize>> {
     let mut words = Vec::new();
-    push_row_groups(&mut words, rows, tile, lg_rows);
+    push_row_groups(&mut words, rows, within(tile, rows.len()), lg_rows.max(1));
     words
         .chunks_exact(4)
         .map(|g| g[0] as usize..(g[0] + g[1]) as usize)
         .collect()
+}
+
+/// `r` cut to `0..len`.
+fn within(r: Range<usize>, len: usize) -> Range<usize> {
+    r.start.min(len)..r.end.min(len).max(r.start.min(len))
 }
 
 /// Append the row groups of tile rows `tile` to `groups` (4 words each: first row, rows,
@@ -540,6 +547,14 @@ mod tests {
         let b = Batch::contiguous(&[50, 60], &[41, 57], 1).unwrap();
         assert_eq!(row_groups(b.rows(), 0..12, 4), [0..4, 4..8, 8..9, 9..12]);
         assert_eq!(row_groups(b.rows(), 2..12, 8), [2..9, 9..12]);
+        // Rows past the batch are not part of a tile; an empty tile has no groups.
+        let b = Batch::contiguous(&[50], &[41], 1).unwrap();
+        assert_eq!(row_groups(b.rows(), 5..40, 4), vec![5..9]);
+        assert_eq!(row_groups(b.rows(), 30..40, 4), []);
+        assert_eq!(row_groups(b.rows(), Range { start: 7, end: 3 }, 4), []);
+        assert_eq!(row_groups(b.rows(), 0..9, 0).len(), 9);
+        assert_eq!(tile_logits_kernel(b.rows(), 0..100, exact, h).1, 8);
+        assert_eq!(tile_logits_kernel(b.rows(), 40..100, exact, h).1, 4);
         // The hook that runs mqa_logits_wgr has one entry, as has every other variant.
         let wgr = Hooks {
             no_int8_exact: true,
