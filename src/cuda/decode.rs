@@ -305,13 +305,12 @@ impl Engine {
         let (raw_p, _g2) = raw.device_ptr_mut(&s);
         let (page_p, _g3) = page.device_ptr_mut(&s);
         let lg = Variant::logits(h, g, shape.q, shape.k, true, self.precision);
-        // Each request's next_n rows are row groups of their own: the wide form where
-        // they fill its blocks more than half (next_n > 4; kernels::groups_fill_wide).
-        let hooks = self.dev.hooks();
-        let wide_rows = kernels::logits_kernel_for(lg, hooks, true).1;
-        let wide =
-            kernels::groups_fill_wide(shape.next_n, shape.next_n.div_ceil(wide_rows), wide_rows);
-        let (lg_name, lg_rows, lg_threads) = kernels::logits_kernel_for(lg, hooks, wide);
+        // Each request's next_n rows are row groups of their own (the wide entry where
+        // next_n > 4).
+        let (lg_name, lg_rows, lg_threads) =
+            kernels::logits_entry(lg, self.dev.hooks(), shape.next_n, |r| {
+                shape.next_n.div_ceil(r)
+            });
         // Compile and configure everything now: a launch inside a graph capture does not.
         let tk = |name: &str| self.dev.function(Variant::Topk, name);
         let f = Functions {

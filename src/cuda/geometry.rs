@@ -435,28 +435,19 @@ impl RowMeta {
 }
 
 /// The logits entry of a tile of rows `rows[tile]` of variant `v` under `hooks` (entry
-/// name, rows per block, threads per block): [`kernels::logits_kernel_for`], wide when the
-/// tile's row groups at the wide entry's rows fill them more than half
-/// ([`kernels::groups_fill_wide`]: prefill's tiles; decode's rows of one to four per
-/// request are not). Rows of `tile` past `rows` are not part of it.
+/// name, rows per block, threads per block): [`kernels::logits_entry`] over the tile's
+/// row groups (prefill's tiles take the wide entry; decode's rows of one to four per
+/// request do not). Rows of `tile` past `rows` are not part of it.
 pub fn tile_logits_kernel(
     rows: &[Row],
     tile: Range<usize>,
     v: Variant,
     hooks: Hooks,
 ) -> (&'static str, usize, usize) {
-    let wide = kernels::logits_kernel_for(v, hooks, true);
-    let narrow = kernels::logits_kernel_for(v, hooks, false);
-    if wide == narrow {
-        return narrow;
-    }
     let tile = within(tile, rows.len());
-    let groups = row_groups(rows, tile.clone(), wide.1).len();
-    if kernels::groups_fill_wide(tile.len(), groups, wide.1) {
-        wide
-    } else {
-        narrow
-    }
+    kernels::logits_entry(v, hooks, tile.len(), |r| {
+        row_groups(rows, tile.clone(), r).len()
+    })
 }
 
 /// The row groups of tile rows `rows[tile]` at most `lg_rows` rows each (at least one),

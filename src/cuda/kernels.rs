@@ -383,18 +383,15 @@ pub fn logits_kernel_for(v: Variant, hooks: Hooks, wide: bool) -> (&'static str,
             if hooks.no_int8_exact {
                 return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
             }
-            return match wgi8_rows_override() {
-                Some(LOGITS_WGI8_WIDE_ROWS) => (
+            let wide = wgi8_rows_override().map_or(wide, |r| r == LOGITS_WGI8_WIDE_ROWS);
+            return if wide {
+                (
                     "mqa_logits_wgi8_r8",
                     LOGITS_WGI8_WIDE_ROWS,
                     LOGITS_WG_THREADS,
-                ),
-                None if wide => (
-                    "mqa_logits_wgi8_r8",
-                    LOGITS_WGI8_WIDE_ROWS,
-                    LOGITS_WG_THREADS,
-                ),
-                _ => ("mqa_logits_wgi8", LOGITS_WGI8_ROWS, LOGITS_WG_THREADS),
+                )
+            } else {
+                ("mqa_logits_wgi8", LOGITS_WGI8_ROWS, LOGITS_WG_THREADS)
             };
         }
         if fast {
@@ -433,6 +430,27 @@ pub const TOPK_WIDE_BLOCKS_PER_SM: usize = 3;
 pub fn topk_wide(rows: usize, sm_count: usize, hooks: Hooks) -> bool {
     !hooks.no_wide_topk && rows <= TOPK_WIDE_BLOCKS_PER_SM * sm_count
 }
+/// The logits entry of a launch of `rows` rows of variant `v` under `hooks`, given how
+/// many row groups they make at a block's most rows (`groups_at(rows_per_block)`): the
+/// wide entry of [`logits_kernel_for`] where those groups at its rows fill them more than
+/// half ([`groups_fill_wide`]), else the other; variants of one entry never call
+/// `groups_at`. Prefill tiles (`cuda::tile_logits_kernel`) and decode steps (each request's
+/// `next_n` rows a group of their own) both decide here.
+pub fn logits_entry(
+    v: Variant,
+    hooks: Hooks,
+    rows: usize,
+    groups_at: impl FnOnce(usize) -> usize,
+) -> (&'static str, usize, usize) {
+    let wide = logits_kernel_for(v, hooks, true);
+    let narrow = logits_kernel_for(v, hooks, false);
+    if wide != narrow && groups_fill_wide(rows, groups_at(wide.1), wide.1) {
+        wide
+    } else {
+        narrow
+    }
+}
+
 /// Most key tiles one logits block walks (the launch gives each block up to this many
 /// so that a block's query staging is paid once per that many tiles): the logits ran
 /// faster with each doubling from 16 to 128 tiles (benches/RESULTS.md). The launch takes
@@ -997,6 +1015,36 @@ mod tests {
             ),
         ] {
             assert!(src.contains(bounds), "{bounds}");
+        }
+    }
+
+    /// A launch's entry: the exact class's eight-row entry where its groups at eight rows
+    /// hold more than four rows on average (a decode step from `next_n = 5`), every other
+    /// variant its one entry without asking for its groups.
+    #[test]
+    fn logits_entry_takes_the_wide_form_for_groups_more_than_half_full() {
+        #[cfg(feature = "tuning")]
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // WGI8_ROWS forces one entry on purpose
+        }
+        let h = Hooks::default();
+        let exact = Variant::logits(32, 4, Format::E2m1, Format::E2m1, true, Precision::Full);
+        let decode = |next_n: usize| logits_entry(exact, h, next_n, |r| next_n.div_ceil(r)).0;
+        for next_n in 1..=4 {
+            assert_eq!(decode(next_n), "mqa_logits_wgi8", "next_n {next_n}");
+        }
+        for next_n in 5..=8 {
+            assert_eq!(decode(next_n), "mqa_logits_wgi8_r8", "next_n {next_n}");
+        }
+        // 9 rows: groups of 8 and 1 (4.5 on average); 12 rows: 8 and 4 (6).
+        assert_eq!(decode(9), "mqa_logits_wgi8_r8");
+        assert_eq!(decode(12), "mqa_logits_wgi8_r8");
+        assert!(!groups_fill_wide(8, 2, 8) && groups_fill_wide(9, 2, 8));
+        for v in Variant::all() {
+            if matches!(v, Variant::Logits { .. }) && logits_kernel(v, h).0 != "mqa_logits_wgi8" {
+                let one = logits_entry(v, h, 100, |_| unreachable!("{}: one entry", v.name()));
+                assert_eq!(one, logits_kernel(v, h), "{}", v.name());
+            }
         }
     }
 

@@ -389,9 +389,6 @@ impl Run {
         if g.chunks > 0 && a.logits != 0 {
             let (name, threads) = g.logits;
             let f = dev.function(sh.logits_variant(), name)?;
-            // Key tiles per block: enough blocks to fill the GPU several times over, and
-            // up to kernels::logits_tiles_per_block() tiles per block so the query
-            // fragments are loaded once per that many.
             let per_block = kernels::logits_launch_tiles_per_block(
                 name,
                 g.chunks as usize,
