@@ -19,7 +19,7 @@ use dsa_indexer::formats::{
 use dsa_indexer::indexer::{run as run_backend, Backend};
 use dsa_indexer::problem::*;
 use dsa_indexer::reference::{self, int8_path, Output};
-use ndarray::{Array1, Array2, Array3};
+use ndarray::{s, Array1, Array2, Array3};
 use proptest::prelude::*;
 use rayon::prelude::*;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -1215,53 +1215,33 @@ fn s3(g: usize, groups: usize) -> usize {
 
 /// Whether `mqa_logits_wgi8`'s guard (`kernels/mqa_logits_wgi8.cu`; docs/numerics.md
 /// sections 6.4 and 6.7) admits the block of query rows `rows` (of one request) against
-/// its key tile `tile` (keys `64 tile ..` of the request, up to the rows' longest):
-/// - the int8 guard: every query vector of the rows spans at most 3 binades and
-///   `q_hi <= 244`, and every key of the tile spans at most 3 with `ek_min + q_lo >= 107`
-///   and `ek_max + q_hi <= 369` (`G = 4`) or 370 (`G = 2`);
-/// - the head epilogue's: with `v = w * 2^(eq_min - 129)` per (row, head) and `f` its
-///   exponent field, `f_lo >= 24` (over the nonzero weights), `f_hi <= 227`, and every
-///   key's `ek_min` in `151 - f_lo ..= 354 - f_hi`.
+/// its key tile `tile` (keys `64 tile ..` of the request, up to the rows' longest): the
+/// host model's guards for every key of the tile, `int8_path::int8_path_admits` (the
+/// block's query window against the key's own) and `int8_path::epilogue_admits` (the
+/// block's columns' `v = w * 2^(eq_min - 129)` against the key's `ek_min`).
 fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
+    use int8_path::ScaleWindow;
     let (_, h, g) = c.qs.dim();
     let kc = kernels::LOGITS_KEYS;
-    let window = |v: &mut dyn Iterator<Item = u8>| {
-        let v: Vec<u8> = v.collect();
-        (
-            *v.iter().min().unwrap() as usize,
-            *v.iter().max().unwrap() as usize,
-        )
-    };
-    let (mut q_lo, mut q_hi, mut ok) = (255, 0, true);
-    let (mut f_lo, mut f_hi) = (255usize, 0usize);
-    for &i in rows {
-        for hh in 0..h {
-            let (lo, hi) = window(&mut (0..g).map(|gg| c.qs[[i, hh, gg]]));
-            ok = ok && hi - lo <= 3;
-            (q_lo, q_hi) = (q_lo.min(lo), q_hi.max(hi));
-            let w = c.w[[i, hh]];
-            let v = int8_path::epilogue_weight(w, lo as u8);
-            let f = ((v.to_bits() >> 23) & 0xFF) as usize;
-            if w != 0.0 {
-                f_lo = f_lo.min(f);
-            }
-            f_hi = f_hi.max(f);
-        }
-    }
+    let vectors: Vec<(f32, Vec<u8>)> = rows
+        .iter()
+        .flat_map(|&i| (0..h).map(move |hh| (c.w[[i, hh]], c.qs.slice(s![i, hh, ..]).to_vec())))
+        .collect();
+    let bytes: Vec<u8> = vectors
+        .iter()
+        .flat_map(|(_, q)| q.iter().copied())
+        .collect();
+    let qw = ScaleWindow::of(&bytes, g).unwrap();
+    let (w, v): (Vec<f32>, Vec<f32>) = vectors
+        .iter()
+        .map(|(w, q)| (*w, int8_path::epilogue_weight(*w, *q.iter().min().unwrap())))
+        .unzip();
     let all = c.batch.rows();
     let n = rows.iter().map(|&i| all[i].n).max().unwrap();
-    let top = if g == 4 { 369 } else { 370 };
-    ok && q_hi <= 244
-        && f_lo >= int8_path::EPI_MIN_V_EXP as usize
-        && f_hi <= int8_path::EPI_MAX_V_EXP as usize
-        && (kc * tile..(kc * tile + kc).min(n)).all(|j| {
-            let (lo, hi) = window(&mut (0..g).map(|gg| c.ks[[all[rows[0]].ks + j, gg]]));
-            hi - lo <= 3
-                && lo + q_lo >= 107
-                && hi + q_hi <= top
-                && lo + f_lo >= int8_path::EPI_MIN_VK_EXP as usize
-                && lo + f_hi <= int8_path::EPI_MAX_VK_EXP as usize
-        })
+    (kc * tile..(kc * tile + kc).min(n)).all(|j| {
+        let kw = ScaleWindow::of(c.ks.row(all[rows[0]].ks + j).as_slice().unwrap(), g).unwrap();
+        int8_path::int8_path_admits(qw, kw, g) && int8_path::epilogue_admits(&w, &v, kw.lo)
+    })
 }
 
 /// The side the guard puts a case on in a run of one tile, from [`int8_guard_admits`]
