@@ -197,29 +197,20 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
   }
 }
 
-// One key tile on the int8 path from this thread's keys (raw, rsc): the s8 A fragments
-// (each key's values shifted by its group's offset from kmin[kk], its smallest byte),
-// then next() (the next tile's prefetch), per four rows one s32 chain of G k32 steps
-// against sB8, and the head epilogue above with the block's columns' (v, m) in svm
-// (float4 p = columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows
-// 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r
-// of neg: every weight of row r has its sign bit set.
+// One key tile on the int8 path from this thread's s8 A fragments af (its two keys,
+// each key's values shifted by its group's offset from kmin[kk], its smallest byte): then
+// next() (the next tile's prefetch), per four rows one s32 chain of G k32 steps against
+// sB8, and the head epilogue above with the block's columns' (v, m) in svm (float4 p =
+// columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows 4 m + hi and 4 m + 2 + hi
+// (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r of neg: every weight of row
+// r has its sign bit set.
 template <int R, class Next>
-__device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
-                                          const int (&kmin)[2], const u8 *sB8,
-                                          const float4 *svm, const u32 neg, const int tig,
-                                          const bool odd, const bool hi,
-                                          float (&out)[R / 2], Next next) {
+__device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[2],
+                                             const u8 *sB8, const float4 *svm, const u32 neg,
+                                             const int tig, const bool odd, const bool hi,
+                                             float (&out)[R / 2], Next next) {
   constexpr u32 lbo = (R * H / 8) * 128;
   constexpr int M = R / WGI8_MMA_ROWS;
-  u32 af[G][4];
-#pragma unroll
-  for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int sk = (int)((rsc[kk] >> (8 * g)) & 0xFFu) - kmin[kk];
-      e2m1_word_s8(raw[kk][g], sk, af[g][kk], af[g][2 + kk]);
-    }
   const float ck = ue8m0_pow2((u32)(odd ? kmin[1] : kmin[0]), 0);
   fence_regs_a(af);
   next();
@@ -249,6 +240,100 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
   }
 }
 
+// The same tile from this thread's fp4 keys (raw, rsc): the s8 A fragments decoded here.
+template <int R, class Next>
+__device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
+                                          const int (&kmin)[2], const u8 *sB8,
+                                          const float4 *svm, const u32 neg, const int tig,
+                                          const bool odd, const bool hi,
+                                          float (&out)[R / 2], Next next) {
+  u32 af[G][4];
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int sk = (int)((rsc[kk] >> (8 * g)) & 0xFFu) - kmin[kk];
+      e2m1_word_s8(raw[kk][g], sk, af[g][kk], af[g][2 + kk]);
+    }
+  wgi8_tile_af<R>(af, kmin, sB8, svm, neg, tig, odd, hi, out, next);
+}
+
+// ==== pre-decoded keys ====
+//
+// The eight-row entry over flat keys (WGI8_PRE) reads each key's s8 operands from k8,
+// which wgi8_decode_keys writes once before the launches, instead of decoding them in
+// every block: the decode (about 200 instructions per warp and key tile) is then paid
+// once per key, not once per key and row group. k8 holds D bytes per key; lane tig of a
+// quad reads 8 G contiguous bytes at 8 G tig: per group g, the s8 words of the values
+// 8 tig + 0..3 and 8 tig + 4..7 of g (what e2m1_word_s8 gives for its word of the key),
+// shifted by g's offset from the key's smallest byte. kinfo holds per key its smallest
+// scale byte (byte 0) and its largest (byte 1). A key whose bytes span more than
+// I8_MAX_SPAN has zero operands: the guard sends every tile that holds it to the fallback,
+// which reads the fp4 keys.
+#ifndef WGI8_PREDECODE
+#define WGI8_PREDECODE 1
+#endif
+#define WGI8_PRE (WGI8_PREDECODE && !DSA_PAGED)
+// A key past the group's: admitted, operands zero, kmin 127 (as WGR_NONE_SC).
+#define WGI8_NONE_INFO 0x7F7Fu
+
+// k8 and kinfo of keys [0, nkeys), four threads per key.
+extern "C" __global__ void __launch_bounds__(256) wgi8_decode_keys(
+    const u8 *__restrict__ k, const u8 *__restrict__ k_scale8, const u32 nkeys,
+    uint4 *__restrict__ k8, u32 *__restrict__ kinfo) {
+  const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  const u64 x = t >> 2;
+  const int tig = (int)(t & 3u);
+  if (x >= nkeys) return;
+  int e[G], mn = 255, mx = 0;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    e[g] = (int)k_scale8[x * G + g];
+    mn = min(mn, e[g]);
+    mx = max(mx, e[g]);
+  }
+  const bool fits = mx - mn <= I8_MAX_SPAN;
+  u32 wv[2 * G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const u32 word = *reinterpret_cast<const u32 *>(k + x * (D / 2) + 16 * g + 4 * tig);
+    wv[2 * g] = 0u;
+    wv[2 * g + 1] = 0u;
+    if (fits) e2m1_word_s8(word, e[g] - mn, wv[2 * g], wv[2 * g + 1]);
+  }
+  uint4 *dst = k8 + x * (D / 16) + (G / 2) * tig;
+#pragma unroll
+  for (int h = 0; h < G / 2; ++h)
+    dst[h] = make_uint4(wv[4 * h], wv[4 * h + 1], wv[4 * h + 2], wv[4 * h + 3]);
+  if (tig == 0) kinfo[x] = (u32)mn | ((u32)mx << 8);
+}
+
+// This thread's two keys of key tile c (keys 16 warp + gid and + 8 of the group's from
+// flat key ks): their words of k8 (kw[kk][2 g], kw[kk][2 g + 1]: group g's s8 words) and
+// kinfo; a key past the group's nkeys reads nothing.
+__device__ __forceinline__ void wgi8_prefetch_pre(u32 (&kw)[2][2 * G], u32 (&kinf)[2],
+                                                  bool (&none)[2], const uint4 *k8,
+                                                  const u32 *kinfo, const u32 ks,
+                                                  const u32 nkeys, const u32 c, const int warp,
+                                                  const int gid, const int tig) {
+  const u32 j = c * WGR_KEYS + 16 * warp + gid;
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    none[kk] = j + 8 * kk >= nkeys;
+    const u64 x = (u64)ks + j + 8 * kk;
+    const uint4 *src = k8 + x * (D / 16) + (G / 2) * tig;
+#pragma unroll
+    for (int h = 0; h < G / 2; ++h) {
+      const uint4 v = none[kk] ? make_uint4(0u, 0u, 0u, 0u) : src[h];
+      kw[kk][4 * h] = v.x;
+      kw[kk][4 * h + 1] = v.y;
+      kw[kk][4 * h + 2] = v.z;
+      kw[kk][4 * h + 3] = v.w;
+    }
+    kinf[kk] = none[kk] ? WGI8_NONE_INFO : kinfo[x];
+  }
+}
+
 // Counts a block's tiles on each path (thread 0; every thread calls it).
 __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, const u32 n_fb) {
   if (paths == nullptr || threadIdx.x != 0) return;
@@ -268,11 +353,20 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
       u32 *__restrict__ paths LG_PAGED_PARAMS
 #define WGI8_ARGS \
   q, q_scale, k, k_scale8, k_scale32, w, row_n, row_ks, row_off, groups, group0, logits, paths PG_PASS
+// The eight-row entry's pre-decoded keys (WGI8_PRE: flat keys), its two last parameters.
+#if WGI8_PRE
+#define WGI8_PRE_PARAMS , const uint4 *__restrict__ k8, const u32 *__restrict__ kinfo
+#define WGI8_PRE_ARGS , k8, kinfo
+#else
+#define WGI8_PRE_PARAMS
+#define WGI8_PRE_ARGS , nullptr, nullptr
+#endif
 
 // block: rows grp.x + [0, R) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
 // (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
 template <int R>
-__device__ __forceinline__ void wgi8_block(WGI8_PARAMS) {
+__device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict__ k8,
+                                           const u32 *__restrict__ kinfo) {
   static_assert(R == 4 || R == 8, "mqa_logits_wgi8: 4 or 8 rows per block");
   constexpr int N = R * H;  // B's columns
   __shared__ __align__(128) u8 sQ[N * D];
@@ -385,13 +479,30 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS) {
   bool none[2];
   const bool sc_word = (G == 4 || G == 2) &&
                        (reinterpret_cast<size_t>(k_scale8) & (size_t)(G - 1)) == 0;
-  wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, blockIdx.x, sc_word, warp, gid, tig PG_PASS);
+  // The int8 path's keys: pre-decoded (kw, kinf) in the eight-row entry over flat keys,
+  // else the fp4 keys (raw, rsc), decoded per tile.
+  constexpr bool PRE = R == 8 && WGI8_PRE;
+  u32 kw[2][2 * G], kinf[2];
   bool two_mul = false;  // some fallback tile ran the two multiplies
   u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
-  auto prefetch = [&](const u32 c) {
+  auto prefetch_raw = [&](const u32 c) {
     if (c < nchunks)
       wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c, sc_word, warp, gid, tig PG_PASS);
   };
+  // The next tile's keys in the form the int8 loop reads.
+  auto prefetch = [&](const u32 c) {
+    if constexpr (PRE) {
+      if (c < nchunks)
+        wgi8_prefetch_pre(kw, kinf, none, k8, kinfo, ks, grp.z, c, warp, gid, tig);
+    } else {
+      prefetch_raw(c);
+    }
+  };
+  // The first tile's keys (blockIdx.x < nchunks).
+  if (PRE && q_i8)
+    wgi8_prefetch_pre(kw, kinf, none, k8, kinfo, ks, grp.z, blockIdx.x, warp, gid, tig);
+  else
+    wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, blockIdx.x, sc_word, warp, gid, tig PG_PASS);
   if (q_i8) {
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
       const u32 j0 = c * WGR_KEYS;
@@ -401,12 +512,19 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS) {
       bool ok = true;
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
-        int mn = 255, mx = 0;
+        int mn, mx;
+        if constexpr (PRE) {
+          mn = (int)(kinf[kk] & 0xFFu);
+          mx = (int)((kinf[kk] >> 8) & 0xFFu);
+        } else {
+          mn = 255;
+          mx = 0;
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const int e = (int)((rsc[kk] >> (8 * g)) & 0xFFu);
-          mn = min(mn, e);
-          mx = max(mx, e);
+          for (int g = 0; g < G; ++g) {
+            const int e = (int)((rsc[kk] >> (8 * g)) & 0xFFu);
+            mn = min(mn, e);
+            mx = max(mx, e);
+          }
         }
         kmin[kk] = mn;
         ok = ok && (none[kk] || (mx - mn <= I8_MAX_SPAN && mn >= k_floor && mx <= k_cap &&
@@ -414,7 +532,21 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS) {
       }
       if (__syncthreads_and(ok ? 1 : 0) != 0) {
         float out[R / 2];
-        wgi8_tile<R>(raw, rsc, kmin, sQ, svm, neg, tig, odd, hi, out, [&] { prefetch(c + gridDim.x); });
+        if constexpr (PRE) {
+          u32 af[G][4];
+#pragma unroll
+          for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+              af[g][kk] = kw[kk][2 * g];
+              af[g][2 + kk] = kw[kk][2 * g + 1];
+            }
+          wgi8_tile_af<R>(af, kmin, sQ, svm, neg, tig, odd, hi, out,
+                          [&] { prefetch(c + gridDim.x); });
+        } else {
+          wgi8_tile<R>(raw, rsc, kmin, sQ, svm, neg, tig, odd, hi, out,
+                       [&] { prefetch(c + gridDim.x); });
+        }
 #pragma unroll
         for (int i = 0; i < R / 2; ++i)
           store_logit(logits, row_off, row_n, grp, 2 * i + (hi ? 1u : 0u), j0 + 16 * warp + gid,
@@ -423,7 +555,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS) {
       } else {
         // mqa_logits_wgr's tile on each pair of rows, staged in sF in turn (the barriers:
         // every thread's MMAs on the last pair are done before sF is restaged), the last
-        // pair's with the prefetch.
+        // pair's with the prefetch; over pre-decoded keys the tile's fp4 keys are read
+        // here first.
+        if constexpr (PRE) prefetch_raw(c);
 #pragma unroll 1
         for (int pr = 0; pr < R / WGR_ROWS; ++pr) {
           __syncthreads();
@@ -452,7 +586,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS) {
         const float logit = wgr_tile<true, (N / 8) * 128>(
             raw, rsc, sQ + pr * (WGR_N / 8) * 128, fold_q, qsafe, sqs + WGR_ROWS * pr,
             sw + WGR_ROWS * pr, stab, two_mul, tig, odd, hi, [&] {
-              if (last) prefetch(c + gridDim.x);
+              if (last) prefetch_raw(c + gridDim.x);
             });
         store_logit(logits, row_off, row_n, grp, WGR_ROWS * pr + (hi ? 1u : 0u),
                     c * WGR_KEYS + 16 * warp + gid, odd, logit);
@@ -466,9 +600,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS) {
 // The two forms (the host's kernels::logits_kernel_for picks one per launch).
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(
     WGI8_PARAMS) {
-  wgi8_block<4>(WGI8_ARGS);
+  wgi8_block<4>(WGI8_ARGS, nullptr, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS) mqa_logits_wgi8_r8(
-    WGI8_PARAMS) {
-  wgi8_block<8>(WGI8_ARGS);
+    WGI8_PARAMS WGI8_PRE_PARAMS) {
+  wgi8_block<8>(WGI8_ARGS WGI8_PRE_ARGS);
 }

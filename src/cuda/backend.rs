@@ -8,7 +8,7 @@ use cudarc::driver::CudaSlice;
 
 use super::alloc::{Buf, Fill, Space};
 use super::device::{backend_err, drv, Device};
-use super::geometry::{check_shape, footprint, Paging, Shape, MAX_TOPK};
+use super::geometry::{check_shape, footprint, run_footprint, Paging, Shape, MAX_TOPK};
 use super::kernels::{self, Precision};
 use super::paths::{FoldCounts, TopkPaths};
 use super::run::{OutPlace, Run, Uploads};
@@ -298,7 +298,12 @@ impl Backend for CudaBackend {
         MAX_TOPK
     }
     fn footprint(&self, p: &Problem) -> RowFootprint {
-        footprint(p.batch.num_rows(), p.topk, self.dev.sm_count())
+        // The shape begin runs (paged keys the kernels cannot read run flat).
+        let shape = Shape {
+            paged: paging_of(p),
+            ..shape_of(p, self.precision)
+        };
+        run_footprint(p.batch, &shape, self.dev.sm_count(), self.dev.hooks())
     }
     fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {
         // Paged keys (SPEC 10): the pool and the page table uploaded as they are, the

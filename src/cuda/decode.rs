@@ -343,6 +343,7 @@ impl Engine {
             logits: ws + layout.logits as u64,
             paths: ws + layout.paths as u64 + 4 * kernels::TOPK_PATHS.len() as u64,
             paged: Some((vptr(&inputs.page_table, &s), paging.page_log2)),
+            predecoded: None,
             kmap: launch::key_tensor_map(
                 lg_name,
                 lg,

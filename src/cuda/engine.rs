@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut}
 
 use super::alloc::{Buf, Fill, Space, WORKSPACE_ALIGN};
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
-use super::geometry::{check_shape, footprint, Paging, Shape};
+use super::geometry::{check_shape, run_footprint, Paging, Shape};
 use super::kernels::{self, Hooks, Precision};
 use super::run::{OutPlace, Ptrs, Run, Uploads};
 use super::validate::{validate, validate_paged, Checked, PagedView};
@@ -225,7 +225,7 @@ impl Engine {
             precision: self.precision,
         };
         check_shape(&shape, batch)?;
-        let plan = plan_run(batch, &shape, budget, self.dev.sm_count())?;
+        let plan = plan_run(batch, &shape, budget, self.dev.sm_count(), self.dev.hooks())?;
         let published_rows = batch
             .rows()
             .iter()
@@ -646,8 +646,8 @@ fn check_params(params: &Params, source_tail: Option<Option<usize>>) -> Result<u
 }
 
 /// The plan of a layer of shape `shape` over `batch` under `budget`, with this
-/// backend's footprint on a GPU of `sms` SMs.
-fn plan_run(batch: &Batch, shape: &Shape, budget: usize, sms: usize) -> Result<Plan> {
+/// backend's footprint on a GPU of `sms` SMs whose kernels run under `hooks`.
+fn plan_run(batch: &Batch, shape: &Shape, budget: usize, sms: usize, hooks: Hooks) -> Result<Plan> {
     let pp = crate::plan::PlanParams {
         heads: shape.heads,
         dim: shape.dim,
@@ -661,7 +661,7 @@ fn plan_run(batch: &Batch, shape: &Shape, budget: usize, sms: usize) -> Result<P
         },
         budget,
     };
-    crate::plan::plan(batch, &pp, &footprint(batch.num_rows(), shape.topk, sms))
+    crate::plan::plan(batch, &pp, &run_footprint(batch, shape, sms, hooks))
 }
 
 /// SPEC 8's value checks of `inputs` on the device, in Problem::new's order: over paged

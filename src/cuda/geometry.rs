@@ -182,6 +182,38 @@ pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
     }
 }
 
+/// Flat keys a run of `shape` over `batch` under `hooks` pre-decodes for its logits
+/// (`wgi8_decode_keys`, [`kernels::predecoded_key_bytes`] each): all of the batch's keys
+/// when its rows taken as one tile take an entry that reads them
+/// ([`kernels::logits_predecodes`]: prefill of the exact class at `H = 32`), else 0.
+/// The run's tiles whose own entry reads them do so; in a run without them such a tile
+/// takes the entry that decodes its keys in its blocks (the same logits).
+pub(super) fn predecoded_keys(batch: &Batch, shape: &Shape, hooks: Hooks) -> usize {
+    let v = shape.logits_variant();
+    let (entry, _, _) = tile_logits_kernel(batch.rows(), 0..batch.num_rows(), v, hooks);
+    if kernels::logits_predecodes(v, entry) {
+        batch.num_keys()
+    } else {
+        0
+    }
+}
+
+/// The footprint of a run of `shape` over `batch` on a GPU of `sms` SMs under `hooks`:
+/// [`footprint`]'s, its per-run bytes with the pre-decoded keys ([`predecoded_keys`]).
+pub(super) fn run_footprint(
+    batch: &Batch,
+    shape: &Shape,
+    sms: usize,
+    hooks: Hooks,
+) -> RowFootprint {
+    let mut fp = footprint(batch.num_rows(), shape.topk, sms);
+    fp.worker_bytes = fp.worker_bytes.saturating_add(
+        predecoded_keys(batch, shape, hooks)
+            .saturating_mul(kernels::predecoded_key_bytes(shape.dim)),
+    );
+    fp
+}
+
 /// Segments per row for a tile of `rows` rows whose longest row has `max_n` keys on a
 /// GPU of `sms` SMs (1: no split): a tile of fewer than [`split_rows`] rows splits its
 /// rows into up to 16 segments of at least 8 K keys, two segment selections per such
@@ -318,6 +350,8 @@ pub(super) struct RowMeta {
     pub(super) npub: i32,
     /// Words of a consumer row's bitmap of kept blocks (0: not a consumer).
     pub(super) bitmap_words: u32,
+    /// Flat keys the run pre-decodes for its logits ([`predecoded_keys`]; 0: none).
+    pub(super) predecoded_keys: usize,
 }
 
 /// What every tile's geometry is computed from.
@@ -334,6 +368,8 @@ struct Layout<'a> {
     sms: usize,
     /// Longest row the shared-memory row may take ([`kernels::topk_short_cap`]).
     short_cap: usize,
+    /// Whether the run pre-decodes its keys ([`predecoded_keys`]).
+    predecoded: bool,
 }
 
 impl RowMeta {
@@ -361,6 +397,7 @@ impl RowMeta {
             geom: Vec::with_capacity(plan.tiles.len()),
             npub: 0,
             bitmap_words: 0,
+            predecoded_keys: predecoded_keys(batch, shape, hooks),
         };
         for r in rows {
             m.row_n.push(r.n as u32);
@@ -386,6 +423,7 @@ impl RowMeta {
             hooks,
             sms,
             short_cap: kernels::topk_short_cap(hooks),
+            predecoded: m.predecoded_keys > 0,
         };
         for tile in &plan.tiles {
             m.push_tile(&layout, tile.rows.clone());
@@ -400,8 +438,12 @@ impl RowMeta {
         let (mut off, mut boff) = (0u64, 0u64);
         let g0 = self.groups.len() / 4;
         let mut max_blocks = 0usize;
-        let (lg_name, lg_rows, lg_threads) =
+        let (mut lg_name, mut lg_rows, mut lg_threads) =
             tile_logits_kernel(rows, tile.clone(), l.variant, l.hooks);
+        if kernels::logits_predecodes(l.variant, lg_name) && !l.predecoded {
+            // A run without pre-decoded keys: the form that decodes them in its blocks.
+            (lg_name, lg_rows, lg_threads) = kernels::logits_kernel_for(l.variant, l.hooks, false);
+        }
         let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), lg_rows);
         let short_cap = short_row_cap(
             rows[tile.clone()].iter().map(|r| r.n),
@@ -504,6 +546,132 @@ mod tests {
     const H200_SMS: usize = 132;
     /// SMs of an H100 PCIe.
     const H100_PCIE_SMS: usize = 114;
+
+    /// A layer shape of the exact class (`H = 32`, `D = 128`, K = 512), flat keys or pages.
+    fn exact_shape(paged: Option<Paging>) -> Shape {
+        Shape {
+            heads: 32,
+            dim: 128,
+            q: Format::E2m1,
+            k: Format::E2m1,
+            topk: 512,
+            page_cols: 512,
+            block_size: 8,
+            num_blocks: 2048,
+            tail: None,
+            consumer: false,
+            paged,
+            precision: Precision::Full,
+        }
+    }
+
+    /// A prefill run of the exact class over flat keys pre-decodes every key of the batch
+    /// (the footprint counts `D + 4` bytes each) and its tiles take the eight-row entry; a
+    /// decode batch (one row per request) or paged keys pre-decode nothing, and a tile
+    /// that would take the eight-row entry in a run without pre-decoded keys takes the
+    /// four-row one.
+    #[test]
+    fn prefill_runs_pre_decode_their_keys_and_count_them() {
+        #[cfg(feature = "tuning")]
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // WGI8_ROWS and WGI8_PREDECODE change the choice on purpose
+        }
+        let h = Hooks::default();
+        let flat = exact_shape(None);
+        let paged = exact_shape(Some(Paging::new(Format::E2m1, 128, 64, 8).unwrap()));
+        let prefill = Batch::contiguous(&[300, 80], &[200, 0], 1).unwrap();
+        assert_eq!(predecoded_keys(&prefill, &flat, h), 380);
+        assert_eq!(predecoded_keys(&prefill, &paged, h), 0);
+        let base = footprint(prefill.num_rows(), 512, H200_SMS).worker_bytes;
+        assert_eq!(
+            run_footprint(&prefill, &flat, H200_SMS, h).worker_bytes,
+            base + 380 * (128 + 4)
+        );
+        assert_eq!(
+            run_footprint(&prefill, &paged, H200_SMS, h).worker_bytes,
+            base
+        );
+        let no_i8 = Hooks {
+            no_int8_exact: true,
+            ..Hooks::default()
+        };
+        assert_eq!(predecoded_keys(&prefill, &flat, no_i8), 0);
+        // One row per request: the four-row entry, no pre-decoded keys.
+        let decode = Batch::contiguous(&[50, 60, 70], &[49, 59, 69], 1).unwrap();
+        assert_eq!(predecoded_keys(&decode, &flat, h), 0);
+        // The tiles' entries follow: eight rows where the run pre-decodes.
+        let entries = |b: &Batch, shape: &Shape| {
+            let plan = crate::plan::plan(
+                b,
+                &crate::plan::PlanParams {
+                    heads: 32,
+                    dim: 128,
+                    topk: 512,
+                    block_size: 8,
+                    num_blocks: 2048,
+                    role: crate::plan::PlanRole::Plain,
+                    budget: 1 << 30,
+                },
+                &run_footprint(b, shape, H200_SMS, h),
+            )
+            .unwrap();
+            let fp = footprint(b.num_rows(), 512, H200_SMS);
+            let m = RowMeta::new(b, shape, &plan, &fp, H200_SMS, h);
+            (
+                m.predecoded_keys,
+                m.geom.iter().map(|g| g.logits.0).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(entries(&prefill, &flat), (380, vec!["mqa_logits_wgi8_r8"]));
+        assert_eq!(entries(&prefill, &paged), (0, vec!["mqa_logits_wgi8_r8"]));
+        // 9 rows of one request (wide alone) beside 40 one-row requests: the batch as a
+        // whole is not wide, so the run does not pre-decode and its tile of all rows...
+        let mut seq = vec![100usize];
+        let mut q0 = vec![91usize];
+        seq.extend(std::iter::repeat_n(30usize, 40));
+        q0.extend(std::iter::repeat_n(29usize, 40));
+        let mixed = Batch::contiguous(&seq, &q0, 1).unwrap();
+        assert_eq!(entries(&mixed, &flat), (0, vec!["mqa_logits_wgi8"]));
+        // ... and the same rows' wide part alone, in a run without pre-decoded keys,
+        // takes the four-row entry.
+        let l = Layout {
+            rows: mixed.rows(),
+            requests: mixed.requests(),
+            shape: &flat,
+            fp: &footprint(mixed.num_rows(), 512, H200_SMS),
+            variant: flat.logits_variant(),
+            hooks: h,
+            sms: H200_SMS,
+            short_cap: kernels::topk_short_cap(h),
+            predecoded: false,
+        };
+        assert_eq!(
+            tile_logits_kernel(mixed.rows(), 0..9, l.variant, h).0,
+            "mqa_logits_wgi8_r8"
+        );
+        let mut m = RowMeta {
+            row_n: mixed.rows().iter().map(|r| r.n as u32).collect(),
+            row_ks: mixed.rows().iter().map(|r| r.ks as u32).collect(),
+            row_off: vec![0; mixed.num_rows()],
+            row_pub: vec![-1; mixed.num_rows()],
+            row_boff: vec![0; mixed.num_rows()],
+            groups: Vec::new(),
+            geom: Vec::new(),
+            npub: 0,
+            bitmap_words: 0,
+            predecoded_keys: 0,
+        };
+        m.push_tile(&l, 0..9);
+        assert_eq!(m.geom[0].logits.0, "mqa_logits_wgi8");
+        m.push_tile(
+            &Layout {
+                predecoded: true,
+                ..l
+            },
+            0..9,
+        );
+        assert_eq!(m.geom[1].logits.0, "mqa_logits_wgi8_r8");
+    }
 
     /// A tile of prefill rows (runs of more than four rows per request) takes
     /// `mqa_logits_wgi8`'s eight-row entry, a tile of decode rows (one to four per

@@ -148,6 +148,30 @@ pub fn wgi8_rows_override() -> Option<usize> {
     define_in("WGI8_ROWS", 4..=8).filter(|&r| r == LOGITS_WGI8_ROWS || r == LOGITS_WGI8_WIDE_ROWS)
 }
 
+/// The pre-pass of `mqa_logits_wgi8_r8` over flat keys, in `mqa_logits_wgi8`'s module:
+/// each key's s8 operands and scale window, written once per run, which the eight-row
+/// entry then reads instead of decoding the fp4 keys in every block
+/// (`kernels/mqa_logits_wgi8.cu`, "pre-decoded keys").
+pub const WGI8_DECODE_KEYS: &str = "wgi8_decode_keys";
+
+/// Threads per block of [`WGI8_DECODE_KEYS`] (four per key).
+pub const WGI8_DECODE_KEYS_THREADS: usize = 256;
+
+/// Bytes per flat key of the pre-decoded keys at `dim`: `dim` s8 operands and one `u32`
+/// holding the key's smallest and largest scale byte.
+pub fn predecoded_key_bytes(dim: usize) -> usize {
+    dim + 4
+}
+
+/// Whether launches of logits entry `entry` for variant `v` read pre-decoded keys
+/// ([`WGI8_DECODE_KEYS`]): the eight-row `mqa_logits_wgi8_r8` over flat keys, unless a
+/// `WGI8_PREDECODE=0` define (`tuning`; the kernel reads the same define) keeps the decode
+/// in its blocks. The entry then takes the keys' two addresses as its last parameters.
+pub fn logits_predecodes(v: Variant, entry: &str) -> bool {
+    let flat = matches!(v, Variant::Logits { paged: false, .. });
+    flat && entry == "mqa_logits_wgi8_r8" && define_in("WGI8_PREDECODE", 0..=1) != Some(0)
+}
+
 /// Whether a launch of `rows` rows in `groups` row groups of at most `group_rows` rows
 /// each fills them more than half on average: then a kernel's form of `group_rows` rows
 /// per block pays (the eight-row `mqa_logits_wgi8_r8` on prefill); otherwise its blocks
@@ -158,10 +182,11 @@ pub fn groups_fill_wide(rows: usize, groups: usize, group_rows: usize) -> bool {
 }
 
 /// The entries of the module that holds logits kernel `kernel` and that the host
-/// launches by name: `mqa_logits_wgi8`'s module holds its eight-row form beside it.
+/// launches by name: `mqa_logits_wgi8`'s module holds its eight-row form and that form's
+/// key pre-pass ([`WGI8_DECODE_KEYS`]) beside it.
 pub fn module_entries(kernel: &'static str) -> &'static [&'static str] {
     match kernel {
-        "mqa_logits_wgi8" => &["mqa_logits_wgi8", "mqa_logits_wgi8_r8"],
+        "mqa_logits_wgi8" => &["mqa_logits_wgi8", "mqa_logits_wgi8_r8", WGI8_DECODE_KEYS],
         "mqa_logits" => &["mqa_logits"],
         "mqa_logits_wgr" => &["mqa_logits_wgr"],
         "mqa_logits_w16" => &["mqa_logits_w16"],
@@ -974,13 +999,16 @@ mod tests {
             "WGI8_R8_MIN_BLOCKS",
             LOGITS_WGI8_WIDE_BLOCKS_PER_SM,
         );
-        // mqa_logits_wgi8's two entries, and their rows per block.
-        for (entry, rows) in [
-            ("mqa_logits_wgi8", LOGITS_WGI8_ROWS),
-            ("mqa_logits_wgi8_r8", LOGITS_WGI8_WIDE_ROWS),
+        // mqa_logits_wgi8's two entries, and their rows per block (the eight-row one with
+        // the pre-decoded keys' parameters, logits_predecodes).
+        for body in [
+            format!(
+                "mqa_logits_wgi8(\n    WGI8_PARAMS) {{\n  wgi8_block<{LOGITS_WGI8_ROWS}>(WGI8_ARGS, nullptr, nullptr);\n}}"
+            ),
+            format!(
+                "mqa_logits_wgi8_r8(\n    WGI8_PARAMS WGI8_PRE_PARAMS) {{\n  wgi8_block<{LOGITS_WGI8_WIDE_ROWS}>(WGI8_ARGS WGI8_PRE_ARGS);\n}}"
+            ),
         ] {
-            let body =
-                format!("{entry}(\n    WGI8_PARAMS) {{\n  wgi8_block<{rows}>(WGI8_ARGS);\n}}");
             assert!(LOGITS_WGI8.contains(&body), "{body}");
         }
         let h64 = "logits_e4m3_h64.cuh";
@@ -1021,6 +1049,24 @@ mod tests {
     /// A launch's entry: the exact class's eight-row entry where its groups at eight rows
     /// hold more than four rows on average (a decode step from `next_n = 5`), every other
     /// variant its one entry without asking for its groups.
+    /// Only the eight-row entry of the exact class over flat keys reads pre-decoded keys.
+    #[test]
+    fn only_the_flat_eight_row_entry_reads_pre_decoded_keys() {
+        #[cfg(feature = "tuning")]
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // WGI8_PREDECODE=0 turns it off on purpose
+        }
+        let v = |paged| Variant::logits(32, 4, Format::E2m1, Format::E2m1, paged, Precision::Full);
+        assert!(logits_predecodes(v(false), "mqa_logits_wgi8_r8"));
+        assert!(!logits_predecodes(v(true), "mqa_logits_wgi8_r8"));
+        assert!(!logits_predecodes(v(false), "mqa_logits_wgi8"));
+        assert!(!logits_predecodes(v(false), "mqa_logits_wgr"));
+        assert_eq!(predecoded_key_bytes(128), 132);
+        assert!(module_entries("mqa_logits_wgi8").contains(&WGI8_DECODE_KEYS));
+        assert!(LOGITS_WGI8.contains(&format!("{WGI8_DECODE_KEYS}(")));
+        assert!(LOGITS_WGI8.contains(&format!("__launch_bounds__({WGI8_DECODE_KEYS_THREADS})")));
+    }
+
     #[test]
     fn logits_entry_takes_the_wide_form_for_groups_more_than_half_full() {
         #[cfg(feature = "tuning")]

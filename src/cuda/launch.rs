@@ -65,6 +65,10 @@ pub(super) struct LogitsArgs {
     /// last parameters; `k` is then the pool and `row_ks` each row's first page-table
     /// entry.
     pub paged: Option<(u64, u32)>,
+    /// Pre-decoded flat keys (an entry [`kernels::logits_predecodes`] names): the
+    /// addresses of their s8 operands and of their scale windows, the kernel's two last
+    /// parameters ([`decode_keys`] writes them).
+    pub predecoded: Option<(u64, u64)>,
     /// The keys' TMA map, the kernel's last parameter (`mqa_logits_w8` under `W8_TMA`:
     /// [`key_tensor_map`]).
     pub kmap: Option<TensorMap>,
@@ -188,6 +192,40 @@ pub(super) fn key_tensor_map(
     Ok(Some(TensorMap(map.opaque)))
 }
 
+/// Launch [`kernels::WGI8_DECODE_KEYS`] (`f`) over flat E2M1 keys `[0, nkeys)` (codes
+/// at `k`, UE8M0 scales at `k_scale8`): their s8 operands to `k8` (`dim` bytes per key)
+/// and their scale windows to `kinfo` (4 bytes per key).
+pub(super) fn decode_keys(
+    s: &CudaStream,
+    f: &CudaFunction,
+    (k, k_scale8): (u64, u64),
+    nkeys: usize,
+    (k8, kinfo): (u64, u64),
+) -> Result<()> {
+    if nkeys == 0 {
+        return Ok(());
+    }
+    let threads = kernels::WGI8_DECODE_KEYS_THREADS;
+    let blocks = u32::try_from((4 * nkeys).div_ceil(threads))
+        .map_err(|_| backend_err(format!("decode keys: {nkeys} keys past one grid")))?;
+    let n = u32::try_from(nkeys)
+        .map_err(|_| backend_err(format!("decode keys: {nkeys} keys past u32")))?;
+    let mut l = s.launch_builder(f);
+    l.arg(&k).arg(&k_scale8).arg(&n).arg(&k8).arg(&kinfo);
+    // SAFETY: the kernel reads keys [0, nkeys) of the flat key buffers (D / 2 code bytes
+    // and G scale bytes each) and writes nkeys * D bytes at k8 and nkeys words at kinfo,
+    // which the run allocated for them.
+    unsafe {
+        l.launch(LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: 0,
+        })
+    }
+    .map_err(drv("launch wgi8_decode_keys"))?;
+    Ok(())
+}
+
 /// Launch logits kernel `f` (`threads` per block) over row groups `groups`, `gx` blocks
 /// of key tiles per group: one launch per [`MAX_GRID_Y`] groups.
 pub(super) fn logits(
@@ -222,6 +260,10 @@ pub(super) fn logits(
         let (page_table, page_log2) = a.paged.unwrap_or((0, 0));
         if a.paged.is_some() {
             l.arg(&page_table).arg(&page_log2);
+        }
+        let (k8, kinfo) = a.predecoded.unwrap_or((0, 0));
+        if a.predecoded.is_some() {
+            l.arg(&k8).arg(&kinfo);
         }
         if let Some(m) = &a.kmap {
             l.arg(m);
@@ -736,7 +778,7 @@ mod tests {
                 );
                 assert_eq!(
                     kernels::module_entries(name),
-                    ["mqa_logits_wgi8", "mqa_logits_wgi8_r8"],
+                    ["mqa_logits_wgi8", "mqa_logits_wgi8_r8", "wgi8_decode_keys"],
                     "{}",
                     v.name()
                 );

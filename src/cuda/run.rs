@@ -45,6 +45,11 @@ pub(super) struct Run {
     pub(super) logits: Option<Buf<f32>>,
     bkeys: Option<Buf<u32>>,
     split: Option<Buf<i32>>,
+    /// Pre-decoded flat keys (`predecoded_keys` of them: their s8 operands, then their
+    /// scale windows), written before the first logits launch that reads them.
+    keys8: Option<Buf<u8>>,
+    predecoded_keys: usize,
+    keys8_written: bool,
     geom: Vec<TileGeom>,
     // Outputs.
     pub(super) raw: Buf<i32>,
@@ -183,23 +188,26 @@ fn upload<T: DeviceRepr + ValidAsZeroBits>(
     dev.buffer(space, Fill::Host(host), &format!("upload {what}"))
 }
 
-/// A run's transient buffers, reused by every tile: the logits tile, the block keys
-/// and the split top-k's scratch (each absent when the plan needs none).
+/// A run's transient buffers, reused by every tile: the logits tile, the block keys,
+/// the split top-k's scratch and the pre-decoded keys (each absent when the run needs
+/// none).
 struct TransientBufs {
     logits: Option<Buf<f32>>,
     bkeys: Option<Buf<u32>>,
     split: Option<Buf<i32>>,
+    keys8: Option<Buf<u8>>,
 }
 
 impl TransientBufs {
-    /// Allocate the plan's logits tile and block keys and the scratch of the tile of
-    /// `geom` that splits the most ids, in `space`.
+    /// Allocate the plan's logits tile and block keys, the scratch of the tile of
+    /// `geom` that splits the most ids and `keys8` bytes of pre-decoded keys, in `space`.
     fn alloc(
         dev: &Device,
         space: &mut Space,
         plan: &Plan,
         geom: &[TileGeom],
         topk: usize,
+        keys8: usize,
     ) -> Result<TransientBufs> {
         let logits = if plan.peak.logits_tile > 0 {
             Some(dev.buffer::<f32>(
@@ -235,10 +243,16 @@ impl TransientBufs {
         } else {
             None
         };
+        let keys8 = if keys8 > 0 {
+            Some(dev.buffer::<u8>(space, Fill::Zeros(keys8), "alloc pre-decoded keys")?)
+        } else {
+            None
+        };
         Ok(TransientBufs {
             logits,
             bkeys,
             split,
+            keys8,
         })
     }
 }
@@ -337,7 +351,8 @@ impl Run {
         // the workspace's regions span them.
         let before = (allocated_on_this_thread(), space.used());
         let md = MetaBufs::upload(dev, space, &meta)?;
-        let tr = TransientBufs::alloc(dev, space, plan, &meta.geom, shape.topk)?;
+        let keys8 = meta.predecoded_keys * kernels::predecoded_key_bytes(shape.dim);
+        let tr = TransientBufs::alloc(dev, space, plan, &meta.geom, shape.topk, keys8)?;
         let paths =
             dev.buffer::<u32>(space, Fill::Zeros(PATHS_BYTES / 4), "alloc path counters")?;
         let transient = match space {
@@ -353,6 +368,9 @@ impl Run {
             logits: tr.logits,
             bkeys: tr.bkeys,
             split: tr.split,
+            keys8: tr.keys8,
+            predecoded_keys: meta.predecoded_keys,
+            keys8_written: false,
             geom: meta.geom,
             raw: out.raw,
             page: out.page,
@@ -397,6 +415,11 @@ impl Run {
             );
             let gx = (g.chunks as usize).div_ceil(per_block) as u32;
             let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
+            let predecoded = if kernels::logits_predecodes(sh.logits_variant(), name) {
+                Some(self.predecoded(dev)?)
+            } else {
+                None
+            };
             let args = LogitsArgs {
                 q: p.q,
                 q_scale: p.q_scale,
@@ -412,11 +435,34 @@ impl Run {
                 logits: a.logits,
                 paths: lpaths,
                 paged: sh.paged.map(|pg| (p.page_table, pg.page_log2)),
+                predecoded,
                 kmap: launch::key_tensor_map(name, sh.logits_variant(), p.k, p.k_bytes, sh.paged)?,
             };
             launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?;
         }
         Ok(())
+    }
+
+    /// The pre-decoded keys' two addresses (s8 operands, scale windows), written by
+    /// [`kernels::WGI8_DECODE_KEYS`] on the run's stream the first time a launch asks.
+    fn predecoded(&mut self, dev: &Device) -> Result<(u64, u64)> {
+        let s = &dev.stream;
+        let base = self.keys8.as_ref().map(|b| b.addr(s)).ok_or_else(|| {
+            super::backend_err("a pre-decoding launch in a run without pre-decoded keys")
+        })?;
+        let at = (base, base + (self.predecoded_keys * self.shape.dim) as u64);
+        if !self.keys8_written {
+            let f = dev.function(self.shape.logits_variant(), kernels::WGI8_DECODE_KEYS)?;
+            launch::decode_keys(
+                s,
+                &f,
+                (self.ptrs.k, self.ptrs.k_scale8),
+                self.predecoded_keys,
+                at,
+            )?;
+            self.keys8_written = true;
+        }
+        Ok(at)
     }
 
     /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer.
