@@ -274,6 +274,11 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_PREDECODE 1
 #endif
 #define WGI8_PRE (WGI8_PREDECODE && !DSA_PAGED)
+// The fewest rows of an entry that reads pre-decoded keys (tuning: 4 makes the four-row
+// entry read them too).
+#ifndef WGI8_PRE_ROWS
+#define WGI8_PRE_ROWS 8
+#endif
 // A key past the group's: admitted, operands zero, kmin 127 (as WGR_NONE_SC).
 #define WGI8_NONE_INFO 0x7F7Fu
 
@@ -360,6 +365,13 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
 #else
 #define WGI8_PRE_PARAMS
 #define WGI8_PRE_ARGS , nullptr, nullptr
+#endif
+#if WGI8_PRE && WGI8_PRE_ROWS <= 4
+#define WGI8_PRE4_PARAMS WGI8_PRE_PARAMS
+#define WGI8_PRE4_ARGS WGI8_PRE_ARGS
+#else
+#define WGI8_PRE4_PARAMS
+#define WGI8_PRE4_ARGS , nullptr, nullptr
 #endif
 
 // block: rows grp.x + [0, R) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
@@ -481,7 +493,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
                        (reinterpret_cast<size_t>(k_scale8) & (size_t)(G - 1)) == 0;
   // The int8 path's keys: pre-decoded (kw, kinf) in the eight-row entry over flat keys,
   // else the fp4 keys (raw, rsc), decoded per tile.
-  constexpr bool PRE = R == 8 && WGI8_PRE;
+  constexpr bool PRE = R >= WGI8_PRE_ROWS && WGI8_PRE;
   u32 kw[2][2 * G], kinf[2];
   bool two_mul = false;  // some fallback tile ran the two multiplies
   u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
@@ -599,8 +611,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
 
 // The two forms (the host's kernels::logits_kernel_for picks one per launch).
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(
-    WGI8_PARAMS) {
-  wgi8_block<4>(WGI8_ARGS, nullptr, nullptr);
+    WGI8_PARAMS WGI8_PRE4_PARAMS) {
+  wgi8_block<4>(WGI8_ARGS WGI8_PRE4_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS) mqa_logits_wgi8_r8(
     WGI8_PARAMS WGI8_PRE_PARAMS) {

@@ -169,7 +169,13 @@ pub fn predecoded_key_bytes(dim: usize) -> usize {
 /// in its blocks. The entry then takes the keys' two addresses as its last parameters.
 pub fn logits_predecodes(v: Variant, entry: &str) -> bool {
     let flat = matches!(v, Variant::Logits { paged: false, .. });
-    flat && entry == "mqa_logits_wgi8_r8" && define_in("WGI8_PREDECODE", 0..=1) != Some(0)
+    let reads = match entry {
+        "mqa_logits_wgi8_r8" => true,
+        // A `WGI8_PRE_ROWS=4` define (tuning) builds the four-row entry to read them too.
+        "mqa_logits_wgi8" => define_in("WGI8_PRE_ROWS", 4..=8) == Some(LOGITS_WGI8_ROWS),
+        _ => false,
+    };
+    flat && reads && define_in("WGI8_PREDECODE", 0..=1) != Some(0)
 }
 
 /// Whether a launch of `rows` rows in `groups` row groups of at most `group_rows` rows
@@ -487,6 +493,12 @@ pub const LOGITS_TILES_PER_BLOCK: usize = 128;
 /// (`WGI8_R8_MIN_BLOCKS`), which its registers allow and no more (216 per thread).
 pub const LOGITS_WGI8_WIDE_BLOCKS_PER_SM: usize = 2;
 
+/// [`LOGITS_WGI8_WIDE_BLOCKS_PER_SM`], or the `WGI8_R8_MIN_BLOCKS=` define (1..=4,
+/// `tuning`) that builds the kernel for that many.
+pub fn wgi8_wide_blocks_per_sm() -> usize {
+    define_in("WGI8_R8_MIN_BLOCKS", 1..=4).unwrap_or(LOGITS_WGI8_WIDE_BLOCKS_PER_SM)
+}
+
 /// Key tiles per block of a logits launch of `entry` over `chunks` key tiles and
 /// `groups` row groups on `sms` SMs, up to [`logits_tiles_per_block`] so that a block's
 /// query staging is paid once per that many:
@@ -505,7 +517,7 @@ pub fn logits_launch_tiles_per_block(
 ) -> usize {
     let (cap, groups, sms) = (logits_tiles_per_block(), groups.max(1), sms.max(1));
     if entry == "mqa_logits_wgi8_r8" {
-        let slots = LOGITS_WGI8_WIDE_BLOCKS_PER_SM * sms;
+        let slots = wgi8_wide_blocks_per_sm() * sms;
         let waves = (groups * chunks.div_ceil(cap)).div_ceil(slots).max(8);
         let per_group = (waves * slots / groups).max(1);
         return chunks.div_ceil(per_group).clamp(1, cap);
@@ -1003,7 +1015,7 @@ mod tests {
         // the pre-decoded keys' parameters, logits_predecodes).
         for body in [
             format!(
-                "mqa_logits_wgi8(\n    WGI8_PARAMS) {{\n  wgi8_block<{LOGITS_WGI8_ROWS}>(WGI8_ARGS, nullptr, nullptr);\n}}"
+                "mqa_logits_wgi8(\n    WGI8_PARAMS WGI8_PRE4_PARAMS) {{\n  wgi8_block<{LOGITS_WGI8_ROWS}>(WGI8_ARGS WGI8_PRE4_ARGS);\n}}"
             ),
             format!(
                 "mqa_logits_wgi8_r8(\n    WGI8_PARAMS WGI8_PRE_PARAMS) {{\n  wgi8_block<{LOGITS_WGI8_WIDE_ROWS}>(WGI8_ARGS WGI8_PRE_ARGS);\n}}"
