@@ -103,7 +103,8 @@
 // heads of head bits 0..2 (e, a), and the lanes of its quad hold bits 3 and 4 (tig):
 // SPEC 4's pairwise head sum is three levels in the thread and two across the quad.
 // With eight rows the second four rows' MMAs run while the first four's epilogue does,
-// from the same key fragments (the key decode is paid once per eight rows).
+// from the same key fragments (read pre-decoded over flat keys, below; decoded once per
+// eight rows over paged keys).
 // The fallback (mqa_logits_wgr's tile on each pair of rows) reads mqa_logits_wgr's
 // staging of the rows (heads in their natural order): all of them in sQ when the block's
 // queries or weights are rejected (sQ then holds no s8 operands), else one pair at a
