@@ -61,8 +61,7 @@
 #   W8_TMA (0: the fast kernel's keys in registers), W8_LPT (0: a launch's groups in launch
 #   order, not longest first), WGI8_PREDECODE (0: mqa_logits_wgi8_r8 decodes the fp4 keys
 #   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
-#   and kernel), WGI8_PRE_ROWS (4: the four-row entry reads them too; host and kernel),
-#   WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too); host side: LG_PER_BLOCK, WGI8_ROWS (4 or 8: that form of
+#   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too); host side: LG_PER_BLOCK, WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"

@@ -275,11 +275,6 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_PREDECODE 1
 #endif
 #define WGI8_PRE (WGI8_PREDECODE && !DSA_PAGED)
-// The fewest rows of an entry that reads pre-decoded keys (tuning: 4 makes the four-row
-// entry read them too).
-#ifndef WGI8_PRE_ROWS
-#define WGI8_PRE_ROWS 8
-#endif
 // A key past the group's: admitted, operands zero, kmin 127 (as WGR_NONE_SC).
 #define WGI8_NONE_INFO 0x7F7Fu
 
@@ -315,9 +310,9 @@ extern "C" __global__ void __launch_bounds__(256) wgi8_decode_keys(
 }
 
 // This thread's two keys of key tile c (keys 16 warp + gid and + 8 of the group's from
-// flat key ks): their words of k8 (kw[kk][2 g], kw[kk][2 g + 1]: group g's s8 words) and
-// kinfo; a key past the group's nkeys reads nothing.
-__device__ __forceinline__ void wgi8_prefetch_pre(u32 (&kw)[2][2 * G], u32 (&kinf)[2],
+// flat key ks): their words of k8 as the s8 A fragments (kf[g][kk], kf[g][2 + kk]: group
+// g's two words of key kk) and kinfo; a key past the group's nkeys reads nothing.
+__device__ __forceinline__ void wgi8_prefetch_pre(u32 (&kf)[G][4], u32 (&kinf)[2],
                                                   bool (&none)[2], const uint4 *k8,
                                                   const u32 *kinfo, const u32 ks,
                                                   const u32 nkeys, const u32 c, const int warp,
@@ -331,10 +326,10 @@ __device__ __forceinline__ void wgi8_prefetch_pre(u32 (&kw)[2][2 * G], u32 (&kin
 #pragma unroll
     for (int h = 0; h < G / 2; ++h) {
       const uint4 v = none[kk] ? make_uint4(0u, 0u, 0u, 0u) : src[h];
-      kw[kk][4 * h] = v.x;
-      kw[kk][4 * h + 1] = v.y;
-      kw[kk][4 * h + 2] = v.z;
-      kw[kk][4 * h + 3] = v.w;
+      kf[2 * h][kk] = v.x;
+      kf[2 * h][2 + kk] = v.y;
+      kf[2 * h + 1][kk] = v.z;
+      kf[2 * h + 1][2 + kk] = v.w;
     }
     kinf[kk] = none[kk] ? WGI8_NONE_INFO : kinfo[x];
   }
@@ -366,13 +361,6 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
 #else
 #define WGI8_PRE_PARAMS
 #define WGI8_PRE_ARGS , nullptr, nullptr
-#endif
-#if WGI8_PRE && WGI8_PRE_ROWS <= 4
-#define WGI8_PRE4_PARAMS WGI8_PRE_PARAMS
-#define WGI8_PRE4_ARGS WGI8_PRE_ARGS
-#else
-#define WGI8_PRE4_PARAMS
-#define WGI8_PRE4_ARGS , nullptr, nullptr
 #endif
 
 // block: rows grp.x + [0, R) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
@@ -492,10 +480,10 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
   bool none[2];
   const bool sc_word = (G == 4 || G == 2) &&
                        (reinterpret_cast<size_t>(k_scale8) & (size_t)(G - 1)) == 0;
-  // The int8 path's keys: pre-decoded (kw, kinf) in the eight-row entry over flat keys,
-  // else the fp4 keys (raw, rsc), decoded per tile.
-  constexpr bool PRE = R >= WGI8_PRE_ROWS && WGI8_PRE;
-  u32 kw[2][2 * G], kinf[2];
+  // The int8 path's keys: pre-decoded (kf, kinf: the A fragments and scale windows) in
+  // the eight-row entry over flat keys, else the fp4 keys (raw, rsc), decoded per tile.
+  constexpr bool PRE = R == 8 && WGI8_PRE;
+  u32 kf[G][4], kinf[2];
   bool two_mul = false;  // some fallback tile ran the two multiplies
   u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
   auto prefetch_raw = [&](const u32 c) {
@@ -506,14 +494,14 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
   auto prefetch = [&](const u32 c) {
     if constexpr (PRE) {
       if (c < nchunks)
-        wgi8_prefetch_pre(kw, kinf, none, k8, kinfo, ks, grp.z, c, warp, gid, tig);
+        wgi8_prefetch_pre(kf, kinf, none, k8, kinfo, ks, grp.z, c, warp, gid, tig);
     } else {
       prefetch_raw(c);
     }
   };
   // The first tile's keys (blockIdx.x < nchunks).
   if (PRE && q_i8)
-    wgi8_prefetch_pre(kw, kinf, none, k8, kinfo, ks, grp.z, blockIdx.x, warp, gid, tig);
+    wgi8_prefetch_pre(kf, kinf, none, k8, kinfo, ks, grp.z, blockIdx.x, warp, gid, tig);
   else
     wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, blockIdx.x, sc_word, warp, gid, tig PG_PASS);
   if (q_i8) {
@@ -546,14 +534,12 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
       if (__syncthreads_and(ok ? 1 : 0) != 0) {
         float out[R / 2];
         if constexpr (PRE) {
+          // The MMAs read af while next() loads the next tile into kf.
           u32 af[G][4];
 #pragma unroll
-          for (int kk = 0; kk < 2; ++kk)
+          for (int g = 0; g < G; ++g)
 #pragma unroll
-            for (int g = 0; g < G; ++g) {
-              af[g][kk] = kw[kk][2 * g];
-              af[g][2 + kk] = kw[kk][2 * g + 1];
-            }
+            for (int i = 0; i < 4; ++i) af[g][i] = kf[g][i];
           wgi8_tile_af<R>(af, kmin, sQ, svm, neg, tig, odd, hi, out,
                           [&] { prefetch(c + gridDim.x); });
         } else {
@@ -612,8 +598,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
 
 // The two forms (the host's kernels::logits_kernel_for picks one per launch).
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_logits_wgi8(
-    WGI8_PARAMS WGI8_PRE4_PARAMS) {
-  wgi8_block<4>(WGI8_ARGS WGI8_PRE4_ARGS);
+    WGI8_PARAMS) {
+  wgi8_block<4>(WGI8_ARGS, nullptr, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS) mqa_logits_wgi8_r8(
     WGI8_PARAMS WGI8_PRE_PARAMS) {

@@ -169,13 +169,7 @@ pub fn predecoded_key_bytes(dim: usize) -> usize {
 /// in its blocks. The entry then takes the keys' two addresses as its last parameters.
 pub fn logits_predecodes(v: Variant, entry: &str) -> bool {
     let flat = matches!(v, Variant::Logits { paged: false, .. });
-    let reads = match entry {
-        "mqa_logits_wgi8_r8" => true,
-        // A `WGI8_PRE_ROWS=4` define (tuning) builds the four-row entry to read them too.
-        "mqa_logits_wgi8" => define_in("WGI8_PRE_ROWS", 4..=8) == Some(LOGITS_WGI8_ROWS),
-        _ => false,
-    };
-    flat && reads && define_in("WGI8_PREDECODE", 0..=1) != Some(0)
+    flat && entry == "mqa_logits_wgi8_r8" && define_in("WGI8_PREDECODE", 0..=1) != Some(0)
 }
 
 /// Whether a launch of `rows` rows in `groups` row groups of at most `group_rows` rows
@@ -1017,7 +1011,7 @@ mod tests {
         // the pre-decoded keys' parameters, logits_predecodes).
         for body in [
             format!(
-                "mqa_logits_wgi8(\n    WGI8_PARAMS WGI8_PRE4_PARAMS) {{\n  wgi8_block<{LOGITS_WGI8_ROWS}>(WGI8_ARGS WGI8_PRE4_ARGS);\n}}"
+                "mqa_logits_wgi8(\n    WGI8_PARAMS) {{\n  wgi8_block<{LOGITS_WGI8_ROWS}>(WGI8_ARGS, nullptr, nullptr);\n}}"
             ),
             format!(
                 "mqa_logits_wgi8_r8(\n    WGI8_PARAMS WGI8_PRE_PARAMS) {{\n  wgi8_block<{LOGITS_WGI8_WIDE_ROWS}>(WGI8_ARGS WGI8_PRE_ARGS);\n}}"
