@@ -291,8 +291,9 @@ __device__ __forceinline__ void store_row_logit(const RowOut o, const u32 jg, co
   if (j < o.n) o.out[j] = logit;
 }
 // store_row_logit of row r of the group (if the group has it), its row read here. Kept
-// apart from store_row_logit on purpose: the default-mode kernels (w16, wgr, wgi8) were
-// measured with this form, and routing it through row_out changes their code.
+// apart from store_row_logit on purpose: the default-mode kernels w16 and wgr were
+// measured with this form, and routing it through row_out changes their code (wgi8 keeps
+// its rows' row_out in shared memory).
 __device__ __forceinline__ void store_logit(float *__restrict__ logits, const u64 *row_off,
                                             const u32 *row_n, const uint4 grp, const u32 r,
                                             const u32 jg, const bool odd, float logit) {

@@ -103,8 +103,8 @@
 // heads of head bits 0..2 (e, a), and the lanes of its quad hold bits 3 and 4 (tig):
 // SPEC 4's pairwise head sum is three levels in the thread and two across the quad.
 // With eight rows the second four rows' MMAs run while the first four's epilogue does,
-// from the same key fragments (read pre-decoded over flat keys, below; decoded once per
-// eight rows over paged keys).
+// from the same keys (pre-decoded over flat keys and read from shared memory, below;
+// decoded once per eight rows into A fragments over paged keys).
 // The fallback (mqa_logits_wgr's tile on each pair of rows) reads mqa_logits_wgr's
 // staging of the rows (heads in their natural order): all of them in sQ when the block's
 // queries or weights are rejected (sQ then holds no s8 operands), else one pair at a
@@ -113,9 +113,10 @@
 #define WGI8_MMA_ROWS 4
 static_assert(WGI8_MMA_ROWS * H == WGR_THREADS, "one column per thread per MMA in the prologue");
 
-// Blocks per SM the registers must allow: at four rows 3 at D = 128 (166 registers) and
-// 4 at D = 64; at eight rows 3 (168 registers at D = 128 with 54 bytes of spills, where
-// 2 take 224 and none: 3 % faster on prefill over pre-decoded keys).
+// Blocks per SM the registers must allow: at four rows 3 at D = 128 (164 registers) and
+// 4 at D = 64; at eight rows 3 (168 registers at D = 128 with 32 bytes of spills over
+// pre-decoded keys, whose MMAs read A from shared memory: the s8 wgmma stays pipelined;
+// the in-block decode's A fragments leave ptxas to serialize it, C7512).
 #ifndef WGI8_MIN_BLOCKS
 #define WGI8_MIN_BLOCKS (G == 4 ? 3 : 4)
 #endif
@@ -198,32 +199,29 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
   }
 }
 
-// One key tile on the int8 path from this thread's s8 A fragments af (its two keys,
-// each key's values shifted by its group's offset from kmin[kk], its smallest byte): then
-// next() (the next tile's prefetch), per four rows one s32 chain of G k32 steps against
-// sB8, and the head epilogue above with the block's columns' (v, m) in svm (float4 p =
-// columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows 4 m + hi and 4 m + 2 + hi
-// (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r of neg: every weight of row
-// r has its sign bit set.
-template <int R, class Next>
-__device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[2],
-                                             const u8 *sB8, const float4 *svm, const u32 neg,
-                                             const int tig, const bool odd, const bool hi,
-                                             float (&out)[R / 2], Next next) {
+// One key tile on the int8 path: per four rows one s32 chain of G k32 steps against sB8,
+// mma(y, g, db, scale_d) issuing step g of one chain with B descriptor db (A, the tile's
+// keys with each key's values shifted by its group's offset from kmin[kk], its smallest
+// byte, comes from the caller), and the head epilogue above with the block's columns'
+// (v, m) in svm (float4 p = columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows
+// 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r
+// of neg: every weight of row r has its sign bit set.
+template <int R, class Mma>
+__device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], const u8 *sB8,
+                                              const float4 *svm, const u32 neg, const int tig,
+                                              const bool odd, const bool hi,
+                                              float (&out)[R / 2]) {
   constexpr u32 lbo = (R * H / 8) * 128;
   constexpr int M = R / WGI8_MMA_ROWS;
   const float ck = ue8m0_pow2((u32)(odd ? kmin[1] : kmin[0]), 0);
-  fence_regs_a(af);
-  next();
   int y[M][64];
   wgmma_fence();
 #pragma unroll
   for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      wgmma_m64n128k32_s8_rs(y[m], af[g],
-                             wgmma_desc(sB8 + 2 * g * lbo + m * (WGI8_MMA_ROWS * H / 8) * 128, lbo, 128),
-                             g > 0 ? 1u : 0u);
+      mma(y[m], g, wgmma_desc(sB8 + 2 * g * lbo + m * (WGI8_MMA_ROWS * H / 8) * 128, lbo, 128),
+          g > 0 ? 1u : 0u);
     wgmma_commit();
   }
   // Four rows' epilogue while the next four rows' MMAs run.
@@ -239,6 +237,22 @@ __device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[
     out[2 * m] = o[0];
     out[2 * m + 1] = o[1];
   }
+}
+
+// The same tile from this thread's s8 A fragments af (its two keys): then next() (the
+// next tile's prefetch), and the MMAs read A from af.
+template <int R, class Next>
+__device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[2],
+                                             const u8 *sB8, const float4 *svm, const u32 neg,
+                                             const int tig, const bool odd, const bool hi,
+                                             float (&out)[R / 2], Next next) {
+  fence_regs_a(af);
+  next();
+  wgi8_tile_mma<R>(
+      [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
+        wgmma_m64n128k32_s8_rs(y, af[g], db, scale_d);
+      },
+      kmin, sB8, svm, neg, tig, odd, hi, out);
 }
 
 // The same tile from this thread's fp4 keys (raw, rsc): the s8 A fragments decoded here.
@@ -264,24 +278,46 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 // The eight-row entry over flat keys (WGI8_PRE) reads each key's s8 operands from k8,
 // which wgi8_decode_keys writes once before the launches, instead of decoding them in
 // every block: the decode (about 200 instructions per warp and key tile) is then paid
-// once per key, not once per key and row group. k8 holds D bytes per key; lane tig of a
-// quad reads 8 G contiguous bytes at 8 G tig: per group g, the s8 words of the values
-// 8 tig + 0..3 and 8 tig + 4..7 of g (what e2m1_word_s8 gives for its word of the key),
+// once per key, not once per key and row group. k8 holds D bytes per key, in the order of
+// the k positions of the MMAs' A: k32 step g at bytes 32 g .. 32 g + 31, where byte
+// 32 g + 4 t + i holds value 8 t + i of group g and byte 32 g + 16 + 4 t + i value
+// 8 t + 4 + i (t < 4, i < 4: the order in which sQ holds the queries' values), each
 // shifted by g's offset from the key's smallest byte. kinfo holds per key its smallest
 // scale byte (byte 0) and its largest (byte 1). A key whose bytes span more than
 // I8_MAX_SPAN has zero operands: the guard sends every tile that holds it to the fallback,
 // which reads the fp4 keys.
+//
+// The block's thread 0 copies each key tile's 64 rows of k8 into shared memory by TMA
+// (the host's map: boxes of 64 rows of D bytes, swizzled at D bytes, wgmma's K-major A
+// layout), WGI8_RING - 1 tiles ahead of the one computed, into a ring of WGI8_RING tiles;
+// tile i lands in ring tile i % WGI8_RING and completes phase i / WGI8_RING of its `full`
+// mbarrier, which every thread waits for. The MMAs then read A from there: no key byte
+// takes a register (the rs form held 4 G fragment words a thread, and as many for the
+// next tile's prefetch). A ring tile is refilled after the barrier of the guard of a
+// later tile, which every thread reaches only after its MMAs of the ring tile's last
+// tile have completed (wgmma_wait<0> in wgi8_tile_mma; a fallback tile reads no ring
+// tile). Rows past the buffer read as zeros, and rows of the next request's keys are
+// read too: the logits of neither are stored, and the guard ignores their windows.
 #ifndef WGI8_PREDECODE
 #define WGI8_PREDECODE 1
 #endif
 #define WGI8_PRE (WGI8_PREDECODE && !DSA_PAGED)
-// A key past the group's: admitted, operands zero, kmin 127 (as WGR_NONE_SC).
+// A key past the group's: admitted, kmin 127 (as WGR_NONE_SC).
 #define WGI8_NONE_INFO 0x7F7Fu
+// Ring tiles: 2 (one tile in flight while one is computed) or 3.
+#ifndef WGI8_RING
+#define WGI8_RING 2
+#endif
+static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
+// One ring tile: 64 keys of D bytes. The ring is the entry's dynamic shared memory,
+// WGI8_RING tiles and 1024 bytes to align it (the host's kernels::wgi8_ring_bytes).
+#define WGI8_KTILE_BYTES (WGR_KEYS * D)
 
-// k8 and kinfo of keys [0, nkeys), four threads per key.
+// k8 and kinfo of keys [0, nkeys), four threads per key: thread tig writes the words of
+// values 8 tig .. 8 tig + 3 and 8 tig + 4 .. 8 tig + 7 of each group.
 extern "C" __global__ void __launch_bounds__(256) wgi8_decode_keys(
     const u8 *__restrict__ k, const u8 *__restrict__ k_scale8, const u32 nkeys,
-    uint4 *__restrict__ k8, u32 *__restrict__ kinfo) {
+    u32 *__restrict__ k8, u32 *__restrict__ kinfo) {
   const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x;
   const u64 x = t >> 2;
   const int tig = (int)(t & 3u);
@@ -294,45 +330,38 @@ extern "C" __global__ void __launch_bounds__(256) wgi8_decode_keys(
     mx = max(mx, e[g]);
   }
   const bool fits = mx - mn <= I8_MAX_SPAN;
-  u32 wv[2 * G];
+  u32 *row = k8 + x * (D / 4);
 #pragma unroll
   for (int g = 0; g < G; ++g) {
     const u32 word = *reinterpret_cast<const u32 *>(k + x * (D / 2) + 16 * g + 4 * tig);
-    wv[2 * g] = 0u;
-    wv[2 * g + 1] = 0u;
-    if (fits) e2m1_word_s8(word, e[g] - mn, wv[2 * g], wv[2 * g + 1]);
+    u32 lo = 0u, hb = 0u;
+    if (fits) e2m1_word_s8(word, e[g] - mn, lo, hb);
+    row[8 * g + tig] = lo;
+    row[8 * g + 4 + tig] = hb;
   }
-  uint4 *dst = k8 + x * (D / 16) + (G / 2) * tig;
-#pragma unroll
-  for (int h = 0; h < G / 2; ++h)
-    dst[h] = make_uint4(wv[4 * h], wv[4 * h + 1], wv[4 * h + 2], wv[4 * h + 3]);
   if (tig == 0) kinfo[x] = (u32)mn | ((u32)mx << 8);
 }
 
-// This thread's two keys of key tile c (keys 16 warp + gid and + 8 of the group's from
-// flat key ks): their words of k8 as the s8 A fragments (kf[g][kk], kf[g][2 + kk]: group
-// g's two words of key kk) and kinfo; a key past the group's nkeys reads nothing.
-__device__ __forceinline__ void wgi8_prefetch_pre(u32 (&kf)[G][4], u32 (&kinf)[2],
-                                                  bool (&none)[2], const uint4 *k8,
-                                                  const u32 *kinfo, const u32 ks,
-                                                  const u32 nkeys, const u32 c, const int warp,
-                                                  const int gid, const int tig) {
+// This thread's two keys' scale windows in key tile c (keys 16 warp + gid and + 8 of the
+// group's from flat key ks); a key past the group's nkeys reads nothing.
+__device__ __forceinline__ void wgi8_prefetch_info(u32 (&kinf)[2], bool (&none)[2],
+                                                   const u32 *kinfo, const u32 ks,
+                                                   const u32 nkeys, const u32 c, const int warp,
+                                                   const int gid) {
   const u32 j = c * WGR_KEYS + 16 * warp + gid;
 #pragma unroll
   for (int kk = 0; kk < 2; ++kk) {
     none[kk] = j + 8 * kk >= nkeys;
-    const u64 x = (u64)ks + j + 8 * kk;
-    const uint4 *src = k8 + x * (D / 16) + (G / 2) * tig;
-#pragma unroll
-    for (int h = 0; h < G / 2; ++h) {
-      const uint4 v = none[kk] ? make_uint4(0u, 0u, 0u, 0u) : src[h];
-      kf[2 * h][kk] = v.x;
-      kf[2 * h][2 + kk] = v.y;
-      kf[2 * h + 1][kk] = v.z;
-      kf[2 * h + 1][2 + kk] = v.w;
-    }
-    kinf[kk] = none[kk] ? WGI8_NONE_INFO : kinfo[x];
+    kinf[kk] = none[kk] ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 8 * kk];
   }
+}
+
+// Thread 0: key tile c's 64 rows of k8 (from flat key ks + 64 c) into ring tile `tile`,
+// completing on `bar`.
+__device__ __forceinline__ void wgi8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *k8map,
+                                               const u32 ks, const u32 c) {
+  mbar_arrive_expect_tx(bar, WGI8_KTILE_BYTES);
+  tma_load_2d(tile, k8map, bar, 0, (int)(ks + c * WGR_KEYS));
 }
 
 // Counts a block's tiles on each path (thread 0; every thread calls it).
@@ -354,10 +383,11 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
       u32 *__restrict__ paths LG_PAGED_PARAMS
 #define WGI8_ARGS \
   q, q_scale, k, k_scale8, k_scale32, w, row_n, row_ks, row_off, groups, group0, logits, paths PG_PASS
-// The eight-row entry's pre-decoded keys (WGI8_PRE: flat keys), its two last parameters.
+// The eight-row entry's pre-decoded keys (WGI8_PRE: flat keys), its two last parameters:
+// their scale windows, and the TMA map of their s8 operands.
 #if WGI8_PRE
-#define WGI8_PRE_PARAMS , const uint4 *__restrict__ k8, const u32 *__restrict__ kinfo
-#define WGI8_PRE_ARGS , k8, kinfo
+#define WGI8_PRE_PARAMS , const u32 *__restrict__ kinfo, const __grid_constant__ TmaDesc k8map
+#define WGI8_PRE_ARGS , kinfo, &k8map
 #else
 #define WGI8_PRE_PARAMS
 #define WGI8_PRE_ARGS , nullptr, nullptr
@@ -366,8 +396,8 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
 // block: rows grp.x + [0, R) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
 // (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
 template <int R>
-__device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict__ k8,
-                                           const u32 *__restrict__ kinfo) {
+__device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ kinfo,
+                                           const TmaDesc *k8map) {
   static_assert(R == 4 || R == 8, "mqa_logits_wgi8: 4 or 8 rows per block");
   constexpr int N = R * H;  // B's columns
   __shared__ __align__(128) u8 sQ[N * D];
@@ -380,6 +410,12 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
   __shared__ u32 sqwin[WGR_THREADS / 32];
   __shared__ u32 svwin[WGR_THREADS / 32];
   __shared__ u32 sneg[R];
+  __shared__ __align__(16) RowOut srow[R];
+  // The int8 path's keys: pre-decoded, by TMA into the ring (the dynamic shared memory),
+  // in the eight-row entry over flat keys; else the fp4 keys, decoded per tile.
+  constexpr bool PRE = R == 8 && WGI8_PRE;
+  extern __shared__ __align__(16) u8 sdyn[];
+  __shared__ __align__(8) u64 kfull[WGI8_RING];
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
@@ -437,6 +473,13 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
       sneg[warp] = negs;
     }
   }
+  // Each row's logits and visible keys (none past the group's rows), for the stores.
+  if (tid < R) srow[tid] = row_out(logits, row_off, row_n, grp, (u32)tid);
+  if (PRE && tid == 0) {
+#pragma unroll
+    for (int i = 0; i < WGI8_RING; ++i) mbar_init(&kfull[i], 1);
+    fence_mbar_init();
+  }
   __syncthreads();
   u32 bwin = sqwin[0], vwin = svwin[0], neg = sneg[0];
 #pragma unroll
@@ -480,30 +523,34 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
   bool none[2];
   const bool sc_word = (G == 4 || G == 2) &&
                        (reinterpret_cast<size_t>(k_scale8) & (size_t)(G - 1)) == 0;
-  // The int8 path's keys: pre-decoded (kf, kinf: the A fragments and scale windows) in
-  // the eight-row entry over flat keys, else the fp4 keys (raw, rsc), decoded per tile.
-  constexpr bool PRE = R == 8 && WGI8_PRE;
-  u32 kf[G][4], kinf[2];
+  // Pre-decoded keys: this thread's keys' scale windows (kinf; knone: past the group's
+  // keys), the ring's first tile (1024-byte aligned) and the ring tile and phase of the
+  // block's current key tile.
+  u32 kinf[2];
+  bool knone[2];
+  u8 *const ring = sdyn + ((1024u - (smem_u32(sdyn) & 1023u)) & 1023u);
+  u32 slot = 0, phase = 0;
   bool two_mul = false;  // some fallback tile ran the two multiplies
   u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
   auto prefetch_raw = [&](const u32 c) {
     if (c < nchunks)
       wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c, sc_word, warp, gid, tig PG_PASS);
   };
-  // The next tile's keys in the form the int8 loop reads.
-  auto prefetch = [&](const u32 c) {
-    if constexpr (PRE) {
-      if (c < nchunks)
-        wgi8_prefetch_pre(kf, kinf, none, k8, kinfo, ks, grp.z, c, warp, gid, tig);
-    } else {
-      prefetch_raw(c);
+  // The first tile's keys (blockIdx.x < nchunks): over pre-decoded keys their windows,
+  // and thread 0 starts the ring's copies.
+  if (PRE && q_i8) {
+    wgi8_prefetch_info(kinf, knone, kinfo, ks, grp.z, blockIdx.x, warp, gid);
+    if (tid == 0) {
+#pragma unroll
+      for (int i = 0; i < WGI8_RING - 1; ++i) {
+        const u32 ci = blockIdx.x + i * gridDim.x;
+        if (ci < nchunks)
+          wgi8_tma_issue(ring + i * WGI8_KTILE_BYTES, &kfull[i], k8map, ks, ci);
+      }
     }
-  };
-  // The first tile's keys (blockIdx.x < nchunks).
-  if (PRE && q_i8)
-    wgi8_prefetch_pre(kf, kinf, none, k8, kinfo, ks, grp.z, blockIdx.x, warp, gid, tig);
-  else
-    wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, blockIdx.x, sc_word, warp, gid, tig PG_PASS);
+  } else {
+    prefetch_raw(blockIdx.x);
+  }
   if (q_i8) {
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
       const u32 j0 = c * WGR_KEYS;
@@ -528,28 +575,42 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
           }
         }
         kmin[kk] = mn;
-        ok = ok && (none[kk] || (mx - mn <= I8_MAX_SPAN && mn >= k_floor && mx <= k_cap &&
+        ok = ok && ((PRE ? knone[kk] : none[kk]) || (mx - mn <= I8_MAX_SPAN && mn >= k_floor && mx <= k_cap &&
                                  mn <= kmin_cap));
       }
-      if (__syncthreads_and(ok ? 1 : 0) != 0) {
+      const bool i8 = __syncthreads_and(ok ? 1 : 0) != 0;
+      if constexpr (PRE) {
+        // Every thread's MMAs of the tiles before this one are done: thread 0 refills the
+        // ring tile before this one's with the tile WGI8_RING - 1 ahead. Then the next
+        // tile's windows, and this tile's keys landed (waited for on either path, so that
+        // every copy completes before its ring tile is refilled).
+        if (tid == 0) {
+          const u32 cn = c + (WGI8_RING - 1) * gridDim.x;
+          const u32 prev = slot == 0 ? WGI8_RING - 1 : slot - 1;
+          if (cn < nchunks)
+            wgi8_tma_issue(ring + prev * WGI8_KTILE_BYTES, &kfull[prev], k8map, ks, cn);
+        }
+        if (c + gridDim.x < nchunks)
+          wgi8_prefetch_info(kinf, knone, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
+        mbar_wait(&kfull[slot], phase);
+      }
+      if (i8) {
         float out[R / 2];
         if constexpr (PRE) {
-          // The MMAs read af while next() loads the next tile into kf.
-          u32 af[G][4];
-#pragma unroll
-          for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) af[g][i] = kf[g][i];
-          wgi8_tile_af<R>(af, kmin, sQ, svm, neg, tig, odd, hi, out,
-                          [&] { prefetch(c + gridDim.x); });
+          const u64 da = wgmma_desc_swz(ring + slot * WGI8_KTILE_BYTES, D);
+          wgi8_tile_mma<R>(
+              [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
+                wgmma_m64n128k32_s8_ss(y, (da & 0xFFFFFFFF00000000ull) | (u64)((u32)da + 2 * g),
+                                       db, scale_d);
+              },
+              kmin, sQ, svm, neg, tig, odd, hi, out);
         } else {
           wgi8_tile<R>(raw, rsc, kmin, sQ, svm, neg, tig, odd, hi, out,
-                       [&] { prefetch(c + gridDim.x); });
+                       [&] { prefetch_raw(c + gridDim.x); });
         }
 #pragma unroll
         for (int i = 0; i < R / 2; ++i)
-          store_logit(logits, row_off, row_n, grp, 2 * i + (hi ? 1u : 0u), j0 + 16 * warp + gid,
-                      odd, out[i]);
+          store_row_logit(srow[2 * i + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, out[i]);
         ++n_i8;
       } else {
         // mqa_logits_wgr's tile on each pair of rows, staged in sF in turn (the barriers:
@@ -568,11 +629,14 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
           const float logit =
               wgr_tile<true>(raw, rsc, sF, fold_q, qsafe, sqs + WGR_ROWS * pr, sw + WGR_ROWS * pr,
                              stab, two_mul, tig, odd, hi, [&] {
-                               if (last) prefetch(c + gridDim.x);
+                               if (!PRE && last) prefetch_raw(c + gridDim.x);
                              });
-          store_logit(logits, row_off, row_n, grp, WGR_ROWS * pr + (hi ? 1u : 0u),
-                      j0 + 16 * warp + gid, odd, logit);
+          store_row_logit(srow[WGR_ROWS * pr + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, logit);
         }
+      }
+      if (PRE && ++slot == WGI8_RING) {
+        slot = 0;
+        phase ^= 1u;
       }
     }
   } else {
@@ -587,8 +651,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const uint4 *__restrict_
             sw + WGR_ROWS * pr, stab, two_mul, tig, odd, hi, [&] {
               if (last) prefetch_raw(c + gridDim.x);
             });
-        store_logit(logits, row_off, row_n, grp, WGR_ROWS * pr + (hi ? 1u : 0u),
-                    c * WGR_KEYS + 16 * warp + gid, odd, logit);
+        store_row_logit(srow[WGR_ROWS * pr + (hi ? 1 : 0)], c * WGR_KEYS + 16 * warp + gid, odd,
+                        logit);
       }
     }
   }

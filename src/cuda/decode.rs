@@ -351,6 +351,7 @@ impl Engine {
                 inputs.kv_cache.len() as u64,
                 Some(paging),
             )?,
+            smem: 0,
         };
         Ok(DecodeStep {
             engine: self.clone(),

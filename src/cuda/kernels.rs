@@ -163,10 +163,25 @@ pub fn predecoded_key_bytes(dim: usize) -> usize {
     dim + 4
 }
 
+/// Key tiles in the ring into which `mqa_logits_wgi8_r8` copies the pre-decoded keys by
+/// TMA (the kernel's `WGI8_RING`: 2, or a `WGI8_RING=3` define under `tuning`).
+pub fn wgi8_ring_tiles() -> usize {
+    define_in("WGI8_RING", 2..=3).unwrap_or(2)
+}
+
+/// The dynamic shared memory of a launch that reads pre-decoded keys at `dim`: the ring's
+/// [`wgi8_ring_tiles`] tiles of [`LOGITS_KEYS`] keys of `dim` bytes, and 1024 bytes to
+/// align it (the TMA's swizzled boxes start on 1024-byte boundaries).
+pub fn wgi8_ring_bytes(dim: usize) -> usize {
+    wgi8_ring_tiles() * LOGITS_KEYS * dim + 1024
+}
+
 /// Whether launches of logits entry `entry` for variant `v` read pre-decoded keys
 /// ([`WGI8_DECODE_KEYS`]): the eight-row `mqa_logits_wgi8_r8` over flat keys, unless a
 /// `WGI8_PREDECODE=0` define (`tuning`; the kernel reads the same define) keeps the decode
-/// in its blocks. The entry then takes the keys' two addresses as its last parameters.
+/// in its blocks. The entry then takes the keys' scale windows' address and the TMA map
+/// of their s8 operands (`launch::predecoded_key_map`) as its last parameters, and
+/// [`wgi8_ring_bytes`] of dynamic shared memory.
 pub fn logits_predecodes(v: Variant, entry: &str) -> bool {
     let flat = matches!(v, Variant::Logits { paged: false, .. });
     flat && entry == "mqa_logits_wgi8_r8" && define_in("WGI8_PREDECODE", 0..=1) != Some(0)
@@ -1070,6 +1085,9 @@ mod tests {
         assert!(!logits_predecodes(v(false), "mqa_logits_wgi8"));
         assert!(!logits_predecodes(v(false), "mqa_logits_wgr"));
         assert_eq!(predecoded_key_bytes(128), 132);
+        // Two ring tiles of 64 keys: 16 KiB at D = 128, and the alignment's 1 KiB.
+        assert_eq!(wgi8_ring_bytes(128), 2 * 64 * 128 + 1024);
+        assert!(LOGITS_WGI8.contains("#define WGI8_RING 2\n"));
         assert!(module_entries("mqa_logits_wgi8").contains(&WGI8_DECODE_KEYS));
         assert!(LOGITS_WGI8.contains(&format!("{WGI8_DECODE_KEYS}(")));
         assert!(LOGITS_WGI8.contains(&format!("__launch_bounds__({WGI8_DECODE_KEYS_THREADS})")));

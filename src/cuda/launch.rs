@@ -65,13 +65,15 @@ pub(super) struct LogitsArgs {
     /// last parameters; `k` is then the pool and `row_ks` each row's first page-table
     /// entry.
     pub paged: Option<(u64, u32)>,
-    /// Pre-decoded flat keys (an entry [`kernels::logits_predecodes`] names): the
-    /// addresses of their s8 operands and of their scale windows, the kernel's two last
-    /// parameters ([`decode_keys`] writes them).
-    pub predecoded: Option<(u64, u64)>,
+    /// Pre-decoded flat keys (an entry [`kernels::logits_predecodes`] names): the address
+    /// of their scale windows, the kernel's second last parameter, before the TMA map of
+    /// their s8 operands in `kmap` ([`decode_keys`] writes both, [`predecoded_key_map`]).
+    pub predecoded: Option<u64>,
     /// The keys' TMA map, the kernel's last parameter (`mqa_logits_w8` under `W8_TMA`:
-    /// [`key_tensor_map`]).
+    /// [`key_tensor_map`]; pre-decoded keys: [`predecoded_key_map`]).
     pub kmap: Option<TensorMap>,
+    /// Dynamic shared memory per block (pre-decoded keys: [`kernels::wgi8_ring_bytes`]).
+    pub smem: u32,
 }
 
 /// A TMA tensor map (a `CUtensorMap`: 128 opaque bytes), passed to a kernel by value as
@@ -154,12 +156,43 @@ pub(super) fn key_tensor_map(
     k_bytes: u64,
     paged: Option<Paging>,
 ) -> Result<Option<TensorMap>> {
+    let Some(g) = key_map_geometry(name, v, k_bytes, paged)? else {
+        return Ok(None);
+    };
+    encode_map(k, &g, 128).map(Some)
+}
+
+/// The TMA map of the pre-decoded keys' s8 operands at `k8` (`nkeys` keys of `dim`
+/// bytes, [`decode_keys`]), which `mqa_logits_wgi8_r8` copies into its ring: boxes of 64
+/// rows of `dim` bytes, swizzled at `dim` bytes (wgmma's K-major A layout at that row
+/// width; rows past the keys read as zeros).
+pub(super) fn predecoded_key_map(k8: u64, nkeys: usize, dim: usize) -> Result<TensorMap> {
+    let g = MapGeometry {
+        rank: 2,
+        dims: [dim as u64, nkeys as u64, 1],
+        strides: [dim as u64, 0],
+        boxes: [dim as u32, kernels::LOGITS_KEYS as u32, 1],
+    };
+    if nkeys == 0 || !matches!(dim, 64 | 128) {
+        return Err(backend_err(format!(
+            "pre-decoded keys' TMA map: {nkeys} keys of {dim} bytes"
+        )));
+    }
+    encode_map(k8, &g, dim as u32)
+}
+
+/// A `u8` tensor map of shape `g` over the buffer at `addr`, its rows swizzled at
+/// `swizzle` bytes (64 or 128), encoded by the driver (coordinates past the tensor read
+/// as zeros).
+fn encode_map(addr: u64, g: &MapGeometry, swizzle: u32) -> Result<TensorMap> {
     use cudarc::driver::sys::{
         cuTensorMapEncodeTiled, CUresult, CUtensorMap, CUtensorMapDataType,
         CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
     };
-    let Some(g) = key_map_geometry(name, v, k_bytes, paged)? else {
-        return Ok(None);
+    let swizzle = match swizzle {
+        64 => CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+        128 => CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+        _ => return Err(backend_err(format!("TMA map: no {swizzle}-byte swizzle"))),
     };
     let elem = [1u32; 3];
     let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
@@ -170,26 +203,26 @@ pub(super) fn key_tensor_map(
             map.as_mut_ptr(),
             CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
             g.rank,
-            k as *mut std::ffi::c_void,
+            addr as *mut std::ffi::c_void,
             g.dims.as_ptr(),
             g.strides.as_ptr(),
             g.boxes.as_ptr(),
             elem.as_ptr(),
             CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
     if r != CUresult::CUDA_SUCCESS {
         return Err(backend_err(format!(
-            "cuTensorMapEncodeTiled (keys at {k:#x}, {k_bytes} bytes, dims {:?}): {r:?}",
+            "cuTensorMapEncodeTiled (at {addr:#x}, dims {:?}): {r:?}",
             g.dims
         )));
     }
     // SAFETY: the driver filled the map.
     let map = unsafe { map.assume_init() };
-    Ok(Some(TensorMap(map.opaque)))
+    Ok(TensorMap(map.opaque))
 }
 
 /// Launch [`kernels::WGI8_DECODE_KEYS`] (`f`) over flat E2M1 keys `[0, nkeys)` (codes
@@ -236,6 +269,7 @@ pub(super) fn logits(
     gx: u32,
     threads: u32,
 ) -> Result<()> {
+    allow_dynamic_smem(f, args.smem)?;
     let mut start = groups.start;
     while start < groups.end {
         let count = (groups.end - start).min(MAX_GRID_Y);
@@ -261,9 +295,9 @@ pub(super) fn logits(
         if a.paged.is_some() {
             l.arg(&page_table).arg(&page_log2);
         }
-        let (k8, kinfo) = a.predecoded.unwrap_or((0, 0));
+        let kinfo = a.predecoded.unwrap_or(0);
         if a.predecoded.is_some() {
-            l.arg(&k8).arg(&kinfo);
+            l.arg(&kinfo);
         }
         if let Some(m) = &a.kmap {
             l.arg(m);
@@ -275,7 +309,7 @@ pub(super) fn logits(
             l.launch(LaunchConfig {
                 grid_dim: (gx, count as u32, 1),
                 block_dim: (threads, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes: a.smem,
             })
         }
         .map_err(drv("launch mqa_logits"))?;

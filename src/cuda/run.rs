@@ -415,10 +415,22 @@ impl Run {
             );
             let gx = (g.chunks as usize).div_ceil(per_block) as u32;
             let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
-            let predecoded = if kernels::logits_predecodes(sh.logits_variant(), name) {
-                Some(self.predecoded(dev)?)
+            // Pre-decoded keys: their scale windows, the map of their s8 operands and the
+            // ring the entry copies them into; else the keys' own map, if the entry takes
+            // one.
+            let (predecoded, kmap, smem) = if kernels::logits_predecodes(sh.logits_variant(), name)
+            {
+                let (k8, kinfo) = self.predecoded(dev)?;
+                let map = launch::predecoded_key_map(k8, self.predecoded_keys, sh.dim)?;
+                (
+                    Some(kinfo),
+                    Some(map),
+                    kernels::wgi8_ring_bytes(sh.dim) as u32,
+                )
             } else {
-                None
+                let map =
+                    launch::key_tensor_map(name, sh.logits_variant(), p.k, p.k_bytes, sh.paged)?;
+                (None, map, 0)
             };
             let args = LogitsArgs {
                 q: p.q,
@@ -436,7 +448,8 @@ impl Run {
                 paths: lpaths,
                 paged: sh.paged.map(|pg| (p.page_table, pg.page_log2)),
                 predecoded,
-                kmap: launch::key_tensor_map(name, sh.logits_variant(), p.k, p.k_bytes, sh.paged)?,
+                kmap,
+                smem,
             };
             launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?;
         }
