@@ -1260,7 +1260,8 @@ fn int8_side_on_the_host(c: &Case) -> Int8Side {
         Precision::Full,
     );
     let tile = 0..all.len();
-    let (_, lg_rows, _) = cuda::tile_logits_kernel(all, tile.clone(), v, Hooks::default());
+    // The batch as one tile: a run that pre-decodes its keys where this entry reads them.
+    let (_, lg_rows, _) = cuda::tile_logits_kernel(all, tile.clone(), v, Hooks::default(), true);
     let (mut admitted, mut rejected) = (0usize, 0usize);
     for group in cuda::row_groups(all, tile, lg_rows) {
         let rows: Vec<usize> = group.collect();

@@ -190,7 +190,7 @@ pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
 /// takes the entry that decodes its keys in its blocks (the same logits).
 pub(super) fn predecoded_keys(batch: &Batch, shape: &Shape, hooks: Hooks) -> usize {
     let v = shape.logits_variant();
-    let (entry, _, _) = tile_logits_kernel(batch.rows(), 0..batch.num_rows(), v, hooks);
+    let (entry, _, _) = tile_logits_kernel(batch.rows(), 0..batch.num_rows(), v, hooks, true);
     if kernels::logits_predecodes(v, entry) {
         batch.num_keys()
     } else {
@@ -438,12 +438,8 @@ impl RowMeta {
         let (mut off, mut boff) = (0u64, 0u64);
         let g0 = self.groups.len() / 4;
         let mut max_blocks = 0usize;
-        let (mut lg_name, mut lg_rows, mut lg_threads) =
-            tile_logits_kernel(rows, tile.clone(), l.variant, l.hooks);
-        if kernels::logits_predecodes(l.variant, lg_name) && !l.predecoded {
-            // A run without pre-decoded keys: the form that decodes them in its blocks.
-            (lg_name, lg_rows, lg_threads) = kernels::logits_kernel_for(l.variant, l.hooks, false);
-        }
+        let (lg_name, lg_rows, lg_threads) =
+            tile_logits_kernel(rows, tile.clone(), l.variant, l.hooks, l.predecoded);
         let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), lg_rows);
         let short_cap = short_row_cap(
             rows[tile.clone()].iter().map(|r| r.n),
@@ -476,20 +472,29 @@ impl RowMeta {
     }
 }
 
-/// The logits entry of a tile of rows `rows[tile]` of variant `v` under `hooks` (entry
-/// name, rows per block, threads per block): [`kernels::logits_entry`] over the tile's
-/// row groups (prefill's tiles take the wide entry; decode's rows of one to four per
-/// request do not). Rows of `tile` past `rows` are not part of it.
+/// The logits entry of a tile of rows `rows[tile]` of variant `v` under `hooks` in a run
+/// that has pre-decoded keys or not (`predecoded`, [`predecoded_keys`]): entry name, rows
+/// per block, threads per block. [`kernels::logits_entry`] over the tile's row groups
+/// (prefill's tiles take the wide entry; decode's rows of one to four per request do
+/// not), except that in a run without pre-decoded keys a tile whose entry reads them
+/// takes the entry that decodes its keys in its blocks (the same logits). Rows of `tile`
+/// past `rows` are not part of it.
 pub fn tile_logits_kernel(
     rows: &[Row],
     tile: Range<usize>,
     v: Variant,
     hooks: Hooks,
+    predecoded: bool,
 ) -> (&'static str, usize, usize) {
     let tile = within(tile, rows.len());
-    kernels::logits_entry(v, hooks, tile.len(), |r| {
+    let e = kernels::logits_entry(v, hooks, tile.len(), |r| {
         row_groups(rows, tile.clone(), r).len()
-    })
+    });
+    if !predecoded && kernels::logits_predecodes(v, e.0) {
+        kernels::logits_kernel_for(v, hooks, false)
+    } else {
+        e
+    }
 }
 
 /// The row groups of tile rows `rows[tile]` at most `lg_rows` rows each (at least one),
@@ -646,8 +651,12 @@ mod tests {
             predecoded: false,
         };
         assert_eq!(
-            tile_logits_kernel(mixed.rows(), 0..9, l.variant, h).0,
+            tile_logits_kernel(mixed.rows(), 0..9, l.variant, h, true).0,
             "mqa_logits_wgi8_r8"
+        );
+        assert_eq!(
+            tile_logits_kernel(mixed.rows(), 0..9, l.variant, h, false),
+            kernels::logits_kernel_for(l.variant, h, false)
         );
         let mut m = RowMeta {
             row_n: mixed.rows().iter().map(|r| r.n as u32).collect(),
@@ -688,7 +697,7 @@ mod tests {
         let pick = |seq: &[usize], q0: &[usize]| {
             let b = Batch::contiguous(seq, q0, 1).unwrap();
             let rows = b.rows();
-            let (name, r, _) = tile_logits_kernel(rows, 0..rows.len(), exact, h);
+            let (name, r, _) = tile_logits_kernel(rows, 0..rows.len(), exact, h, true);
             (name, r, row_groups(rows, 0..rows.len(), r).len())
         };
         // Prefill: 100 rows of one request; 5 rows each (groups of 5 at eight rows: 5 > 4).
@@ -712,8 +721,8 @@ mod tests {
         assert_eq!(row_groups(b.rows(), 30..40, 4), []);
         assert_eq!(row_groups(b.rows(), Range { start: 7, end: 3 }, 4), []);
         assert_eq!(row_groups(b.rows(), 0..9, 0).len(), 9);
-        assert_eq!(tile_logits_kernel(b.rows(), 0..100, exact, h).1, 8);
-        assert_eq!(tile_logits_kernel(b.rows(), 40..100, exact, h).1, 4);
+        assert_eq!(tile_logits_kernel(b.rows(), 0..100, exact, h, true).1, 8);
+        assert_eq!(tile_logits_kernel(b.rows(), 40..100, exact, h, true).1, 4);
         // The hook that runs mqa_logits_wgr has one entry, as has every other variant.
         let wgr = Hooks {
             no_int8_exact: true,
@@ -722,7 +731,7 @@ mod tests {
         let b = Batch::contiguous(&[300], &[200], 1).unwrap();
         let all = 0..b.rows().len();
         assert_eq!(
-            tile_logits_kernel(b.rows(), all.clone(), exact, wgr).0,
+            tile_logits_kernel(b.rows(), all.clone(), exact, wgr, true).0,
             "mqa_logits_wgr"
         );
         for v in Variant::all() {
@@ -730,7 +739,7 @@ mod tests {
                 let one = kernels::logits_kernel(v, h);
                 if one.0 != "mqa_logits_wgi8" {
                     assert_eq!(
-                        tile_logits_kernel(b.rows(), all.clone(), v, h),
+                        tile_logits_kernel(b.rows(), all.clone(), v, h, true),
                         one,
                         "{}",
                         v.name()
