@@ -36,6 +36,15 @@ pub(super) struct Ptrs {
     pub(super) k_bytes: u64,
 }
 
+/// A run's pre-decoded flat keys: `keys` keys' s8 operands (`dim` bytes each), then their
+/// scale windows (4 bytes each), written by [`kernels::WGI8_DECODE_KEYS`] before the first
+/// logits launch that reads them (`written`).
+struct Predecoded {
+    buf: Buf<u8>,
+    keys: usize,
+    written: bool,
+}
+
 /// One run's device state.
 pub(super) struct Run {
     shape: Shape,
@@ -45,11 +54,8 @@ pub(super) struct Run {
     pub(super) logits: Option<Buf<f32>>,
     bkeys: Option<Buf<u32>>,
     split: Option<Buf<i32>>,
-    /// Pre-decoded flat keys (`predecoded_keys` of them: their s8 operands, then their
-    /// scale windows), written before the first logits launch that reads them.
-    keys8: Option<Buf<u8>>,
-    predecoded_keys: usize,
-    keys8_written: bool,
+    /// Pre-decoded flat keys, if the run has them.
+    keys8: Option<Predecoded>,
     geom: Vec<TileGeom>,
     // Outputs.
     pub(super) raw: Buf<i32>,
@@ -368,9 +374,11 @@ impl Run {
             logits: tr.logits,
             bkeys: tr.bkeys,
             split: tr.split,
-            keys8: tr.keys8,
-            predecoded_keys: meta.predecoded_keys,
-            keys8_written: false,
+            keys8: tr.keys8.map(|buf| Predecoded {
+                buf,
+                keys: meta.predecoded_keys,
+                written: false,
+            }),
             geom: meta.geom,
             raw: out.raw,
             page: out.page,
@@ -420,8 +428,7 @@ impl Run {
             // one.
             let (predecoded, kmap, smem) = if kernels::logits_predecodes(sh.logits_variant(), name)
             {
-                let (k8, kinfo) = self.predecoded(dev)?;
-                let map = launch::predecoded_key_map(k8, self.predecoded_keys, sh.dim)?;
+                let (kinfo, map) = self.predecoded(dev)?;
                 (
                     Some(kinfo),
                     Some(map),
@@ -456,26 +463,24 @@ impl Run {
         Ok(())
     }
 
-    /// The pre-decoded keys' two addresses (s8 operands, scale windows), written by
-    /// [`kernels::WGI8_DECODE_KEYS`] on the run's stream the first time a launch asks.
-    fn predecoded(&mut self, dev: &Device) -> Result<(u64, u64)> {
+    /// The pre-decoded keys' scale windows' address and the TMA map of their s8 operands
+    /// ([`launch::predecoded_key_map`]), the keys written by [`kernels::WGI8_DECODE_KEYS`]
+    /// on the run's stream the first time a launch asks.
+    fn predecoded(&mut self, dev: &Device) -> Result<(u64, launch::TensorMap)> {
         let s = &dev.stream;
-        let base = self.keys8.as_ref().map(|b| b.addr(s)).ok_or_else(|| {
+        let (v, dim) = (self.shape.logits_variant(), self.shape.dim);
+        let k = (self.ptrs.k, self.ptrs.k_scale8);
+        let p = self.keys8.as_mut().ok_or_else(|| {
             super::backend_err("a pre-decoding launch in a run without pre-decoded keys")
         })?;
-        let at = (base, base + (self.predecoded_keys * self.shape.dim) as u64);
-        if !self.keys8_written {
-            let f = dev.function(self.shape.logits_variant(), kernels::WGI8_DECODE_KEYS)?;
-            launch::decode_keys(
-                s,
-                &f,
-                (self.ptrs.k, self.ptrs.k_scale8),
-                self.predecoded_keys,
-                at,
-            )?;
-            self.keys8_written = true;
+        let base = p.buf.addr(s);
+        let at = (base, base + (p.keys * dim) as u64);
+        if !p.written {
+            let f = dev.function(v, kernels::WGI8_DECODE_KEYS)?;
+            launch::decode_keys(s, &f, k, p.keys, at)?;
+            p.written = true;
         }
-        Ok(at)
+        Ok((at.1, launch::predecoded_key_map(at.0, p.keys, dim)?))
     }
 
     /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer.
