@@ -33,7 +33,7 @@ use super::engine::{
 use super::geometry::{
     long_rows_launch, short_launch_smem, split_segments, MAX_TOPK, PATHS_BYTES, ROW_ALIGN,
 };
-use super::kernels::{self, Variant};
+use super::kernels::{self, LogitsEntry, Variant};
 use super::launch::{
     self, allow_dynamic_smem, LogitsArgs, PagedSlotsArgs, TopkMergeArgs, TopkRowsArgs,
     TopkSegmentsArgs,
@@ -216,7 +216,7 @@ pub struct DecodeStep<'a> {
     shape: DecodeShape,
     /// Kernels, compiled and configured when the step is made.
     f: Functions,
-    lg_name: &'static str,
+    lg_entry: LogitsEntry,
     lg_rows: usize,
     lg_threads: usize,
     logits_args: LogitsArgs,
@@ -307,7 +307,7 @@ impl Engine {
         let lg = Variant::logits(h, g, shape.q, shape.k, true, self.precision);
         // Each request's next_n rows are row groups of their own (the wide entry where
         // next_n > 4).
-        let (lg_name, lg_rows, lg_threads) =
+        let (lg_entry, lg_rows, lg_threads) =
             kernels::logits_entry(lg, self.dev.hooks(), shape.next_n, |r| {
                 shape.next_n.div_ceil(r)
             });
@@ -315,7 +315,7 @@ impl Engine {
         let tk = |name: &str| self.dev.function(Variant::Topk, name);
         let f = Functions {
             rows: tk("decode_rows")?,
-            logits: self.dev.function(lg, lg_name)?,
+            logits: self.dev.function(lg, lg_entry.name())?,
             segments: tk("topk_segments_f32")?,
             merge: tk("topk_merge_f32")?,
             short: tk("topk_short_f32")?,
@@ -345,7 +345,7 @@ impl Engine {
             paged: Some((vptr(&inputs.page_table, &s), paging.page_log2)),
             predecoded: None,
             kmap: launch::key_tensor_map(
-                lg_name,
+                lg_entry,
                 lg,
                 kv,
                 inputs.kv_cache.len() as u64,
@@ -357,7 +357,7 @@ impl Engine {
             engine: self.clone(),
             shape: *shape,
             f,
-            lg_name,
+            lg_entry,
             lg_rows,
             lg_threads,
             logits_args,
@@ -535,7 +535,7 @@ impl DecodeStep<'_> {
         let chunks = sh.max_keys().div_ceil(kernels::LOGITS_KEYS);
         if chunks > 0 {
             let per_block = kernels::logits_launch_tiles_per_block(
-                self.lg_name,
+                self.lg_entry,
                 chunks,
                 ngroups,
                 dev.sm_count(),

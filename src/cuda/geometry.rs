@@ -3,7 +3,7 @@
 //! scratch, path counters), how many segments a row's top-k is split into, and the
 //! short-row top-k's shared-memory capacity.
 
-use super::kernels::{self, Hooks, Precision, Variant};
+use super::kernels::{self, Hooks, LogitsEntry, Precision, Variant};
 use std::ops::Range;
 
 use crate::batch::{Batch, Request, Row};
@@ -139,7 +139,7 @@ pub(super) struct TileGeom {
     /// The tile's longest row (keys).
     pub(super) max_n: usize,
     /// The tile's logits entry and threads per block ([`tile_logits_kernel`]).
-    pub(super) logits: (&'static str, usize),
+    pub(super) logits: (LogitsEntry, usize),
 }
 
 /// Rows x segments of a tile whose top-k is split across blocks on a GPU of `sms` SMs
@@ -438,7 +438,7 @@ impl RowMeta {
         let (mut off, mut boff) = (0u64, 0u64);
         let g0 = self.groups.len() / 4;
         let mut max_blocks = 0usize;
-        let (lg_name, lg_rows, lg_threads) =
+        let (lg_entry, lg_rows, lg_threads) =
             tile_logits_kernel(rows, tile.clone(), l.variant, l.hooks, l.predecoded);
         let max_n = push_row_groups(&mut self.groups, rows, tile.clone(), lg_rows);
         let short_cap = short_row_cap(
@@ -467,13 +467,13 @@ impl RowMeta {
             segments: split_segments(tile.len(), max_n, shape.topk, l.sms),
             short_cap,
             max_n,
-            logits: (lg_name, lg_threads),
+            logits: (lg_entry, lg_threads),
         });
     }
 }
 
 /// The logits entry of a tile of rows `rows[tile]` of variant `v` under `hooks` in a run
-/// that has pre-decoded keys or not (`predecoded`, [`predecoded_keys`]): entry name, rows
+/// that has pre-decoded keys or not (`predecoded`, [`predecoded_keys`]): the entry, rows
 /// per block, threads per block. [`kernels::logits_entry`] over the tile's row groups
 /// (prefill's tiles take the wide entry; decode's rows of one to four per request do
 /// not), except that in a run without pre-decoded keys a tile whose entry reads them
@@ -485,7 +485,7 @@ pub fn tile_logits_kernel(
     v: Variant,
     hooks: Hooks,
     predecoded: bool,
-) -> (&'static str, usize, usize) {
+) -> (LogitsEntry, usize, usize) {
     let tile = within(tile, rows.len());
     let e = kernels::logits_entry(v, hooks, tile.len(), |r| {
         row_groups(rows, tile.clone(), r).len()
@@ -627,8 +627,8 @@ mod tests {
                 m.geom.iter().map(|g| g.logits.0).collect::<Vec<_>>(),
             )
         };
-        assert_eq!(entries(&prefill, &flat), (380, vec!["mqa_logits_wgi8_r8"]));
-        assert_eq!(entries(&prefill, &paged), (0, vec!["mqa_logits_wgi8_r8"]));
+        assert_eq!(entries(&prefill, &flat), (380, vec![LogitsEntry::Wgi8Wide]));
+        assert_eq!(entries(&prefill, &paged), (0, vec![LogitsEntry::Wgi8Wide]));
         // 9 rows of one request (wide alone) beside 40 one-row requests: the batch as a
         // whole is not wide, so the run does not pre-decode and its tile of all rows...
         let mut seq = vec![100usize];
@@ -636,7 +636,7 @@ mod tests {
         seq.extend(std::iter::repeat_n(30usize, 40));
         q0.extend(std::iter::repeat_n(29usize, 40));
         let mixed = Batch::contiguous(&seq, &q0, 1).unwrap();
-        assert_eq!(entries(&mixed, &flat), (0, vec!["mqa_logits_wgi8"]));
+        assert_eq!(entries(&mixed, &flat), (0, vec![LogitsEntry::Wgi8]));
         // ... and the same rows' wide part alone, in a run without pre-decoded keys,
         // takes the four-row entry.
         let l = Layout {
@@ -652,7 +652,7 @@ mod tests {
         };
         assert_eq!(
             tile_logits_kernel(mixed.rows(), 0..9, l.variant, h, true).0,
-            "mqa_logits_wgi8_r8"
+            LogitsEntry::Wgi8Wide
         );
         assert_eq!(
             tile_logits_kernel(mixed.rows(), 0..9, l.variant, h, false),
@@ -671,7 +671,7 @@ mod tests {
             predecoded_keys: 0,
         };
         m.push_tile(&l, 0..9);
-        assert_eq!(m.geom[0].logits.0, "mqa_logits_wgi8");
+        assert_eq!(m.geom[0].logits.0, LogitsEntry::Wgi8);
         m.push_tile(
             &Layout {
                 predecoded: true,
@@ -679,7 +679,7 @@ mod tests {
             },
             0..9,
         );
-        assert_eq!(m.geom[1].logits.0, "mqa_logits_wgi8_r8");
+        assert_eq!(m.geom[1].logits.0, LogitsEntry::Wgi8Wide);
     }
 
     /// A tile of prefill rows (runs of more than four rows per request) takes
@@ -701,16 +701,16 @@ mod tests {
             (name, r, row_groups(rows, 0..rows.len(), r).len())
         };
         // Prefill: 100 rows of one request; 5 rows each (groups of 5 at eight rows: 5 > 4).
-        assert_eq!(pick(&[300], &[200]), ("mqa_logits_wgi8_r8", 8, 13));
-        assert_eq!(pick(&[50, 60], &[45, 55]), ("mqa_logits_wgi8_r8", 8, 2));
+        assert_eq!(pick(&[300], &[200]), (LogitsEntry::Wgi8Wide, 8, 13));
+        assert_eq!(pick(&[50, 60], &[45, 55]), (LogitsEntry::Wgi8Wide, 8, 2));
         // Decode: 1 and 4 rows per request (groups of 4 fill eight rows by half: not wide).
         assert_eq!(
             pick(&[50, 60, 70], &[49, 59, 69]),
-            ("mqa_logits_wgi8", 4, 3)
+            (LogitsEntry::Wgi8, 4, 3)
         );
-        assert_eq!(pick(&[50, 60], &[46, 56]), ("mqa_logits_wgi8", 4, 2));
+        assert_eq!(pick(&[50, 60], &[46, 56]), (LogitsEntry::Wgi8, 4, 2));
         // A run of 9 rows: groups of 8 and 1 at eight rows (4.5 > 4 on average).
-        assert_eq!(pick(&[50], &[41]), ("mqa_logits_wgi8_r8", 8, 2));
+        assert_eq!(pick(&[50], &[41]), (LogitsEntry::Wgi8Wide, 8, 2));
         // Groups never span requests, and split at the entry's rows.
         let b = Batch::contiguous(&[50, 60], &[41, 57], 1).unwrap();
         assert_eq!(row_groups(b.rows(), 0..12, 4), [0..4, 4..8, 8..9, 9..12]);
@@ -732,12 +732,12 @@ mod tests {
         let all = 0..b.rows().len();
         assert_eq!(
             tile_logits_kernel(b.rows(), all.clone(), exact, wgr, true).0,
-            "mqa_logits_wgr"
+            LogitsEntry::Wgr
         );
         for v in Variant::all() {
             if matches!(v, Variant::Logits { .. }) && v != exact {
-                let one = kernels::logits_kernel(v, h);
-                if one.0 != "mqa_logits_wgi8" {
+                let one = kernels::logits_kernel_for(v, h, false);
+                if one.0 != LogitsEntry::Wgi8 {
                     assert_eq!(
                         tile_logits_kernel(b.rows(), all.clone(), v, h, true),
                         one,

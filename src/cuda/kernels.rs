@@ -182,9 +182,9 @@ pub fn wgi8_ring_bytes(dim: usize) -> usize {
 /// in its blocks. The entry then takes the keys' scale windows' address and the TMA map
 /// of their s8 operands (`launch::predecoded_key_map`) as its last parameters, and
 /// [`wgi8_ring_bytes`] of dynamic shared memory.
-pub fn logits_predecodes(v: Variant, entry: &str) -> bool {
+pub fn logits_predecodes(v: Variant, entry: LogitsEntry) -> bool {
     let flat = matches!(v, Variant::Logits { paged: false, .. });
-    flat && entry == "mqa_logits_wgi8_r8" && define_in("WGI8_PREDECODE", 0..=1) != Some(0)
+    flat && entry == LogitsEntry::Wgi8Wide && define_in("WGI8_PREDECODE", 0..=1) != Some(0)
 }
 
 /// Whether a launch of `rows` rows in `groups` row groups of at most `group_rows` rows
@@ -385,25 +385,69 @@ fn define_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize
         .find(|v| range.contains(v))
 }
 
+/// A logits entry a launch runs: the `extern "C"` function ([`LogitsEntry::name`]) of
+/// a logits kernel's module ([`LogitsEntry::kernel`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LogitsEntry {
+    /// `mqa_logits`: `mma.sync`, every logits variant.
+    Mma,
+    /// `mqa_logits_wgr`: the exact class at `H = 32` on fp8 `wgmma`.
+    Wgr,
+    /// `mqa_logits_wgi8`: the exact class at `H = 32` on s8 `wgmma`, four rows per block.
+    Wgi8,
+    /// `mqa_logits_wgi8_r8`: the same, eight rows per block (wide row groups: prefill),
+    /// in `mqa_logits_wgi8`'s module; over flat keys it reads pre-decoded keys
+    /// ([`logits_predecodes`]).
+    Wgi8Wide,
+    /// `mqa_logits_w16`: E4M3 x E4M3 at `H = 64` on f16 `wgmma`.
+    W16,
+    /// `mqa_logits_w8`: E4M3 x E4M3 at `H = 64` on fp8 `wgmma`, the fast precision.
+    W8,
+}
+
+impl LogitsEntry {
+    /// The entry's function name in its module.
+    pub const fn name(self) -> &'static str {
+        match self {
+            LogitsEntry::Mma => "mqa_logits",
+            LogitsEntry::Wgr => "mqa_logits_wgr",
+            LogitsEntry::Wgi8 => "mqa_logits_wgi8",
+            LogitsEntry::Wgi8Wide => "mqa_logits_wgi8_r8",
+            LogitsEntry::W16 => "mqa_logits_w16",
+            LogitsEntry::W8 => "mqa_logits_w8",
+        }
+    }
+
+    /// The logits kernel whose module holds the entry (one of [`logits_kernels`]).
+    pub const fn kernel(self) -> &'static str {
+        match self {
+            LogitsEntry::Wgi8Wide => LogitsEntry::Wgi8.name(),
+            e => e.name(),
+        }
+    }
+}
+
+impl std::fmt::Display for LogitsEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// The logits kernel of variant `v` under `hooks`: the kernel its module holds (one of
 /// [`logits_kernels`]), and the rows and threads per block of launches whose row groups
 /// are not wide. The entry a launch runs is [`logits_kernel_for`]'s: the module of
 /// `mqa_logits_wgi8` holds its eight-row entry `mqa_logits_wgi8_r8` too.
 pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
     let (entry, rows, threads) = logits_kernel_for(v, hooks, false);
-    let kernel = match entry {
-        "mqa_logits_wgi8_r8" => "mqa_logits_wgi8",
-        e => e,
-    };
-    (kernel, rows, threads)
+    (entry.kernel(), rows, threads)
 }
 
 /// The logits entry of a launch of variant `v` under `hooks` whose row groups are wide
 /// (`wide`: they hold more than four rows on average, [`groups_fill_wide`]) or not:
-/// entry name, rows per block, threads per block. Only the exact class at `H = 32`,
+/// the entry, rows per block, threads per block. Only the exact class at `H = 32`,
 /// `D >= 64` has two forms (`mqa_logits_wgi8_r8` for wide groups, `mqa_logits_wgi8` for
 /// others, or the one [`wgi8_rows_override`] forces); every other variant has one entry.
-pub fn logits_kernel_for(v: Variant, hooks: Hooks, wide: bool) -> (&'static str, usize, usize) {
+pub fn logits_kernel_for(v: Variant, hooks: Hooks, wide: bool) -> (LogitsEntry, usize, usize) {
     let (heads, exact, fast) = match v {
         Variant::Logits {
             heads,
@@ -421,26 +465,26 @@ pub fn logits_kernel_for(v: Variant, hooks: Hooks, wide: bool) -> (&'static str,
     if logits_wgmma(v, hooks) {
         if exact {
             if hooks.no_int8_exact {
-                return ("mqa_logits_wgr", LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
+                return (LogitsEntry::Wgr, LOGITS_WGR_ROWS, LOGITS_WG_THREADS);
             }
             let wide = wgi8_rows_override().map_or(wide, |r| r == LOGITS_WGI8_WIDE_ROWS);
             return if wide {
                 (
-                    "mqa_logits_wgi8_r8",
+                    LogitsEntry::Wgi8Wide,
                     LOGITS_WGI8_WIDE_ROWS,
                     LOGITS_WG_THREADS,
                 )
             } else {
-                ("mqa_logits_wgi8", LOGITS_WGI8_ROWS, LOGITS_WG_THREADS)
+                (LogitsEntry::Wgi8, LOGITS_WGI8_ROWS, LOGITS_WG_THREADS)
             };
         }
         if fast {
-            return ("mqa_logits_w8", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
+            return (LogitsEntry::W8, LOGITS_W16_ROWS, LOGITS_WG_THREADS);
         }
-        return ("mqa_logits_w16", LOGITS_W16_ROWS, LOGITS_WG_THREADS);
+        return (LogitsEntry::W16, LOGITS_W16_ROWS, LOGITS_WG_THREADS);
     }
     let rows = logits_rows(heads);
-    ("mqa_logits", rows, rows * 32)
+    (LogitsEntry::Mma, rows, rows * 32)
 }
 
 /// Keys per logits tile, every logits kernel (`LG_KEYS`, `WGR_KEYS`, `H64_KEYS`).
@@ -481,7 +525,7 @@ pub fn logits_entry(
     hooks: Hooks,
     rows: usize,
     groups_at: impl FnOnce(usize) -> usize,
-) -> (&'static str, usize, usize) {
+) -> (LogitsEntry, usize, usize) {
     let wide = logits_kernel_for(v, hooks, true);
     let narrow = logits_kernel_for(v, hooks, false);
     if wide != narrow && groups_fill_wide(rows, groups_at(wide.1), wide.1) {
@@ -500,8 +544,8 @@ pub const LOGITS_TILES_PER_BLOCK: usize = 128;
 
 /// Blocks of `mqa_logits_wgi8_r8` resident per SM: its launch bounds' minimum
 /// (`WGI8_R8_MIN_BLOCKS`), which its registers allow and no more (168 per thread at
-/// `D = 128`, with 54 bytes of spills: 3 blocks ran its prefill 3 % faster than 2 at 224
-/// registers, benches/RESULTS.md).
+/// `D = 128`, with 32 bytes of spills over pre-decoded keys; 3 blocks ran its prefill 3 %
+/// faster than 2 at 224 registers, benches/RESULTS.md).
 pub const LOGITS_WGI8_WIDE_BLOCKS_PER_SM: usize = 3;
 
 /// [`LOGITS_WGI8_WIDE_BLOCKS_PER_SM`], or the `WGI8_R8_MIN_BLOCKS=` define (1..=4,
@@ -521,13 +565,13 @@ pub fn wgi8_wide_blocks_per_sm() -> usize {
 ///   rows at 2 GiB.
 /// - every other entry: at least 8 blocks per SM.
 pub fn logits_launch_tiles_per_block(
-    entry: &str,
+    entry: LogitsEntry,
     chunks: usize,
     groups: usize,
     sms: usize,
 ) -> usize {
     let (cap, groups, sms) = (logits_tiles_per_block(), groups.max(1), sms.max(1));
-    if entry == "mqa_logits_wgi8_r8" {
+    if entry == LogitsEntry::Wgi8Wide {
         let slots = wgi8_wide_blocks_per_sm() * sms;
         let waves = (groups * chunks.div_ceil(cap)).div_ceil(slots).max(8);
         let per_group = (waves * slots / groups).max(1);
@@ -1080,10 +1124,10 @@ mod tests {
             return; // WGI8_PREDECODE=0 turns it off on purpose
         }
         let v = |paged| Variant::logits(32, 4, Format::E2m1, Format::E2m1, paged, Precision::Full);
-        assert!(logits_predecodes(v(false), "mqa_logits_wgi8_r8"));
-        assert!(!logits_predecodes(v(true), "mqa_logits_wgi8_r8"));
-        assert!(!logits_predecodes(v(false), "mqa_logits_wgi8"));
-        assert!(!logits_predecodes(v(false), "mqa_logits_wgr"));
+        assert!(logits_predecodes(v(false), LogitsEntry::Wgi8Wide));
+        assert!(!logits_predecodes(v(true), LogitsEntry::Wgi8Wide));
+        assert!(!logits_predecodes(v(false), LogitsEntry::Wgi8));
+        assert!(!logits_predecodes(v(false), LogitsEntry::Wgr));
         assert_eq!(predecoded_key_bytes(128), 132);
         // Two ring tiles of 64 keys: 16 KiB at D = 128, and the alignment's 1 KiB.
         assert_eq!(wgi8_ring_bytes(128), 2 * 64 * 128 + 1024);
@@ -1103,19 +1147,20 @@ mod tests {
         let exact = Variant::logits(32, 4, Format::E2m1, Format::E2m1, true, Precision::Full);
         let decode = |next_n: usize| logits_entry(exact, h, next_n, |r| next_n.div_ceil(r)).0;
         for next_n in 1..=4 {
-            assert_eq!(decode(next_n), "mqa_logits_wgi8", "next_n {next_n}");
+            assert_eq!(decode(next_n), LogitsEntry::Wgi8, "next_n {next_n}");
         }
         for next_n in 5..=8 {
-            assert_eq!(decode(next_n), "mqa_logits_wgi8_r8", "next_n {next_n}");
+            assert_eq!(decode(next_n), LogitsEntry::Wgi8Wide, "next_n {next_n}");
         }
         // 9 rows: groups of 8 and 1 (4.5 on average); 12 rows: 8 and 4 (6).
-        assert_eq!(decode(9), "mqa_logits_wgi8_r8");
-        assert_eq!(decode(12), "mqa_logits_wgi8_r8");
+        assert_eq!(decode(9), LogitsEntry::Wgi8Wide);
+        assert_eq!(decode(12), LogitsEntry::Wgi8Wide);
         assert!(!groups_fill_wide(8, 2, 8) && groups_fill_wide(9, 2, 8));
         for v in Variant::all() {
             if matches!(v, Variant::Logits { .. }) && logits_kernel(v, h).0 != "mqa_logits_wgi8" {
                 let one = logits_entry(v, h, 100, |_| unreachable!("{}: one entry", v.name()));
-                assert_eq!(one, logits_kernel(v, h), "{}", v.name());
+                assert_eq!(one, logits_kernel_for(v, h, false), "{}", v.name());
+                assert_eq!(one.0.kernel(), logits_kernel(v, h).0, "{}", v.name());
             }
         }
     }
@@ -1131,32 +1176,32 @@ mod tests {
         }
         let per = logits_launch_tiles_per_block;
         let sms = 132;
-        let waves = |entry: &str, chunks: usize, groups: usize| {
+        let waves = |entry: LogitsEntry, chunks: usize, groups: usize| {
             let blocks = groups * chunks.div_ceil(per(entry, chunks, groups, sms));
             blocks as f64 / (LOGITS_WGI8_WIDE_BLOCKS_PER_SM * sms) as f64
         };
         // v41-1m's tiles: 64 rows at 256 MiB (8 groups of 8, 16384 key tiles): 3128
         // blocks of 42 tiles, 7.90 waves (at 128 tiles a block, 2.59).
-        assert_eq!(per("mqa_logits_wgi8_r8", 16384, 8, sms), 42);
-        assert!((7.8..=8.0).contains(&waves("mqa_logits_wgi8_r8", 16384, 8)));
+        assert_eq!(per(LogitsEntry::Wgi8Wide, 16384, 8, sms), 42);
+        assert!((7.8..=8.0).contains(&waves(LogitsEntry::Wgi8Wide, 16384, 8)));
         // 512 rows at 2 GiB (64 groups): the cap of 128 tiles binds, 20.7 waves.
-        assert_eq!(per("mqa_logits_wgi8_r8", 16384, 64, sms), 128);
-        assert!((20.6..=20.7).contains(&waves("mqa_logits_wgi8_r8", 16384, 64)));
+        assert_eq!(per(LogitsEntry::Wgi8Wide, 16384, 64, sms), 128);
+        assert!((20.6..=20.7).contains(&waves(LogitsEntry::Wgi8Wide, 16384, 64)));
         // v41-chunk's tiles of 2048 rows of 4096 key tiles.
-        assert!((20.6..=20.7).contains(&waves("mqa_logits_wgi8_r8", 4096, 256)));
+        assert!((20.6..=20.7).contains(&waves(LogitsEntry::Wgi8Wide, 4096, 256)));
         // A small launch: one tile per block.
-        assert_eq!(per("mqa_logits_wgi8_r8", 3, 1, sms), 1);
+        assert_eq!(per(LogitsEntry::Wgi8Wide, 3, 1, sms), 1);
         // The other entries: at least 8 blocks per SM.
         assert_eq!(
-            per("mqa_logits_wgi8", 16384, 16, sms),
+            per(LogitsEntry::Wgi8, 16384, 16, sms),
             LOGITS_TILES_PER_BLOCK
         );
-        assert_eq!(per("mqa_logits_wgi8", 1024, 64, sms), 62);
-        assert_eq!(per("mqa_logits_w16", 1024, 64, sms), 62);
-        assert_eq!(per("mqa_logits", 3, 1, sms), 1);
+        assert_eq!(per(LogitsEntry::Wgi8, 1024, 64, sms), 62);
+        assert_eq!(per(LogitsEntry::W16, 1024, 64, sms), 62);
+        assert_eq!(per(LogitsEntry::Mma, 3, 1, sms), 1);
         // No group or SM count is a division by 0.
-        assert_eq!(per("mqa_logits", 3, 0, 0), 1);
-        assert_eq!(per("mqa_logits_wgi8_r8", 3, 0, 0), 1);
+        assert_eq!(per(LogitsEntry::Mma, 3, 0, 0), 1);
+        assert_eq!(per(LogitsEntry::Wgi8Wide, 3, 0, 0), 1);
     }
 
     /// A logits module holds the family file of its kernel and no other, and every

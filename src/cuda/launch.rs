@@ -8,7 +8,7 @@ use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKer
 
 use super::device::{backend_err, drv};
 use super::geometry::Paging;
-use super::kernels::{self, Variant};
+use super::kernels::{self, LogitsEntry, Variant};
 use crate::error::Result;
 use crate::problem::Format;
 
@@ -95,7 +95,7 @@ pub(super) struct MapGeometry {
     pub boxes: [u32; 3],
 }
 
-/// The TMA map's shape for E4M3 keys of `k_bytes` bytes that logits kernel `name` of
+/// The TMA map's shape for E4M3 keys of `k_bytes` bytes that logits entry `entry` of
 /// variant `v` takes, if it takes one (`mqa_logits_w8` at `D = 128`, unless the `W8_TMA=0`
 /// define): boxes of 64 rows of 128 bytes, 128-byte swizzled (wgmma's A layout). Flat
 /// keys: the `[L, 128]` codes. Paged keys: the pool as `[pages, P, 128]` with a page every
@@ -103,7 +103,7 @@ pub(super) struct MapGeometry {
 /// page. Keys that hold no whole row or page are an error: the kernel declares the map,
 /// and a launch without one would read past its arguments.
 pub(super) fn key_map_geometry(
-    name: &str,
+    entry: LogitsEntry,
     v: Variant,
     k_bytes: u64,
     paged: Option<Paging>,
@@ -116,7 +116,7 @@ pub(super) fn key_map_geometry(
         } => groups as u64 * 32,
         _ => return Ok(None),
     };
-    if name != "mqa_logits_w8" || dim != 128 || !kernels::w8_tma() {
+    if entry != LogitsEntry::W8 || dim != 128 || !kernels::w8_tma() {
         return Ok(None);
     }
     let g = match paged {
@@ -146,17 +146,17 @@ pub(super) fn key_map_geometry(
     Ok(Some(g))
 }
 
-/// The TMA map of E4M3 keys at `k` (`k_bytes` bytes) that logits kernel `name` of
+/// The TMA map of E4M3 keys at `k` (`k_bytes` bytes) that logits entry `entry` of
 /// variant `v` takes, if it takes one: [`key_map_geometry`]'s shape, encoded by the
 /// driver (rows past the buffer read as zeros).
 pub(super) fn key_tensor_map(
-    name: &str,
+    entry: LogitsEntry,
     v: Variant,
     k: u64,
     k_bytes: u64,
     paged: Option<Paging>,
 ) -> Result<Option<TensorMap>> {
-    let Some(g) = key_map_geometry(name, v, k_bytes, paged)? else {
+    let Some(g) = key_map_geometry(entry, v, k_bytes, paged)? else {
         return Ok(None);
     };
     encode_map(k, &g, 128).map(Some)
@@ -709,7 +709,7 @@ mod tests {
         let fast = |g: usize, paged: bool| {
             Variant::logits(64, g, Format::E4m3, Format::E4m3, paged, Precision::Fast)
         };
-        let flat = key_map_geometry("mqa_logits_w8", fast(4, false), 1000 * 128, None)
+        let flat = key_map_geometry(LogitsEntry::W8, fast(4, false), 1000 * 128, None)
             .unwrap()
             .unwrap();
         assert_eq!(
@@ -724,7 +724,7 @@ mod tests {
         for p in [4usize, 8, 16, 32, 64, 128, 256] {
             let pg = Paging::new(Format::E4m3, 128, p, 10).unwrap();
             let page_bytes = (p * 132) as u64;
-            let g = key_map_geometry("mqa_logits_w8", fast(4, true), 7 * page_bytes, Some(pg))
+            let g = key_map_geometry(LogitsEntry::W8, fast(4, true), 7 * page_bytes, Some(pg))
                 .unwrap()
                 .unwrap();
             assert_eq!(g.rank, 3, "P = {p}");
@@ -735,12 +735,12 @@ mod tests {
         }
         // Other kernels and dims take no map.
         for (name, v) in [
-            ("mqa_logits_w8", fast(2, false)),
+            (LogitsEntry::W8, fast(2, false)),
             (
-                "mqa_logits_w16",
+                LogitsEntry::W16,
                 Variant::logits(64, 4, Format::E4m3, Format::E4m3, false, Precision::Full),
             ),
-            ("mqa_logits", fast(4, false)),
+            (LogitsEntry::Mma, fast(4, false)),
         ] {
             assert_eq!(
                 key_map_geometry(name, v, 1 << 20, None).unwrap(),
@@ -748,7 +748,7 @@ mod tests {
                 "{name}"
             );
         }
-        let err = key_map_geometry("mqa_logits_w8", fast(4, false), 100, None).unwrap_err();
+        let err = key_map_geometry(LogitsEntry::W8, fast(4, false), 100, None).unwrap_err();
         assert!(err.to_string().contains("no whole row or page"), "{err}");
     }
 
@@ -806,7 +806,7 @@ mod tests {
                 assert_eq!((rows, threads), (4, 128), "{}", v.name());
                 assert_eq!(
                     kernels::logits_kernel_for(v, production, true),
-                    ("mqa_logits_wgi8_r8", 8, 128),
+                    (LogitsEntry::Wgi8Wide, 8, 128),
                     "{}",
                     v.name()
                 );
@@ -825,12 +825,8 @@ mod tests {
             }
             // Every other variant has one entry, whatever its launch's row groups.
             if !wg {
-                assert_eq!(
-                    kernels::logits_kernel_for(v, production, true),
-                    (name, rows, threads),
-                    "{}",
-                    v.name()
-                );
+                let (entry, ..) = kernels::logits_kernel_for(v, production, true);
+                assert_eq!((entry.name(), entry.kernel()), (name, name), "{}", v.name());
                 assert_eq!(kernels::module_entries(name), [name], "{}", v.name());
             }
             // The host's choice is in the variant's source (tests/nvrtc_compile.rs checks

@@ -413,10 +413,10 @@ impl Run {
         let a = self.addrs(s);
         // 1. Logits.
         if g.chunks > 0 && a.logits != 0 {
-            let (name, threads) = g.logits;
-            let f = dev.function(sh.logits_variant(), name)?;
+            let (entry, threads) = g.logits;
+            let f = dev.function(sh.logits_variant(), entry.name())?;
             let per_block = kernels::logits_launch_tiles_per_block(
-                name,
+                entry,
                 g.chunks as usize,
                 g.groups.len(),
                 dev.sm_count(),
@@ -426,7 +426,7 @@ impl Run {
             // Pre-decoded keys: their scale windows, the map of their s8 operands and the
             // ring the entry copies them into; else the keys' own map, if the entry takes
             // one.
-            let (predecoded, kmap, smem) = if kernels::logits_predecodes(sh.logits_variant(), name)
+            let (predecoded, kmap, smem) = if kernels::logits_predecodes(sh.logits_variant(), entry)
             {
                 let (kinfo, map) = self.predecoded(dev)?;
                 (
@@ -436,7 +436,7 @@ impl Run {
                 )
             } else {
                 let map =
-                    launch::key_tensor_map(name, sh.logits_variant(), p.k, p.k_bytes, sh.paged)?;
+                    launch::key_tensor_map(entry, sh.logits_variant(), p.k, p.k_bytes, sh.paged)?;
                 (None, map, 0)
             };
             let args = LogitsArgs {
