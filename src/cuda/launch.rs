@@ -162,23 +162,29 @@ pub(super) fn key_tensor_map(
     encode_map(k, &g, 128).map(Some)
 }
 
-/// The TMA map of the pre-decoded keys' s8 operands at `k8` (`nkeys` keys of `dim`
-/// bytes, [`decode_keys`]), which `mqa_logits_wgi8_r8` copies into its ring: boxes of 64
-/// rows of `dim` bytes, swizzled at `dim` bytes (wgmma's K-major A layout at that row
-/// width; rows past the keys read as zeros).
-pub(super) fn predecoded_key_map(k8: u64, nkeys: usize, dim: usize) -> Result<TensorMap> {
-    let g = MapGeometry {
-        rank: 2,
-        dims: [dim as u64, nkeys as u64, 1],
-        strides: [dim as u64, 0],
-        boxes: [dim as u32, kernels::LOGITS_KEYS as u32, 1],
-    };
+/// The TMA map's shape for the pre-decoded keys' s8 operands (`nkeys` keys of `dim`
+/// bytes, [`decode_keys`]), which `mqa_logits_wgi8_r8` copies into its ring: rows of
+/// `dim` bytes, boxes of 64 rows (one key tile), swizzled at `dim` bytes (wgmma's K-major
+/// A layout at that row width). No keys, or a row width the swizzle cannot take, is an
+/// error.
+pub(super) fn predecoded_map_geometry(nkeys: usize, dim: usize) -> Result<MapGeometry> {
     if nkeys == 0 || !matches!(dim, 64 | 128) {
         return Err(backend_err(format!(
             "pre-decoded keys' TMA map: {nkeys} keys of {dim} bytes"
         )));
     }
-    encode_map(k8, &g, dim as u32)
+    Ok(MapGeometry {
+        rank: 2,
+        dims: [dim as u64, nkeys as u64, 1],
+        strides: [dim as u64, 0],
+        boxes: [dim as u32, kernels::LOGITS_KEYS as u32, 1],
+    })
+}
+
+/// The TMA map of the pre-decoded keys' s8 operands at `k8`: [`predecoded_map_geometry`]'s
+/// shape, encoded by the driver (rows past the keys read as zeros).
+pub(super) fn predecoded_key_map(k8: u64, nkeys: usize, dim: usize) -> Result<TensorMap> {
+    encode_map(k8, &predecoded_map_geometry(nkeys, dim)?, dim as u32)
 }
 
 /// A `u8` tensor map of shape `g` over the buffer at `addr`, its rows swizzled at
@@ -750,6 +756,25 @@ mod tests {
         }
         let err = key_map_geometry(LogitsEntry::W8, fast(4, false), 100, None).unwrap_err();
         assert!(err.to_string().contains("no whole row or page"), "{err}");
+    }
+
+    /// The pre-decoded keys' map: rows of `D` bytes, boxes of one 64-key tile; no keys, or
+    /// a row width other than 64 and 128 (the two swizzles), is an error.
+    #[test]
+    fn pre_decoded_keys_map_boxes_one_key_tile_of_their_rows() {
+        let g = predecoded_map_geometry(1000, 128).unwrap();
+        assert_eq!(
+            (g.rank, g.dims, g.strides, g.boxes),
+            (2, [128, 1000, 1], [128, 0], [128, 64, 1])
+        );
+        assert_eq!(predecoded_map_geometry(5, 64).unwrap().boxes, [64, 64, 1]);
+        for (n, d) in [(0, 128), (10, 32), (10, 96)] {
+            let err = predecoded_map_geometry(n, d).unwrap_err();
+            assert!(
+                err.to_string().contains("pre-decoded keys' TMA map"),
+                "{err}"
+            );
+        }
     }
 
     #[test]
