@@ -196,12 +196,20 @@ pub fn groups_fill_wide(rows: usize, groups: usize, group_rows: usize) -> bool {
     2 * rows > groups * group_rows
 }
 
+/// `mqa_logits_wgi8`'s module: its two logits entries and the eight-row entry's key
+/// pre-pass.
+const WGI8_MODULE_ENTRIES: &[&str] = &[
+    LogitsEntry::Wgi8.name(),
+    LogitsEntry::Wgi8Wide.name(),
+    WGI8_DECODE_KEYS,
+];
+
 /// The entries of the module that holds logits kernel `kernel` and that the host
 /// launches by name: `mqa_logits_wgi8`'s module holds its eight-row form and that form's
 /// key pre-pass ([`WGI8_DECODE_KEYS`]) beside it.
 pub fn module_entries(kernel: &'static str) -> &'static [&'static str] {
     match kernel {
-        "mqa_logits_wgi8" => &["mqa_logits_wgi8", "mqa_logits_wgi8_r8", WGI8_DECODE_KEYS],
+        "mqa_logits_wgi8" => WGI8_MODULE_ENTRIES,
         "mqa_logits" => &["mqa_logits"],
         "mqa_logits_wgr" => &["mqa_logits_wgr"],
         "mqa_logits_w16" => &["mqa_logits_w16"],
