@@ -216,17 +216,22 @@ __device__ __forceinline__ u64 wgmma_desc(const void *smem, u32 lbo, u32 sbo) {
 // of the row (the pattern TMA writes), taken on the address bits, so the operand's
 // 1024-byte atoms are 1024-byte aligned. A k-step that starts b bytes into the rows
 // (b < 128) is the descriptor of smem + b. LBO is unused in this mode (1 by custom).
-__device__ __forceinline__ u64 wgmma_desc_sw128(const void *smem) {
-  const u32 a = smem_u32(smem);
-  return (u64)((a & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
-}
 // The same for rows of 64 bytes (64-byte swizzle: 8-row groups 512 bytes apart, chunk c of
-// row r at chunk c ^ ((r >> 1) & 3), 512-byte aligned atoms), or 128 (wgmma_desc_sw128):
-// K-major rows of `row_bytes` bytes as TMA writes them with the swizzle of that width.
+// row r at chunk c ^ ((r >> 1) & 3), 512-byte aligned atoms), or 128 (the above): K-major
+// rows of `row_bytes` bytes as TMA writes them with the swizzle of that width.
 __device__ __forceinline__ u64 wgmma_desc_swz(const void *smem, const u32 row_bytes) {
   const u32 a = smem_u32(smem);
   return (u64)((a & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)((8 * row_bytes) >> 4) << 32) |
          ((u64)(row_bytes == 128 ? 1 : 2) << 62);
+}
+__device__ __forceinline__ u64 wgmma_desc_sw128(const void *smem) {
+  return wgmma_desc_swz(smem, 128);
+}
+// Descriptor d with its start address advanced by `bytes` (a multiple of 16): the address
+// field is the low 14 bits of address >> 4 and no shared address reaches 2^18, so adding
+// bytes >> 4 to the low word steps it exactly.
+__device__ __forceinline__ u64 wgmma_desc_add(const u64 d, const u32 bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | (u64)((u32)d + (bytes >> 4));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {

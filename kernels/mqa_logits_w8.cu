@@ -203,13 +203,8 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   }
   const u32 jl = 16 * warp + gid + (odd ? 8 : 0);
   float ksc_next = w8_kscale(k, k_scale32, ks, grp.z, blockIdx.x * H64_KEYS + jl PG_PASS);
-  // A descriptor's low 14 bits are its address >> 4 and no shared address reaches 2^18, so
-  // adding (bytes >> 4) to the low word of sK[0]'s or sB's descriptor steps its address
-  // exactly (desc_step).
+  // The MMAs' descriptors, stepped from sK[0]'s and sB's (wgmma_desc_add).
   const u64 da0 = wgmma_desc_sw128(sK[0]), db0 = wgmma_desc(sB, lbo, 128);
-  const auto desc_step = [](const u64 d, const u32 bytes) {
-    return (d & 0xFFFFFFFF00000000ull) | (u64)((u32)d + (bytes >> 4));
-  };
   const RowOut out = row_out(logits, row_off, row_n, grp, hi ? 1u : 0u);
   float2 wr[2][8];
   h64_lane_weights(wr, sw, tig);
@@ -224,8 +219,8 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n128k32_e4m3_ss(acc, desc_step(da0, slot * W8_TILE_BYTES + 32 * s),
-                               desc_step(db0, 2 * s * lbo), s > 0 ? 1u : 0u);
+      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_add(da0, slot * W8_TILE_BYTES + 32 * s),
+                               wgmma_desc_add(db0, 2 * s * lbo), s > 0 ? 1u : 0u);
     wgmma_commit();
     // Thread 0 refills the previous tile's ring tile (the slot before this one, in the
     // phase that tile used) with the tile W8_RING - 1 ahead, once every thread is done

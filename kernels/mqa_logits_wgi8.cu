@@ -600,8 +600,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
           const u64 da = wgmma_desc_swz(ring + slot * WGI8_KTILE_BYTES, D);
           wgi8_tile_mma<R>(
               [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
-                wgmma_m64n128k32_s8_ss(y, (da & 0xFFFFFFFF00000000ull) | (u64)((u32)da + 2 * g),
-                                       db, scale_d);
+                wgmma_m64n128k32_s8_ss(y, wgmma_desc_add(da, 32 * g), db, scale_d);
               },
               kmin, sQ, svm, neg, tig, odd, hi, out);
         } else {
