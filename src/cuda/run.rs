@@ -38,11 +38,12 @@ pub(super) struct Ptrs {
 
 /// A run's pre-decoded flat keys: `keys` keys' s8 operands (`dim` bytes each), then their
 /// scale windows (4 bytes each), written by [`kernels::WGI8_DECODE_KEYS`] before the first
-/// logits launch that reads them (`written`).
+/// logits launch that reads them, which also encodes the operands' TMA map (`map`: none
+/// until then).
 struct Predecoded {
     buf: Buf<u8>,
     keys: usize,
-    written: bool,
+    map: Option<launch::TensorMap>,
 }
 
 /// One run's device state.
@@ -377,7 +378,7 @@ impl Run {
             keys8: tr.keys8.map(|buf| Predecoded {
                 buf,
                 keys: meta.predecoded_keys,
-                written: false,
+                map: None,
             }),
             geom: meta.geom,
             raw: out.raw,
@@ -465,7 +466,7 @@ impl Run {
 
     /// The pre-decoded keys' scale windows' address and the TMA map of their s8 operands
     /// ([`launch::predecoded_key_map`]), the keys written by [`kernels::WGI8_DECODE_KEYS`]
-    /// on the run's stream the first time a launch asks.
+    /// on the run's stream and the map encoded the first time a launch asks.
     fn predecoded(&mut self, dev: &Device) -> Result<(u64, launch::TensorMap)> {
         let s = &dev.stream;
         let (v, dim) = (self.shape.logits_variant(), self.shape.dim);
@@ -475,12 +476,15 @@ impl Run {
         })?;
         let base = p.buf.addr(s);
         let at = (base, base + (p.keys * dim) as u64);
-        if !p.written {
-            let f = dev.function(v, kernels::WGI8_DECODE_KEYS)?;
-            launch::decode_keys(s, &f, k, p.keys, at)?;
-            p.written = true;
-        }
-        Ok((at.1, launch::predecoded_key_map(at.0, p.keys, dim)?))
+        let map = match p.map {
+            Some(m) => m,
+            None => {
+                let f = dev.function(v, kernels::WGI8_DECODE_KEYS)?;
+                launch::decode_keys(s, &f, k, p.keys, at)?;
+                *p.map.insert(launch::predecoded_key_map(at.0, p.keys, dim)?)
+            }
+        };
+        Ok((at.1, map))
     }
 
     /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer.
