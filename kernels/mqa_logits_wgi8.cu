@@ -199,7 +199,8 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
   }
 }
 
-// One key tile on the int8 path: per four rows one s32 chain of G k32 steps against sB8,
+// One key tile on the int8 path: per four rows one s32 chain of G k32 steps against B
+// (db0: the descriptor of sQ's s8 operands, whose steps are fixed offsets from it),
 // mma(y, g, db, scale_d) issuing step g of one chain with B descriptor db (A, the tile's
 // keys with each key's values shifted by its group's offset from kmin[kk], its smallest
 // byte, comes from the caller), and the head epilogue above with the block's columns'
@@ -207,7 +208,7 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 // 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r
 // of neg: every weight of row r has its sign bit set.
 template <int R, class Mma>
-__device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], const u8 *sB8,
+__device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], const u64 db0,
                                               const float4 *svm, const u32 neg, const int tig,
                                               const bool odd, const bool hi,
                                               float (&out)[R / 2]) {
@@ -220,7 +221,7 @@ __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], con
   for (int m = 0; m < M; ++m) {
 #pragma unroll
     for (int g = 0; g < G; ++g)
-      mma(y[m], g, wgmma_desc(sB8 + 2 * g * lbo + m * (WGI8_MMA_ROWS * H / 8) * 128, lbo, 128),
+      mma(y[m], g, wgmma_desc_add(db0, 2 * g * lbo + m * (WGI8_MMA_ROWS * H / 8) * 128),
           g > 0 ? 1u : 0u);
     wgmma_commit();
   }
@@ -243,7 +244,7 @@ __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], con
 // next tile's prefetch), and the MMAs read A from af.
 template <int R, class Next>
 __device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[2],
-                                             const u8 *sB8, const float4 *svm, const u32 neg,
+                                             const u64 db0, const float4 *svm, const u32 neg,
                                              const int tig, const bool odd, const bool hi,
                                              float (&out)[R / 2], Next next) {
   fence_regs_a(af);
@@ -252,13 +253,13 @@ __device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[
       [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
         wgmma_m64n128k32_s8_rs(y, af[g], db, scale_d);
       },
-      kmin, sB8, svm, neg, tig, odd, hi, out);
+      kmin, db0, svm, neg, tig, odd, hi, out);
 }
 
 // The same tile from this thread's fp4 keys (raw, rsc): the s8 A fragments decoded here.
 template <int R, class Next>
 __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
-                                          const int (&kmin)[2], const u8 *sB8,
+                                          const int (&kmin)[2], const u64 db0,
                                           const float4 *svm, const u32 neg, const int tig,
                                           const bool odd, const bool hi,
                                           float (&out)[R / 2], Next next) {
@@ -270,7 +271,7 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
       const int sk = (int)((rsc[kk] >> (8 * g)) & 0xFFu) - kmin[kk];
       e2m1_word_s8(raw[kk][g], sk, af[g][kk], af[g][2 + kk]);
     }
-  wgi8_tile_af<R>(af, kmin, sB8, svm, neg, tig, odd, hi, out, next);
+  wgi8_tile_af<R>(af, kmin, db0, svm, neg, tig, odd, hi, out, next);
 }
 
 // ==== pre-decoded keys ====
@@ -529,6 +530,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   u32 kinf[2];
   bool knone[2];
   u8 *const ring = sdyn + ((1024u - (smem_u32(sdyn) & 1023u)) & 1023u);
+  // The MMAs' descriptors, each step a fixed offset from these (wgmma_desc_add): B, the
+  // queries' s8 operands in sQ; A over pre-decoded keys, the ring's first tile.
+  const u64 dq = wgmma_desc(sQ, (N / 8) * 128, 128), dring = wgmma_desc_swz(ring, D);
   u32 slot = 0, phase = 0;
   bool two_mul = false;  // some fallback tile ran the two multiplies
   u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
@@ -597,14 +601,14 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       if (i8) {
         float out[R / 2];
         if constexpr (PRE) {
-          const u64 da = wgmma_desc_swz(ring + slot * WGI8_KTILE_BYTES, D);
+          const u64 da = wgmma_desc_add(dring, slot * WGI8_KTILE_BYTES);
           wgi8_tile_mma<R>(
               [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
                 wgmma_m64n128k32_s8_ss(y, wgmma_desc_add(da, 32 * g), db, scale_d);
               },
-              kmin, sQ, svm, neg, tig, odd, hi, out);
+              kmin, dq, svm, neg, tig, odd, hi, out);
         } else {
-          wgi8_tile<R>(raw, rsc, kmin, sQ, svm, neg, tig, odd, hi, out,
+          wgi8_tile<R>(raw, rsc, kmin, dq, svm, neg, tig, odd, hi, out,
                        [&] { prefetch_raw(c + gridDim.x); });
         }
 #pragma unroll
