@@ -303,8 +303,9 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_PREDECODE 1
 #endif
 #define WGI8_PRE (WGI8_PREDECODE && !DSA_PAGED)
-// A key past the group's: admitted, kmin 127 (as WGR_NONE_SC).
-#define WGI8_NONE_INFO 0x7F7Fu
+// The window of a key past the group's: bit 16 set (a real key's window has bytes 0 and 1
+// alone), which the guard admits; its kmin 0 scales a logit that is never stored.
+#define WGI8_NONE_INFO 0x10000u
 // Ring tiles: 2 (one tile in flight while one is computed) or 3.
 #ifndef WGI8_RING
 #define WGI8_RING 2
@@ -344,17 +345,15 @@ extern "C" __global__ void __launch_bounds__(256) wgi8_decode_keys(
 }
 
 // This thread's two keys' scale windows in key tile c (keys 16 warp + gid and + 8 of the
-// group's from flat key ks); a key past the group's nkeys reads nothing.
-__device__ __forceinline__ void wgi8_prefetch_info(u32 (&kinf)[2], bool (&none)[2],
-                                                   const u32 *kinfo, const u32 ks,
-                                                   const u32 nkeys, const u32 c, const int warp,
-                                                   const int gid) {
+// group's from flat key ks); a key past the group's nkeys reads nothing and takes
+// WGI8_NONE_INFO.
+__device__ __forceinline__ void wgi8_prefetch_info(u32 (&kinf)[2], const u32 *kinfo,
+                                                   const u32 ks, const u32 nkeys, const u32 c,
+                                                   const int warp, const int gid) {
   const u32 j = c * WGR_KEYS + 16 * warp + gid;
 #pragma unroll
-  for (int kk = 0; kk < 2; ++kk) {
-    none[kk] = j + 8 * kk >= nkeys;
-    kinf[kk] = none[kk] ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 8 * kk];
-  }
+  for (int kk = 0; kk < 2; ++kk)
+    kinf[kk] = j + 8 * kk >= nkeys ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 8 * kk];
 }
 
 // Thread 0: key tile c's 64 rows of k8 (from flat key ks + 64 c) into ring tile `tile`,
@@ -496,6 +495,12 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   // The key side of both guards as bounds on a key's smallest and largest byte.
   const int k_floor = max(I8_MIN_EXP_SUM - q_lo, I8_MIN_VK_EXP - f_lo);
   const int k_cap = I8_MAX_EXP_SUM - q_hi, kmin_cap = I8_MAX_VK_EXP - f_hi;
+  __shared__ int skb[3];
+  if (tid == 0) {
+    skb[0] = k_floor;
+    skb[1] = k_cap;
+    skb[2] = kmin_cap;
+  }
 
   if (q_i8) {
     // sQ: the s8 operands, each word's values shifted by sq_g = eq_g - eq_min (every
@@ -524,11 +529,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   bool none[2];
   const bool sc_word = (G == 4 || G == 2) &&
                        (reinterpret_cast<size_t>(k_scale8) & (size_t)(G - 1)) == 0;
-  // Pre-decoded keys: this thread's keys' scale windows (kinf; knone: past the group's
-  // keys), the ring's first tile (1024-byte aligned) and the ring tile and phase of the
-  // block's current key tile.
+  // Pre-decoded keys: this thread's keys' scale windows (kinf), the ring's first tile
+  // (1024-byte aligned) and the ring tile and phase of the block's current key tile.
   u32 kinf[2];
-  bool knone[2];
   u8 *const ring = sdyn + ((1024u - (smem_u32(sdyn) & 1023u)) & 1023u);
   // The MMAs' descriptors, each step a fixed offset from these (wgmma_desc_add): B, the
   // queries' s8 operands in sQ; A over pre-decoded keys, the ring's first tile.
@@ -543,7 +546,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   // The first tile's keys (blockIdx.x < nchunks): over pre-decoded keys their windows,
   // and thread 0 starts the ring's copies.
   if (PRE && q_i8) {
-    wgi8_prefetch_info(kinf, knone, kinfo, ks, grp.z, blockIdx.x, warp, gid);
+    wgi8_prefetch_info(kinf, kinfo, ks, grp.z, blockIdx.x, warp, gid);
     if (tid == 0) {
 #pragma unroll
       for (int i = 0; i < WGI8_RING - 1; ++i) {
@@ -579,8 +582,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
           }
         }
         kmin[kk] = mn;
-        ok = ok && ((PRE ? knone[kk] : none[kk]) || (mx - mn <= I8_MAX_SPAN && mn >= k_floor && mx <= k_cap &&
-                                 mn <= kmin_cap));
+        ok = ok && ((PRE ? kinf[kk] >= WGI8_NONE_INFO : none[kk]) ||
+                    (mx - mn <= I8_MAX_SPAN && mn >= skb[0] && mx <= skb[1] && mn <= skb[2]));
       }
       const bool i8 = __syncthreads_and(ok ? 1 : 0) != 0;
       if constexpr (PRE) {
@@ -595,7 +598,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
             wgi8_tma_issue(ring + prev * WGI8_KTILE_BYTES, &kfull[prev], k8map, ks, cn);
         }
         if (c + gridDim.x < nchunks)
-          wgi8_prefetch_info(kinf, knone, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
+          wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
         mbar_wait(&kfull[slot], phase);
       }
       if (i8) {
