@@ -113,10 +113,10 @@
 #define WGI8_MMA_ROWS 4
 static_assert(WGI8_MMA_ROWS * H == WGR_THREADS, "one column per thread per MMA in the prologue");
 
-// Blocks per SM the registers must allow: at four rows 3 at D = 128 (164 registers) and
-// 4 at D = 64; at eight rows 3 (168 registers at D = 128 with 32 bytes of spills over
-// pre-decoded keys, whose MMAs read A from shared memory: the s8 wgmma stays pipelined;
-// the in-block decode's A fragments leave ptxas to serialize it, C7512).
+// Blocks per SM the registers must allow: at four rows 3 at D = 128 (168 registers) and
+// 4 at D = 64; at eight rows 3 (168 registers and no spills at D = 128 over pre-decoded
+// keys, whose MMAs read A from shared memory: the s8 wgmma stays pipelined; the in-block
+// decode's A fragments leave ptxas to serialize it, C7512).
 #ifndef WGI8_MIN_BLOCKS
 #define WGI8_MIN_BLOCKS (G == 4 ? 3 : 4)
 #endif
