@@ -35,15 +35,26 @@ __device__ __forceinline__ bool wgr_prologue(const u8 *q_scale, const float *w, 
                                              u32 (*stab)[2], u32 *swq_max, u32 *swq_min,
                                              int (&qbase)[G], const int tid, const int lane,
                                              const int warp) {
-  for (int t = tid; t < ROWS * H; t += WGR_THREADS)
-    sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  // Each loop unrolled over its fixed trip count, so that a thread's loads are all in
+  // flight at once: a block pays this prologue once per walk over its key tiles.
+  constexpr int NW = (ROWS * H + WGR_THREADS - 1) / WGR_THREADS;
+  constexpr int NS = (ROWS * H * G + WGR_THREADS - 1) / WGR_THREADS;
+#pragma unroll
+  for (int i = 0; i < NW; ++i) {
+    const int t = tid + i * WGR_THREADS;
+    if (t < ROWS * H) sw[t / H][t % H] = w[(u64)row_of(t / H) * H + t % H];
+  }
   shift_tables<false>(stab, tid);
   {
     u32 mx = 0u, mn = 255u;
-    for (int t = tid; t < ROWS * H * G; t += WGR_THREADS) {
-      const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
-      mx = max(mx, e);
-      mn = min(mn, e);
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+      const int t = tid + i * WGR_THREADS;
+      if (t < ROWS * H * G) {
+        const u32 e = q_scale[(u64)row_of(t / (H * G)) * H * G + t % (H * G)];
+        mx = max(mx, e);
+        mn = min(mn, e);
+      }
     }
     warp_window(mx, mn, swq_max, swq_min, lane, warp);
   }
@@ -54,10 +65,14 @@ __device__ __forceinline__ bool wgr_prologue(const u8 *q_scale, const float *w, 
   bool fold_q = block_window<WGR_THREADS / 32>(swq_max, swq_min, qbase, qtop) && SCALE_FOLD;
 #pragma unroll
   for (int g = 0; g < G; ++g) fold_q = fold_q && qtop[g] <= 244;
-  for (int t = tid; t < ROWS * H * G; t += WGR_THREADS) {
-    const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
-    sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
-                               : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
+#pragma unroll
+  for (int i = 0; i < NS; ++i) {
+    const int t = tid + i * WGR_THREADS;
+    if (t < ROWS * H * G) {
+      const int r = t / (H * G), h = (t % (H * G)) / G, g = t % G;
+      sqs[r][g * H + h] = fold_q ? pow2i(qbase[g] - 129)
+                                 : ue8m0_pow2(q_scale[(u64)row_of(r) * H * G + h * G + g], 2);
+    }
   }
   return fold_q;
 }
@@ -127,20 +142,48 @@ __device__ __forceinline__ void wgr_group_sums(float (&a)[32], const u32 (&af)[G
 // (row n / H, head n % H), group g: the word of dims 32 g + 8 tt .. + 7 -> bytes 4 tt of
 // chunk 2 g (dims + 0..3) and of chunk 2 g + 1 (dims + 4..7), doubled E2M1 values as
 // E4M3 bytes, times 2^(eq_g - qbase_g) when the queries fold; ROWS rows (columns
-// n < ROWS * H). No barrier: the caller fences and syncs.
-template <int ROWS = WGR_ROWS, class RowOf>
+// n < ROWS * H). A thread takes whole (column, group) pairs, column fastest across the
+// threads: one 16-byte load of the group's codes (q is 16-byte aligned, and a group is 16
+// bytes at a multiple of 16) and two 16-byte stores (chunks 2 g and 2 g + 1 of the
+// column, a warp's 32 columns contiguous), one pair at a time. LEAN (mqa_logits_wgi8's
+// restaging inside its tile loop, where a pair's 16 bytes and their conversion make
+// ptxas spill a loop-carried value): one 4-byte word at a time. No barrier: the caller
+// fences and syncs.
+template <int ROWS = WGR_ROWS, bool LEAN = false, class RowOf>
 __device__ __forceinline__ void wgr_stage_queries(const u8 *q, const u8 *q_scale, RowOf row_of,
                                                   const bool fold_q, const int (&qbase)[G],
                                                   const u32 (*stab)[2], u8 *sB, const int tid) {
-  for (int t = tid; t < ROWS * H * G * 4; t += WGR_THREADS) {
-    const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
+  constexpr int NC = ROWS * H;
+  if constexpr (LEAN) {
+    for (int t = tid; t < NC * G * 4; t += WGR_THREADS) {
+      const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
+      const u64 qrow = (u64)row_of(n / H) * H + n % H;
+      const int sh = fold_q ? (int)q_scale[qrow * G + g] - qbase[g] : 0;
+      const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
+      u32 lo, hb;
+      e2m1_word_tab(word, stab[sh + 9][0], stab[sh + 9][1], lo, hb);
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g, NC) + 4 * tt]) = lo;
+      *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g + 1, NC) + 4 * tt]) = hb;
+    }
+    return;
+  }
+#pragma unroll 1
+  for (int t = tid; t < NC * G; t += WGR_THREADS) {
+    const int n = t % NC, g = t / NC;
     const u64 qrow = (u64)row_of(n / H) * H + n % H;
-    const int sh = fold_q ? (int)q_scale[qrow * G + g] - qbase[g] : 0;
-    const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
-    u32 lo, hb;
-    e2m1_word_tab(word, stab[sh + 9][0], stab[sh + 9][1], lo, hb);
-    *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g, ROWS * H) + 4 * tt]) = lo;
-    *reinterpret_cast<u32 *>(&sB[wg_off(n, 2 * g + 1, ROWS * H) + 4 * tt]) = hb;
+    int qb = qbase[0];
+#pragma unroll
+    for (int gg = 1; gg < G; ++gg) qb = g == gg ? qbase[gg] : qb;
+    const int sh = fold_q ? (int)q_scale[qrow * G + g] - qb : 0;
+    const uint4 word = *reinterpret_cast<const uint4 *>(q + qrow * (D / 2) + 16 * g);
+    const u32 t0 = stab[sh + 9][0], t1 = stab[sh + 9][1];
+    uint4 lo, hb;
+    e2m1_word_tab(word.x, t0, t1, lo.x, hb.x);
+    e2m1_word_tab(word.y, t0, t1, lo.y, hb.y);
+    e2m1_word_tab(word.z, t0, t1, lo.z, hb.z);
+    e2m1_word_tab(word.w, t0, t1, lo.w, hb.w);
+    *reinterpret_cast<uint4 *>(&sB[wg_off(n, 2 * g, NC)]) = lo;
+    *reinterpret_cast<uint4 *>(&sB[wg_off(n, 2 * g + 1, NC)]) = hb;
   }
 }
 

@@ -504,19 +504,37 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
 
   if (q_i8) {
     // sQ: the s8 operands, each word's values shifted by sq_g = eq_g - eq_min (every
-    // vector spans <= 3 here), in the columns' head order above.
-    for (int t = tid; t < N * G * 4; t += WGR_THREADS) {
-      const int n = t / (G * 4), g = (t / 4) % G, tt = t % 4;
+    // vector spans <= 3 here), in the columns' head order above. Thread tid takes columns
+    // n = 128 m + tid, all G groups of each: its vector's scale bytes and one 16-byte load
+    // per group (q is 16-byte aligned), all issued before the first conversion, then two
+    // 16-byte stores per group (a warp's 32 columns contiguous in each chunk). One column
+    // at a time: both at once hold 40 registers, and ptxas spills in the tile loop.
+    static_assert(N % WGR_THREADS == 0, "whole columns per thread");
+#pragma unroll 1
+    for (int m = 0; m < N / WGR_THREADS; ++m) {
+      const int n = WGR_THREADS * m + tid;
       const u64 qrow = (u64)row_of(n / H) * H + head_of(n % H);
-      int mn = 255;
+      uint4 word[G];
+      int esc[G];
 #pragma unroll
-      for (int gg = 0; gg < G; ++gg) mn = min(mn, (int)q_scale[qrow * G + gg]);
-      const int sq = (int)q_scale[qrow * G + g] - mn;
-      const u32 word = *reinterpret_cast<const u32 *>(q + qrow * (D / 2) + 16 * g + 4 * tt);
-      u32 lo, hb;
-      e2m1_word_s8(word, sq, lo, hb);
-      *reinterpret_cast<u32 *>(&sQ[wg_off(n, 2 * g, N) + 4 * tt]) = lo;
-      *reinterpret_cast<u32 *>(&sQ[wg_off(n, 2 * g + 1, N) + 4 * tt]) = hb;
+      for (int g = 0; g < G; ++g) {
+        esc[g] = (int)q_scale[qrow * G + g];
+        word[g] = *reinterpret_cast<const uint4 *>(q + qrow * (D / 2) + 16 * g);
+      }
+      int mn = esc[0];
+#pragma unroll
+      for (int g = 1; g < G; ++g) mn = min(mn, esc[g]);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int sq = esc[g] - mn;
+        uint4 lo, hb;
+        e2m1_word_s8(word[g].x, sq, lo.x, hb.x);
+        e2m1_word_s8(word[g].y, sq, lo.y, hb.y);
+        e2m1_word_s8(word[g].z, sq, lo.z, hb.z);
+        e2m1_word_s8(word[g].w, sq, lo.w, hb.w);
+        *reinterpret_cast<uint4 *>(&sQ[wg_off(n, 2 * g, N)]) = lo;
+        *reinterpret_cast<uint4 *>(&sQ[wg_off(n, 2 * g + 1, N)]) = hb;
+      }
     }
   } else {
     // sQ: mqa_logits_wgr's staging of all the rows, for the fallback alone.
@@ -627,8 +645,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
 #pragma unroll 1
         for (int pr = 0; pr < R / WGR_ROWS; ++pr) {
           __syncthreads();
-          wgr_stage_queries<WGR_ROWS>(q, q_scale, [&](u32 r) { return row_of(WGR_ROWS * pr + r); },
-                                      fold_q, qbase, stab, sF, tid);
+          wgr_stage_queries<WGR_ROWS, true>(
+              q, q_scale, [&](u32 r) { return row_of(WGR_ROWS * pr + r); }, fold_q, qbase, stab,
+              sF, tid);
           fence_proxy_async();
           __syncthreads();
           const bool last = pr + 1 == R / WGR_ROWS;
