@@ -16,7 +16,7 @@
 //!   the tests can run that path on every input;
 //! - with the `tuning` cargo feature only, `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
 //!   separated by spaces): occupancy and tile numbers for experiments (`LG_ROWS`,
-//!   `LG_PER_BLOCK`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`, `TK_BITMAP`,
+//!   `LG_PER_BLOCK`, `LG_MIN_WAVES`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`, `TK_BITMAP`,
 //!   `TK_SEG_ALIGN`, `W8_RING`, `W8_TMA`, `W8_LPT`, and `TK_STOP` for
 //!   profiling a phase),
 //!   prepended to every kernel source as `#define`s. Without the feature the variable
@@ -566,11 +566,11 @@ pub fn wgi8_wide_blocks_per_sm() -> usize {
 /// `groups` row groups on `sms` SMs, up to [`logits_tiles_per_block`] so that a block's
 /// query staging is paid once per that many:
 /// - `mqa_logits_wgi8_r8`: whole waves. The launch takes `W` waves of
-///   [`LOGITS_WGI8_WIDE_BLOCKS_PER_SM`] blocks per SM, at least 8 and as many as the
-///   largest blocks need, and spreads each group's tiles over its share of them. Blocks
-///   of 124 tiles over v41-1m's tiles of 64 rows (8 groups) at 256 MiB made 1064 blocks,
-///   4.03 waves, whose nearly empty last wave held them 14 % behind the tiles of 512
-///   rows at 2 GiB.
+///   [`LOGITS_WGI8_WIDE_BLOCKS_PER_SM`] blocks per SM, at least [`LOGITS_MIN_WAVES`]
+///   and as many as the largest blocks need, and spreads each group's tiles over its
+///   share of them. Blocks of 124 tiles over v41-1m's tiles of 64 rows (8 groups) at
+///   256 MiB made 1064 blocks, 4.03 waves, whose nearly empty last wave held them 14 %
+///   behind the tiles of 512 rows at 2 GiB.
 /// - every other entry: at least 8 blocks per SM.
 pub fn logits_launch_tiles_per_block(
     entry: LogitsEntry,
@@ -581,11 +581,24 @@ pub fn logits_launch_tiles_per_block(
     let (cap, groups, sms) = (logits_tiles_per_block(), groups.max(1), sms.max(1));
     if entry == LogitsEntry::Wgi8Wide {
         let slots = wgi8_wide_blocks_per_sm() * sms;
-        let waves = (groups * chunks.div_ceil(cap)).div_ceil(slots).max(8);
+        let waves = (groups * chunks.div_ceil(cap)).div_ceil(slots).max(logits_min_waves());
         let per_group = (waves * slots / groups).max(1);
         return chunks.div_ceil(per_group).clamp(1, cap);
     }
     (chunks * groups / (8 * sms)).clamp(1, cap)
+}
+
+/// Fewest waves of a launch of `mqa_logits_wgi8_r8` ([`logits_launch_tiles_per_block`]):
+/// more waves make shorter blocks, each paying its query staging and ring fill. On
+/// v41-1m at 256 MiB (8 groups of 16,384 key tiles a launch) 4 waves of blocks of 83
+/// tiles ran 3.5 % faster than 8 of 42 tiles, and 3 or 6 waves between the two
+/// (benches/RESULTS.md).
+pub const LOGITS_MIN_WAVES: usize = 4;
+
+/// [`LOGITS_MIN_WAVES`], or an `LG_MIN_WAVES=` override (1..=64) in `$DSA_CUDA_DEFINES`
+/// (`tuning` feature; a host-side number).
+pub fn logits_min_waves() -> usize {
+    define_in("LG_MIN_WAVES", 1..=64).unwrap_or(LOGITS_MIN_WAVES)
 }
 
 /// [`LOGITS_TILES_PER_BLOCK`], or an `LG_PER_BLOCK=` override (1..=1024) in
@@ -1175,12 +1188,12 @@ mod tests {
 
     /// Logits launches take up to 128 key tiles per block, fewer where that would leave
     /// fewer than 8 blocks per SM; the eight-row entry's launches run waves of 3 blocks
-    /// per SM, at least 8 of them, whole where the tile cap does not bind.
+    /// per SM, at least 4 of them, whole where the tile cap does not bind.
     #[test]
     fn logits_launches_fill_the_gpu_several_waves_over() {
         #[cfg(feature = "tuning")]
         if std::env::var("DSA_CUDA_DEFINES").is_ok() {
-            return; // LG_PER_BLOCK changes the cap on purpose
+            return; // LG_PER_BLOCK and LG_MIN_WAVES change the launch on purpose
         }
         let per = logits_launch_tiles_per_block;
         let sms = 132;
@@ -1188,10 +1201,10 @@ mod tests {
             let blocks = groups * chunks.div_ceil(per(entry, chunks, groups, sms));
             blocks as f64 / (LOGITS_WGI8_WIDE_BLOCKS_PER_SM * sms) as f64
         };
-        // v41-1m's tiles: 64 rows at 256 MiB (8 groups of 8, 16384 key tiles): 3128
-        // blocks of 42 tiles, 7.90 waves (at 128 tiles a block, 2.59).
-        assert_eq!(per(LogitsEntry::Wgi8Wide, 16384, 8, sms), 42);
-        assert!((7.8..=8.0).contains(&waves(LogitsEntry::Wgi8Wide, 16384, 8)));
+        // v41-1m's tiles: 64 rows at 256 MiB (8 groups of 8, 16384 key tiles): 1584
+        // blocks of 83 tiles, 4.0 waves (at 128 tiles a block, 2.59).
+        assert_eq!(per(LogitsEntry::Wgi8Wide, 16384, 8, sms), 83);
+        assert!((3.95..=4.0).contains(&waves(LogitsEntry::Wgi8Wide, 16384, 8)));
         // 512 rows at 2 GiB (64 groups): the cap of 128 tiles binds, 20.7 waves.
         assert_eq!(per(LogitsEntry::Wgi8Wide, 16384, 64, sms), 128);
         assert!((20.6..=20.7).contains(&waves(LogitsEntry::Wgi8Wide, 16384, 64)));
