@@ -90,6 +90,11 @@
 #ifndef TK_STOP
 #define TK_STOP 0
 #endif
+// Keys in flight per thread in the two passes' reads of a row (load_keys): TK_UNROLL
+// over f32 logits (the ragged and segment kernels' 32 registers), 8 over a merge's
+// candidates, each an id and then its score (two dependent loads). A row of 16,384 keys
+// is then 8 (merge: 4) rounds of loads per pass instead of 32 serialized ones.
+#define TK_PASS_LOADS(MODE) ((MODE) == 2 ? 8 : TK_UNROLL)
 // Rows of at most TK_ORDERED_RATIO * K keys finish a fast path with the ordered pass from
 // the exact threshold, cheaper there than the sort of the selected ids.
 #define TK_ORDERED_RATIO 16
@@ -663,9 +668,12 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
   for (int i = tid; i < TK_BINS; i += TK_THREADS) sm.hist[i] = 0;
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
-  for (u32 j = tid; j < n; j += TK_THREADS) {
-    const u32 key = load_key<MODE>(src, j);
-    if (key != 0u) atomicAdd(&sm.hist[key >> 21], 1u);
+  for (u32 base = 0; base < n; base += TK_PASS_LOADS(MODE) * TK_THREADS) {
+    u32 key[TK_PASS_LOADS(MODE)];
+    load_keys<MODE>(key, src, base, n);
+#pragma unroll
+    for (int u = 0; u < TK_PASS_LOADS(MODE); ++u)
+      if (key[u] != 0u) atomicAdd(&sm.hist[key[u] >> 21], 1u);
   }
   __syncthreads();
   if (warp == 0) {
@@ -703,16 +711,20 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
   __syncthreads();  // hist shares its memory with ckey, written below
   if (in_bin > Sm::cap) return TK_FALLBACK;
   // Pass 2: keys above the bin are selected; the bin's keys are candidates.
-  for (u32 j = tid; j < n; j += TK_THREADS) {
-    const u32 key = load_key<MODE>(src, j);
-    if (key == 0u) continue;
-    const u32 b = key >> 21;
-    if (b > bin) {
-      sm.sel[atomicAdd(&sm.misc[3], 1u)] = j;
-    } else if (b == bin) {
-      const u32 c = atomicAdd(&sm.misc[4], 1u);
-      sm.ckey[c] = key;
-      sm.cid[c] = j;
+  for (u32 base = 0; base < n; base += TK_PASS_LOADS(MODE) * TK_THREADS) {
+    u32 key[TK_PASS_LOADS(MODE)];
+    load_keys<MODE>(key, src, base, n);
+#pragma unroll
+    for (int u = 0; u < TK_PASS_LOADS(MODE); ++u) {
+      const u32 j = base + u * TK_THREADS + tid, b = key[u] >> 21;
+      if (key[u] == 0u) continue;
+      if (b > bin) {
+        sm.sel[atomicAdd(&sm.misc[3], 1u)] = j;
+      } else if (b == bin) {
+        const u32 c = atomicAdd(&sm.misc[4], 1u);
+        sm.ckey[c] = key[u];
+        sm.cid[c] = j;
+      }
     }
   }
   __syncthreads();
@@ -1163,11 +1175,26 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) paged_slots(
   const u32 ks = row_ks[row];
   const i32 *r = raw + (u64)row * K;
   i32 *out = page + (u64)row * page_cols;
-  for (u32 c = threadIdx.x; c < page_cols; c += blockDim.x) {
-    const i32 j = c < K ? r[c] : -1;
-    out[c] = j < 0 ? -1
-                   : (i32)(((u32)page_table[(u64)ks + ((u32)j >> page_log2)] << page_log2) |
-                           ((u32)j & ((1u << page_log2) - 1u)));
+  // Eight columns per thread in flight: their ids, then their page-table entries, then the
+  // stores (a row of 2,048 columns is one round of each at 256 threads).
+  constexpr int U = 8;
+  for (u32 c0 = 0; c0 < page_cols; c0 += U * blockDim.x) {
+    i32 j[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const u32 c = c0 + u * blockDim.x + threadIdx.x;
+      j[u] = c < K ? r[c] : -1;
+    }
+    u32 pg[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      pg[u] = j[u] < 0 ? 0u : (u32)page_table[(u64)ks + ((u32)j[u] >> page_log2)];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const u32 c = c0 + u * blockDim.x + threadIdx.x;
+      if (c < page_cols)
+        out[c] = j[u] < 0 ? -1 : (i32)((pg[u] << page_log2) | ((u32)j[u] & ((1u << page_log2) - 1u)));
+    }
   }
 }
 
