@@ -92,8 +92,8 @@
 #endif
 // Keys in flight per thread in the two passes' reads of a row (load_keys): TK_UNROLL
 // over f32 logits (the ragged and segment kernels' 32 registers), 8 over a merge's
-// candidates, each an id and then its score (two dependent loads). A row of 16,384 keys
-// is then 8 (merge: 4) rounds of loads per pass instead of 32 serialized ones.
+// candidate keys. A row of 16,384 keys is then 8 (merge: 4) rounds of loads per pass
+// instead of 32 serialized ones.
 #define TK_PASS_LOADS(MODE) ((MODE) == 2 ? 8 : TK_UNROLL)
 // Rows of at most TK_ORDERED_RATIO * K keys finish a fast path with the ordered pass from
 // the exact threshold, cheaper there than the sort of the selected ids.
@@ -149,8 +149,10 @@ static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunk
 // MODE 0: f32 logits at scores[lo + j] (ranking key computed here), optional consumer
 //         bitmap over blocks of (lo + j).
 // MODE 1: u32 block keys, the pinned block forced first.
-// MODE 2: candidates idmap[j] (a row id, or -1 for none) of f32 logits: the merge of
-//         per-segment selections.
+// MODE 2: candidates idmap[j] (a row id, or -1 for none) with their u32 ranking keys at
+//         scores[j] (0 for none): the merge of per-segment selections, whose blocks
+//         wrote both, so that the merge reads two arrays in order instead of gathering
+//         each candidate's score through its id.
 struct RowSrc {
   const void *scores;
   u32 lo;
@@ -175,8 +177,7 @@ __device__ __forceinline__ u32 load_key(const RowSrc &s, u32 j) {
   } else if (MODE == 1) {
     return j == s.pinned ? 0xFFFFFFFFu : reinterpret_cast<const u32 *>(s.scores)[j];
   } else {
-    const i32 id = s.idmap[j];
-    return id < 0 ? 0u : rank_key(reinterpret_cast<const float *>(s.scores)[id]);
+    return reinterpret_cast<const u32 *>(s.scores)[j];
   }
 }
 
@@ -1086,10 +1087,14 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_short_f32(
 
 // Rows split across blocks (tiles with too few rows to fill the GPU): each of S blocks
 // selects the K best of one segment of its row (ids sorted, -1 padded) into scratch
-// [rows, S, K]; a merge block per row then selects the K best of those S*K ids. The
-// row's K best (SPEC 5's total order) are each among their segment's K best, so the
-// merge returns exactly the row's selection. grid: (S, tile rows).
+// [rows, S, K], then each id's ranking key (0 for -1) into [rows, S, K] after it; a merge
+// block per row then selects the K best of those S*K ids. The row's K best (SPEC 5's
+// total order) are each among their segment's K best, and a row's candidates lie in id
+// order (segments in order, ids ascending in each), so the merge's lowest candidate
+// index among tied keys is the lowest id: it returns exactly the row's selection.
+// grid: (S, tile rows).
 // block: segment blockIdx.x of row row0 + blockIdx.y -> scratch[blockIdx.y, blockIdx.x, 0:K]
+// and their keys, the same index past rows * S * K
 extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_SEGMENTS_MIN_BLOCKS) topk_segments_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, u32 row0, u32 K, i32 *__restrict__ scratch,
@@ -1104,20 +1109,29 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_SEGMENTS_MIN_BLOCKS)
   const u32 lo = min(n, blockIdx.x * seg), hi = min(n, lo + seg);
   const RowSrc src{logits + row_off[row], lo, cblocks ? bitmap : nullptr, block_size, ~0u,
                    nullptr};
-  topk_row<0>(src, hi - lo, K, scratch + ((u64)blockIdx.y * S + blockIdx.x) * K, K, nullptr, 0,
-              nullptr, 0, nullptr, paths);
+  i32 *ids = scratch + ((u64)blockIdx.y * S + blockIdx.x) * K;
+  topk_row<0>(src, hi - lo, K, ids, K, nullptr, 0, nullptr, 0, nullptr, paths);
+  // The block's ids are visible to all its threads after the barrier; their keys follow.
+  __syncthreads();
+  u32 *keys = reinterpret_cast<u32 *>(ids + (u64)gridDim.y * S * K);
+  const float *scores = logits + row_off[row];
+  for (u32 c = threadIdx.x; c < K; c += TK_THREADS) {
+    const i32 id = ids[c];
+    keys[c] = id < 0 ? 0u : load_key<0>(RowSrc{scores, 0u, nullptr, 1u, ~0u, nullptr}, (u32)id);
+  }
 }
 
-// The merge of topk_segments_f32: grid (tile rows), S segments of K ids each.
-// block: scratch[blockIdx.x, 0:S, 0:K] of row row0 + blockIdx.x -> raw[row, 0:K], page[row, :]
+// The merge of topk_segments_f32: grid (tile rows), S segments of K ids and their keys.
+// block: scratch[blockIdx.x, 0:S, 0:K] of row row0 + blockIdx.x, and their keys rows * S * K
+// past them -> raw[row, 0:K], page[row, :]
 extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_merge_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_ks, u32 row0, u32 K, u32 S, const i32 *__restrict__ scratch,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
     const i32 *__restrict__ k_slots, u32 *__restrict__ paths) {
   const u32 row = row0 + blockIdx.x;
-  const RowSrc src{logits + row_off[row], 0u, nullptr, 1u, ~0u,
-                   scratch + (u64)blockIdx.x * S * K};
+  const i32 *ids = scratch + (u64)blockIdx.x * S * K;
+  const RowSrc src{ids + (u64)gridDim.x * S * K, 0u, nullptr, 1u, ~0u, ids};
   topk_row<2>(src, S * K, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols,
               k_slots, row_ks[row], nullptr, paths);
 }

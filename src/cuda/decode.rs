@@ -163,8 +163,9 @@ impl Layout {
         let groups = region(16 * r);
         let paths = region(PATHS_BYTES);
         let logits = region(4 * r * stride);
+        // Each segment's K ids and their K ranking keys.
         let split = region(if segments > 1 {
-            4 * r * segments * shape.topk
+            8 * r * segments * shape.topk
         } else {
             0
         });
@@ -772,7 +773,7 @@ mod tests {
             let logits = 4 * b * n * ctx.div_ceil(16) * 16;
             assert_eq!(t[2], ("logits", logits.div_ceil(256) * 256), "{sh:?}");
             let segs = split_segments(b * n, ctx, k, 132);
-            let scratch = if segs > 1 { 4 * b * n * segs * k } else { 0 };
+            let scratch = if segs > 1 { 8 * b * n * segs * k } else { 0 };
             assert_eq!(
                 t[3],
                 ("split_topk_scratch", scratch.div_ceil(256) * 256),

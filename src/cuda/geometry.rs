@@ -166,7 +166,7 @@ pub(super) fn split_rows(sms: usize) -> usize {
 
 /// The footprint of the device (of `sms` SMs) for a problem with `rows` rows and
 /// `K = topk`: the per-row metadata and the split top-k's segment scratch
-/// (`split_segments_cap(sms) * K` ids).
+/// (`split_segments_cap(sms) * K` ids and as many ranking keys).
 pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
     RowFootprint {
         align: ROW_ALIGN,
@@ -176,7 +176,7 @@ pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
             .saturating_add(
                 split_segments_cap(sms)
                     .saturating_mul(topk)
-                    .saturating_mul(4),
+                    .saturating_mul(8),
             )
             .saturating_add(PATHS_BYTES),
     }
@@ -895,7 +895,7 @@ mod tests {
         assert_eq!(fp.align, ROW_ALIGN);
         assert_eq!(
             fp.worker_bytes,
-            1000 * META_BYTES_PER_ROW + 8 * H200_SMS * 512 * 4 + PATHS_BYTES
+            1000 * META_BYTES_PER_ROW + 8 * H200_SMS * 512 * 8 + PATHS_BYTES
         );
         assert_eq!(fp.row_bytes(17), 32 * 4);
     }

@@ -246,7 +246,8 @@ impl TransientBufs {
             .max()
             .unwrap_or(0);
         let split = if split_ids > 0 {
-            Some(dev.buffer::<i32>(space, Fill::Zeros(split_ids), "alloc split top-k scratch")?)
+            // Each segment's ids, then their ranking keys (kernels/topk.cu, topk_segments_f32).
+            Some(dev.buffer::<i32>(space, Fill::Zeros(2 * split_ids), "alloc split top-k scratch")?)
         } else {
             None
         };
