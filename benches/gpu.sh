@@ -62,7 +62,7 @@
 #   order, not longest first), WGI8_PREDECODE (0: mqa_logits_wgi8_r8 decodes the fp4 keys
 #   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
-#   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel); host side: LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
+#   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"

@@ -220,7 +220,7 @@ pub(super) fn run_footprint(
 /// row and SM; a tile of fewer than four rows per SM splits rows of at least
 /// `2 * LONG_SPLIT_KEYS` keys in two.
 pub(super) fn split_segments(rows: usize, max_n: usize, topk: usize, sms: usize) -> usize {
-    if rows == 0 {
+    if rows == 0 || max_n < kernels::topk_split_min_keys() {
         return 1;
     }
     if rows < split_rows(sms) {

@@ -17,7 +17,7 @@
 //! - with the `tuning` cargo feature only, `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
 //!   separated by spaces): occupancy and tile numbers for experiments (`LG_ROWS`,
 //!   `LG_PER_BLOCK`, `LG_MIN_WAVES`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`, `TK_BITMAP`,
-//!   `TK_SEG_ALIGN`, `W8_RING`, `W8_TMA`, `W8_LPT`, and `TK_STOP` for
+//!   `TK_SEG_ALIGN`, `TK_SPLIT_MIN_KEYS`, `W8_RING`, `W8_TMA`, `W8_LPT`, and `TK_STOP` for
 //!   profiling a phase),
 //!   prepended to every kernel source as `#define`s. Without the feature the variable
 //!   is never read, so a stray one in a serving process changes nothing.
@@ -612,6 +612,17 @@ pub fn logits_tiles_per_block() -> usize {
 /// host-side number: the split's scratch grows with it).
 pub fn topk_split_rows_per_sm() -> usize {
     define_in("TK_SPLIT_ROWS", 1..=8).unwrap_or(1)
+}
+
+/// Rows shorter than this never split their top-k across blocks: 0, or a
+/// `TK_SPLIT_MIN_KEYS=` override (up to 2^24) in `$DSA_CUDA_DEFINES` (`tuning` feature; a
+/// host-side number), which sends such rows of small tiles to one block each, on the
+/// sampled path where they are long enough for it. At 262,144 on the decode workloads
+/// (K = 2048) the selection took 0.058 ms against 0.069 split eight ways on one row of
+/// 131,072 keys, and 0.042 against 0.064 split in two on 64 rows of 32,768
+/// (benches/RESULTS.md).
+pub fn topk_split_min_keys() -> usize {
+    define_in("TK_SPLIT_MIN_KEYS", 0..=1 << 24).unwrap_or(0)
 }
 
 /// Rows of at most this many keys select from shared memory (the row's keys, 4 bytes
