@@ -581,7 +581,9 @@ pub fn logits_launch_tiles_per_block(
     let (cap, groups, sms) = (logits_tiles_per_block(), groups.max(1), sms.max(1));
     if entry == LogitsEntry::Wgi8Wide {
         let slots = wgi8_wide_blocks_per_sm() * sms;
-        let waves = (groups * chunks.div_ceil(cap)).div_ceil(slots).max(logits_min_waves());
+        let waves = (groups * chunks.div_ceil(cap))
+            .div_ceil(slots)
+            .max(logits_min_waves());
         let per_group = (waves * slots / groups).max(1);
         return chunks.div_ceil(per_group).clamp(1, cap);
     }

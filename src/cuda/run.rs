@@ -247,7 +247,11 @@ impl TransientBufs {
             .unwrap_or(0);
         let split = if split_ids > 0 {
             // Each segment's ids, then their ranking keys (kernels/topk.cu, topk_segments_f32).
-            Some(dev.buffer::<i32>(space, Fill::Zeros(2 * split_ids), "alloc split top-k scratch")?)
+            Some(dev.buffer::<i32>(
+                space,
+                Fill::Zeros(2 * split_ids),
+                "alloc split top-k scratch",
+            )?)
         } else {
             None
         };
