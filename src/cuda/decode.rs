@@ -32,6 +32,7 @@ use super::engine::{
 };
 use super::geometry::{
     long_rows_launch, short_launch_smem, split_segments, MAX_TOPK, PATHS_BYTES, ROW_ALIGN,
+    SPLIT_BYTES_PER_ID,
 };
 use super::kernels::{self, LogitsEntry, Variant};
 use super::launch::{
@@ -163,9 +164,8 @@ impl Layout {
         let groups = region(16 * r);
         let paths = region(PATHS_BYTES);
         let logits = region(4 * r * stride);
-        // Each segment's K ids and their K ranking keys.
         let split = region(if segments > 1 {
-            8 * r * segments * shape.topk
+            SPLIT_BYTES_PER_ID * r * segments * shape.topk
         } else {
             0
         });

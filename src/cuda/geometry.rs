@@ -164,9 +164,13 @@ pub(super) fn split_rows(sms: usize) -> usize {
     kernels::topk_split_rows_per_sm() * sms
 }
 
+/// Bytes of the split top-k's scratch per id a segment selects: the id, then its ranking
+/// key (`topk_segments_f32` writes both, `topk_merge_f32` reads both).
+pub(super) const SPLIT_BYTES_PER_ID: usize = 8;
+
 /// The footprint of the device (of `sms` SMs) for a problem with `rows` rows and
 /// `K = topk`: the per-row metadata and the split top-k's segment scratch
-/// (`split_segments_cap(sms) * K` ids and as many ranking keys).
+/// (`split_segments_cap(sms) * K` ids, [`SPLIT_BYTES_PER_ID`] each).
 pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
     RowFootprint {
         align: ROW_ALIGN,
@@ -176,7 +180,7 @@ pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
             .saturating_add(
                 split_segments_cap(sms)
                     .saturating_mul(topk)
-                    .saturating_mul(8),
+                    .saturating_mul(SPLIT_BYTES_PER_ID),
             )
             .saturating_add(PATHS_BYTES),
     }

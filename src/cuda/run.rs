@@ -9,6 +9,7 @@ use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
 use super::device::{ptr, Device};
 use super::geometry::{
     footprint, long_rows_launch, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES,
+    SPLIT_BYTES_PER_ID,
 };
 use super::kernels::{self, Variant};
 use super::launch::{
@@ -246,10 +247,9 @@ impl TransientBufs {
             .max()
             .unwrap_or(0);
         let split = if split_ids > 0 {
-            // Each segment's ids, then their ranking keys (kernels/topk.cu, topk_segments_f32).
             Some(dev.buffer::<i32>(
                 space,
-                Fill::Zeros(2 * split_ids),
+                Fill::Zeros(split_ids * SPLIT_BYTES_PER_ID / 4),
                 "alloc split top-k scratch",
             )?)
         } else {
