@@ -866,7 +866,8 @@ fn boundary_sizes_from_the_kernel_constants() {
             );
         }
     }
-    // Few long rows: the top-k splits each row across blocks (segments + merge).
+    // Few long rows: the top-k splits each row across blocks (segments + merge) where a
+    // row has more than 64 K keys (K = 1 and 64; at K = 700 the rows stay whole).
     let batch = Batch::explicit(&[20000], &[0, 0, 0], &[19999, 10000, 5], 1).unwrap();
     let c = Case::random(batch, 8, 32, 79);
     for k in [1, 64, 700] {
@@ -4201,11 +4202,24 @@ fn decode_shapes() -> Vec<(cuda::DecodeShape, usize)> {
             },
             64,
         ),
-        // Long contexts, K = 2048, few rows: the split top-k and the shared-memory row.
+        // Long contexts, K = 2048, few rows: rows of at most 64 K keys stay whole (the
+        // sampled path and the shared-memory row).
         (
             cuda::DecodeShape {
                 batch: 3,
                 topk: 2048,
+                max_context: 40_000,
+                max_pages: 640,
+                ..base
+            },
+            1400,
+        ),
+        // The same at K = 512: rows past 64 K = 32,768 keys split (segments, then the
+        // merge).
+        (
+            cuda::DecodeShape {
+                batch: 3,
+                topk: 512,
                 max_context: 40_000,
                 max_pages: 640,
                 ..base

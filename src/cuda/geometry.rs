@@ -218,13 +218,24 @@ pub(super) fn run_footprint(
     fp
 }
 
+/// Rows of at most this many times `K` keys never split: one block selects from the
+/// whole row (on the sampled path from `8 K` keys). On the decode workloads (K = 2048)
+/// that measured faster than the split into segments and a merge: 0.058 against 0.069
+/// ms on one row of 131,072 keys (8 segments), 0.042 against 0.064 on 64 rows of 32,768
+/// (2 segments; benches/RESULTS.md, The split top-k).
+pub(super) const WHOLE_ROW_KEYS_PER_K: usize = 64;
+
 /// Segments per row for a tile of `rows` rows whose longest row has `max_n` keys on a
-/// GPU of `sms` SMs (1: no split): a tile of fewer than [`split_rows`] rows splits its
-/// rows into up to 16 segments of at least 8 K keys, two segment selections per such
-/// row and SM; a tile of fewer than four rows per SM splits rows of at least
-/// `2 * LONG_SPLIT_KEYS` keys in two.
+/// GPU of `sms` SMs (1: no split): rows of at most [`WHOLE_ROW_KEYS_PER_K`] `* K` keys
+/// (or below the `TK_SPLIT_MIN_KEYS` tuning define) stay whole; otherwise a tile of
+/// fewer than [`split_rows`] rows splits its rows into up to 16 segments of at least
+/// 8 K keys, two segment selections per such row and SM, and a tile of fewer than four
+/// rows per SM splits rows of at least `2 * LONG_SPLIT_KEYS` keys in two.
 pub(super) fn split_segments(rows: usize, max_n: usize, topk: usize, sms: usize) -> usize {
-    if rows == 0 || max_n < kernels::topk_split_min_keys() {
+    if rows == 0
+        || max_n <= WHOLE_ROW_KEYS_PER_K.saturating_mul(topk.max(1))
+        || max_n < kernels::topk_split_min_keys()
+    {
         return 1;
     }
     if rows < split_rows(sms) {
@@ -826,6 +837,22 @@ mod tests {
             assert_eq!(split_segments(split_rows(sms), 1 << 17, 512, sms), 1);
             assert_eq!(split_segments(4 * sms, 1 << 20, 512, sms), 1);
         }
+    }
+
+    /// Rows of at most 64 K keys stay whole: the decode workloads at K = 2048 (one row of
+    /// 131,072 keys; 64 rows of 32,768), not v41-1m's rows of a million keys at K = 512.
+    #[test]
+    fn rows_of_at_most_64_k_keys_stay_whole() {
+        #[cfg(feature = "tuning")]
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // TK_SPLIT_ROWS and TK_SPLIT_MIN_KEYS change the figures on purpose
+        }
+        assert_eq!(split_segments(1, 131_072, 2048, H200_SMS), 1);
+        assert_eq!(split_segments(64, 32_768, 2048, H200_SMS), 1);
+        assert_eq!(split_segments(1, 131_073, 2048, H200_SMS), 8);
+        assert_eq!(split_segments(64, 1 << 20, 512, H200_SMS), 4);
+        assert_eq!(split_segments(3, 40_000, 512, H200_SMS), 9);
+        assert_eq!(split_segments(3, 20_000, 700, H200_SMS), 1);
     }
 
     /// The split geometry follows the GPU's SM count: on an H200 tiles of fewer than 132
