@@ -1117,7 +1117,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_SEGMENTS_MIN_BLOCKS)
   const float *scores = logits + row_off[row];
   for (u32 c = threadIdx.x; c < K; c += TK_THREADS) {
     const i32 id = ids[c];
-    keys[c] = id < 0 ? 0u : load_key<0>(RowSrc{scores, 0u, nullptr, 1u, ~0u, nullptr}, (u32)id);
+    keys[c] = id < 0 ? 0u : rank_key(scores[(u32)id]);
   }
 }
 
@@ -1125,7 +1125,6 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_SEGMENTS_MIN_BLOCKS)
 // block: scratch[blockIdx.x, 0:S, 0:K] of row row0 + blockIdx.x, and their keys rows * S * K
 // past them -> raw[row, 0:K], page[row, :]
 extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_merge_f32(
-    const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_ks, u32 row0, u32 K, u32 S, const i32 *__restrict__ scratch,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
     const i32 *__restrict__ k_slots, u32 *__restrict__ paths) {

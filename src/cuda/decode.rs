@@ -563,8 +563,6 @@ impl DecodeStep<'_> {
             };
             launch::topk_segments(s, &self.f.segments, &args, l.segments as u32, rows, 0)?;
             let args = TopkMergeArgs {
-                logits: a.logits,
-                row_off: a.row_off,
                 row_ks: a.row_ks,
                 row0: 0,
                 k,

@@ -556,10 +556,6 @@ pub(super) fn topk_segments(
 /// index assembly.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct TopkMergeArgs {
-    /// The logits tile.
-    pub logits: u64,
-    /// Each row's offset (floats) in the logits tile.
-    pub row_off: u64,
     /// Flat key offset per row.
     pub row_ks: u64,
     /// The tile's first row.
@@ -590,9 +586,7 @@ pub(super) fn topk_merge(
     rows: u32,
 ) -> Result<()> {
     let mut l = s.launch_builder(f);
-    l.arg(&a.logits)
-        .arg(&a.row_off)
-        .arg(&a.row_ks)
+    l.arg(&a.row_ks)
         .arg(&a.row0)
         .arg(&a.k)
         .arg(&a.segments)
@@ -603,7 +597,7 @@ pub(super) fn topk_merge(
         .arg(&a.k_slots)
         .arg(&a.paths);
     // SAFETY: row r reads its S*K scratch ids (each -1 or a visible key of the
-    // row) and their logits, and writes its rows of raw and page.
+    // row) and their ranking keys, and writes its rows of raw and page.
     unsafe {
         l.launch(LaunchConfig {
             grid_dim: (rows, 1, 1),

@@ -620,8 +620,6 @@ impl Run {
         let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
         let page = self.topk_page(a);
         let args = TopkMergeArgs {
-            logits: a.logits,
-            row_off: a.row_off,
             row_ks: a.row_ks,
             row0,
             k,
