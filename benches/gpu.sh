@@ -48,7 +48,9 @@
 # no_sampled_threshold (no sampled threshold), no_int8_exact (the exact class at H = 32 on
 # mqa_logits_wgr's fp8 tile everywhere, where mqa_logits_wgi8 runs s8 wgmma on the tiles
 # its guard admits),
-# no_wide_topk (topk_ragged_f32 where tiles of few rows take topk_ragged_wide_f32). The GPU tests read it in any build (and
+# no_wide_topk (topk_ragged_f32 where tiles of few rows take topk_ragged_wide_f32),
+# no_cluster_topk (topk_ragged_wide_f32 where tiles of at most sms / 8 rows take
+# topk_cluster_f32). The GPU tests read it in any build (and
 # one test runs every hook in-process); the benchmark only with `tuning`.
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
@@ -101,6 +103,7 @@ if has tests; then
   hook_tests no_short_rows boundary topk_ special golden same_bits
   hook_tests no_sampled_threshold boundary topk_ golden same_bits decode_step
   hook_tests no_wide_topk boundary topk_ golden same_bits decode_step paged engine
+  hook_tests no_cluster_topk boundary topk_ golden same_bits decode_step paged engine
   # The exact class at H = 32 on mqa_logits_wgr alone (no int8 tile), folded and not.
   hook_tests no_int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
   hook_tests no_int8_exact,no_scale_fold int8_exact exact_class special golden
@@ -189,7 +192,7 @@ if has ab; then
   # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
   # precision=fast, each against the same run's default run above ($AB: a shorter
   # list). Needs the `tuning` build.
-  AB="${AB:-v41-chunk:WGI8_PREDECODE=0;v41-1m:WGI8_PREDECODE=0;v41-1m-256m:WGI8_PREDECODE=0;v41-chunk-wide:WGI8_PREDECODE=0;v41-chunk:WGI8_RING=3;v41-1m:WGI8_RING=3;v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0}"
+  AB="${AB:-v41-chunk:WGI8_PREDECODE=0;v41-1m:WGI8_PREDECODE=0;v41-1m-256m:WGI8_PREDECODE=0;v41-chunk-wide:WGI8_PREDECODE=0;v41-chunk:WGI8_RING=3;v41-1m:WGI8_RING=3;v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0;v32-decode-b1-128k:hooks=no_cluster_topk}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="" hooks="" prec=full

@@ -56,6 +56,12 @@
 #ifndef TK_WIDE_MIN_BLOCKS
 #define TK_WIDE_MIN_BLOCKS 3
 #endif
+// Blocks per row of topk_cluster_f32 (kernels::TOPK_CLUSTER): a cluster of them shares one
+// sampled row's collecting pass, each block a segment, their candidates gathered into the
+// first block's shared memory, which finishes the row alone. Tiles of at most
+// sms / TK_CLUSTER rows take it: one block reads a row of 131,072 keys in about 30 us
+// (16 rounds of loads, each waiting on the last), eight read it in two rounds each.
+#define TK_CLUSTER 8
 // Longest row the host sends to the shared-memory row: 64 KiB of keys in dynamic shared
 // memory (kernels::TOPK_SHORT_CAP).
 #define TK_SHORT_CAP 16384
@@ -425,6 +431,36 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
 // r >= 160), and a miss costs a second pass. (The midpoint for every K misses often at small K: at K = 512 and
 // n = 1 M the rank is 7, and the upper margin is narrower.)
 
+// Whether a row of n keys takes the sampled threshold at K <= TK_SEL_CAP (topk_row_fast
+// serves no larger K), for CAP candidate slots (MODE 0: f32 logits).
+template <int MODE>
+__device__ __forceinline__ bool sampled_row(const u32 n, const u32 K, const u32 cap) {
+  return TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > (u32)TK_SAMPLE_RATIO * K &&
+         3u * K <= 2u * cap;
+}
+
+// ==== clusters (topk_cluster_f32) ====
+
+// This block's rank in its cluster.
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// A barrier of every thread of the cluster; shared-memory writes before it are visible to
+// every block of the cluster after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" :::
+                   "memory");
+}
+// The generic address of the object at p (this block's shared memory) in block `rank`.
+template <class T>
+__device__ __forceinline__ T *cluster_map(T *p, const u32 rank) {
+  u64 out;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"((u64)p), "r"(rank));
+  return reinterpret_cast<T *>(out);
+}
+
 // The end of the sampled threshold's collecting pass: whether its count of keys >= t
 // (misc[4]) lies in K .. CAP. Every thread reads the count after the pass's
 // barrier; on a miss a second barrier follows, because the caller's two-pass path then
@@ -442,9 +478,10 @@ __device__ __forceinline__ bool sampled_count_fits(Sm &sm, const u32 K) {
 // The collecting pass of the sampled threshold: appends every key >= t of the row (and
 // its id) to ckey / cid, the first CAP of them, and counts them all in misc[4]
 // (which the caller has zeroed). t >= 1: key 0 ("not a candidate") is never collected.
+// Ids are written as id0 + j (a cluster's segment at id0 of its row).
 template <int MODE, class Sm>
 __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, const u32 n,
-                                                 const u32 t) {
+                                                 const u32 t, const u32 id0 = 0u) {
   const int tid = threadIdx.x, lane = tid & 31;
   if (MODE == 0 && src.bitmap == nullptr && (src.lo & 3u) == 0u &&
       t > 0x007FFFFFu) {
@@ -491,7 +528,7 @@ __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, cons
           if (h[i]) {
             if (at < Sm::cap) {
               sm.ckey[at] = rank_key(x[i]);
-              sm.cid[at] = 4u * q + i;
+              sm.cid[at] = id0 + 4u * q + i;
             }
             ++at;
           }
@@ -515,11 +552,50 @@ __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, cons
         at = __shfl_sync(FULL_MASK, at, leader) + __popc(m & ((1u << lane) - 1u));
         if (hit && at < Sm::cap) {
           sm.ckey[at] = key[u];
-          sm.cid[at] = base + u * TK_THREADS + tid;
+          sm.cid[at] = id0 + base + u * TK_THREADS + tid;
         }
       }
     }
   }
+}
+
+// The first block of a cluster of CL gathers the candidates the others collected: block
+// r's count c_r (misc[4]) and its first c_r keys and ids, appended after those of the
+// blocks before it, as far as CAP reaches (block r holds the first min(c_r, CAP) of its
+// own, at least what fits); then misc[4] = the cluster's count, which the one-block pass
+// would have counted. Its own candidates stay in place. Between two cluster barriers.
+template <int CL, class Sm>
+__device__ __forceinline__ void cluster_gather(Sm &sm) {
+  constexpr u32 CAP = Sm::cap;
+  u32 count[CL], off[CL], take[CL];
+  u32 total = 0, most = 0;
+#pragma unroll
+  for (int r = 0; r < CL; ++r) {
+    count[r] = cluster_map(&sm.misc[4], (u32)r)[0];
+    off[r] = total;
+    take[r] = off[r] < CAP ? min(count[r], CAP - off[r]) : 0u;
+    total += count[r];
+    if (r > 0) most = max(most, take[r]);
+  }
+  for (u32 i = threadIdx.x; i < most; i += TK_THREADS) {
+    u32 key[CL], id[CL];
+#pragma unroll
+    for (int r = 1; r < CL; ++r) {
+      if (i < take[r]) {
+        key[r] = cluster_map(&sm.ckey[i], (u32)r)[0];
+        id[r] = cluster_map(&sm.cid[i], (u32)r)[0];
+      }
+    }
+#pragma unroll
+    for (int r = 1; r < CL; ++r) {
+      if (i < take[r]) {
+        sm.ckey[off[r] + i] = key[r];
+        sm.cid[off[r] + i] = id[r];
+      }
+    }
+  }
+  __syncthreads();  // every thread has read this block's count
+  if (threadIdx.x == 0) sm.misc[4] = total;
 }
 
 // A threshold from the sample in sel (TK_SEL_CAP keys, 0 for none): two digit passes of
@@ -590,14 +666,36 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 #define TK_SAMPLE_FIRST 1
 #define TK_SAMPLE_SECOND 2
 #define TK_SAMPLE_STOP 3
-template <int MODE, class Sm>
+#define TK_SAMPLE_HELPER 4
+//
+// CL > 1 (topk_cluster_f32): every block of the cluster draws the same sample and finds
+// the same t; each then collects the keys >= t of its segment of the row (starts at
+// multiples of 4 keys) into its own shared memory, and the first block gathers them all
+// (cluster_gather) and goes on alone. The other blocks return TK_SAMPLE_HELPER once the
+// first has read their memory. Either every block of the cluster takes both cluster
+// barriers or none does: each block's decisions before them depend only on the row.
+template <int MODE, int CL = 1, class Sm>
 __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const u32 K) {
   constexpr u32 CAP = Sm::cap;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr u32 S = TK_SEL_CAP, CH = S / 32;
-  for (u32 c = warp; c < CH; c += TK_THREADS / 32) {
-    const u32 start = (u32)(((u64)c * (n - 32)) / (CH - 1));  // chunks spread evenly
-    sm.sel[c * 32 + lane] = load_key<MODE>(src, start + lane);
+  constexpr u32 S = TK_SEL_CAP, CH = S / 32, WARPS = TK_THREADS / 32, PER = CH / WARPS;
+  static_assert(CH % WARPS == 0, "sample chunks per warp");
+  // Chunks spread evenly. The wide memory's kernels (at most 3 blocks per SM, registers
+  // to spare) load a warp's chunks together; the others, at 32 registers, one at a time.
+  if constexpr (CAP == TK_WIDE_CAP) {
+    u32 v[PER];
+#pragma unroll
+    for (u32 i = 0; i < PER; ++i) {
+      const u32 c = warp + i * WARPS;
+      v[i] = load_key<MODE>(src, (u32)(((u64)c * (n - 32)) / (CH - 1)) + lane);
+    }
+#pragma unroll
+    for (u32 i = 0; i < PER; ++i) sm.sel[(warp + i * WARPS) * 32 + lane] = v[i];
+  } else {
+    for (u32 c = warp; c < CH; c += WARPS) {
+      const u32 start = (u32)(((u64)c * (n - 32)) / (CH - 1));
+      sm.sel[c * 32 + lane] = load_key<MODE>(src, start + lane);
+    }
   }
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
@@ -608,10 +706,26 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   if (TK_STOP == 1) return TK_SAMPLE_STOP;
   if (sampled < r) {  // fewer than r candidates sampled (a consumer's bitmap)
     __syncthreads();  // every thread has read misc before the caller's fallback resets it
-    return TK_SAMPLE_MISS;
+    return CL > 1 && cluster_rank() != 0u ? TK_SAMPLE_HELPER : TK_SAMPLE_MISS;
   }
-  collect_at_least<MODE>(sm, src, n, t);
-  __syncthreads();
+  if constexpr (CL > 1) {
+    const u32 rank = cluster_rank();
+    const u32 seg = ((n + CL - 1u) / CL + 3u) & ~3u;
+    const u32 lo = min(n, rank * seg), hi = min(n, lo + seg);
+    RowSrc part = src;
+    part.lo = src.lo + lo;
+    collect_at_least<MODE>(sm, part, hi - lo, t, lo);
+    cluster_sync();  // every block's candidates and count (misc[4]) are in its memory
+    if (rank != 0u) {
+      cluster_sync();  // the first block has gathered them
+      return TK_SAMPLE_HELPER;
+    }
+    cluster_gather<CL>(sm);
+    cluster_sync();
+  } else {
+    collect_at_least<MODE>(sm, src, n, t);
+    __syncthreads();
+  }
   if (TK_STOP == 2) return TK_SAMPLE_STOP;
   const u32 c = sm.misc[4];
   if (c >= K && c <= CAP) return TK_SAMPLE_FIRST;
@@ -647,7 +761,8 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
 #define TK_FALLBACK 0
 #define TK_DONE 1
 #define TK_THRESHOLD 2
-template <int MODE, class Sm>
+#define TK_HELPER 3  // a cluster's other block: its part is done, nothing written
+template <int MODE, int CL = 1, class Sm>
 __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K,
                              i32 *out_ids, const u32 out_cols, i32 *out_page,
                              const u32 page_cols, const i32 *k_slots, const u32 ks,
@@ -655,11 +770,11 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
-  const int sampled = (TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN &&
-                       n > (u32)TK_SAMPLE_RATIO * K && 3u * K <= 2u * Sm::cap)
-                          ? sampled_candidates<MODE>(sm, src, n, K)
+  const int sampled = sampled_row<MODE>(n, K, Sm::cap)
+                          ? sampled_candidates<MODE, CL>(sm, src, n, K)
                           : TK_SAMPLE_MISS;
   if (sampled == TK_SAMPLE_STOP) return TK_DONE;
+  if (CL > 1 && sampled == TK_SAMPLE_HELPER) return TK_HELPER;
   if (sampled != TK_SAMPLE_MISS) {
     need = K;  // every candidate is a key >= the threshold; none selected yet
     *path = sampled == TK_SAMPLE_FIRST ? TK_PATH_SAMPLED : TK_PATH_RESAMPLED;
@@ -845,15 +960,16 @@ __device__ __forceinline__ void buf_load8(u32 (&keys)[TK_ITEMS], const u32 *buf,
 // topk_row's fast paths over shared memory `fast` (skipped when `every`): true when they
 // wrote the outputs (and counted the row's path); otherwise T, take_eq and path for the
 // ordered pass, from the general path when the fast paths fall back. scan: fast's.
-template <int MODE, class Sm>
+template <int MODE, int CL = 1, class Sm>
 __device__ __forceinline__ bool topk_row_fast_paths(
     Sm &fast, const RowSrc &src, const u32 n, const u32 K, const bool every, i32 *out_ids,
     const u32 out_cols, i32 *out_page, const u32 page_cols, const i32 *k_slots, const u32 ks,
     u32 *paths, u32 &T, u32 &take_eq, int &path, u32 *&scan) {
   scan = fast.scan;
   if (every) return false;
-  const int status = topk_row_fast<MODE>(fast, src, n, K, out_ids, out_cols, out_page,
-                                         page_cols, k_slots, ks, &T, &take_eq, &path);
+  const int status = topk_row_fast<MODE, CL>(fast, src, n, K, out_ids, out_cols, out_page,
+                                             page_cols, k_slots, ks, &T, &take_eq, &path);
+  if (CL > 1 && status == TK_HELPER) return true;
   if (status == TK_DONE) {
     if (paths != nullptr && threadIdx.x == 0) atomicAdd(&paths[path], 1u);
     return true;
@@ -874,8 +990,9 @@ __device__ __forceinline__ bool topk_row_fast_paths(
 // that the other kernels carry none of its registers). WIDE: buf is dynamic shared memory
 // of TK_WIDE_SMEM bytes (16-byte aligned) for the fast paths' TopkWideSmem. Else buf is
 // null and the fast paths use a static TopkSmem. paths: null, or the launch's path
-// counters (one count per row).
-template <int MODE, bool SHORT = false, bool WIDE = false>
+// counters (one count per row). CL > 1: a block of topk_cluster_f32's clusters of CL
+// (sampled_candidates), WIDE.
+template <int MODE, bool SHORT = false, bool WIDE = false, int CL = 1>
 __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_ids,
                          const u32 out_cols, i32 *out_page, const u32 page_cols,
                          const i32 *k_slots, const u32 ks, u32 *buf, u32 *paths) {
@@ -900,9 +1017,9 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   } else {
     bool done;
     if constexpr (WIDE) {
-      done = topk_row_fast_paths<MODE>(*reinterpret_cast<TopkWideSmem *>(buf), src, n, K,
-                                       every, out_ids, out_cols, out_page, page_cols,
-                                       k_slots, ks, paths, T, take_eq, path, scan);
+      done = topk_row_fast_paths<MODE, CL>(*reinterpret_cast<TopkWideSmem *>(buf), src, n, K,
+                                           every, out_ids, out_cols, out_page, page_cols,
+                                           k_slots, ks, paths, T, take_eq, path, scan);
     } else {
       __shared__ TopkSmem fast;
       done = topk_row_fast_paths<MODE>(fast, src, n, K, every, out_ids, out_cols, out_page,
@@ -1025,7 +1142,7 @@ __device__ __forceinline__ void consumer_bitmap(u32 *bitmap, const i32 *cblocks,
 // launch's returns at once. Dynamic shared memory: a consumer row's bitmap of kept blocks
 // (bitmap_words u32, when cblocks != null), then, for topk_short_f32, row_cap u32 (a
 // multiple of 8) from the next multiple of 4 words.
-template <bool SHORT, bool WIDE = false>
+template <bool SHORT, bool WIDE = false, int CL = 1>
 __device__ __forceinline__ void topk_tile_row(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
@@ -1033,16 +1150,20 @@ __device__ __forceinline__ void topk_tile_row(
     const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
     u32 block_size, u32 bitmap_words, u32 n_min, u32 row_cap, u32 *__restrict__ paths,
     u32 *smem) {
-  const u32 row = row0 + blockIdx.x;
+  const u32 row = row0 + (CL > 1 ? blockIdx.y : blockIdx.x);
   const u32 n = row_n[row];
   if (TK_STOP == 9 || (SHORT ? n > row_cap : n < n_min)) return;
+  // A cluster's other blocks serve sampled rows only; the first selects any other alone.
+  if (CL > 1 && cluster_rank() != 0u &&
+      !(K <= TK_SEL_CAP && sampled_row<0>(n, K, TopkWideSmem::cap)))
+    return;
   if (cblocks) consumer_bitmap(smem, cblocks, row, num_blocks, bitmap_words);
   const RowSrc src{logits + row_off[row], 0u, cblocks ? smem : nullptr, block_size, ~0u,
                    nullptr};
   u32 *buf = SHORT || WIDE ? smem + ((bitmap_words + 3u) & ~3u) : nullptr;
-  topk_row<0, SHORT && TK_SHORT, WIDE>(src, n, K, raw + (u64)row * K, K,
-                                       page + (u64)row * page_cols, page_cols, k_slots,
-                                       row_ks[row], buf, paths);
+  topk_row<0, SHORT && TK_SHORT, WIDE, CL>(src, n, K, raw + (u64)row * K, K,
+                                           page + (u64)row * page_cols, page_cols, k_slots,
+                                           row_ks[row], buf, paths);
 }
 
 // block: row row0 + blockIdx.x if n >= n_min -> raw[row, 0:K], page[row, 0:page_cols]
@@ -1071,6 +1192,24 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_WIDE_MIN_BLOCKS) top
   topk_tile_row<false, true>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols,
                              k_slots, cblocks, num_blocks, block_size, bitmap_words, n_min, 0u,
                              paths, dsmem);
+}
+
+// topk_ragged_wide_f32 with a cluster of TK_CLUSTER blocks per row, for tiles of at most
+// sms / TK_CLUSTER rows (kernels::topk_cluster): a sampled row's collecting pass is split
+// across the cluster (sampled_candidates); any other row is the first block's alone.
+// grid: (TK_CLUSTER, tile rows).
+// block: row row0 + blockIdx.y -> raw[row, 0:K], page[row, 0:page_cols] (the first block)
+extern "C" __global__ void __cluster_dims__(TK_CLUSTER, 1, 1) __launch_bounds__(TK_THREADS, 1)
+    topk_cluster_f32(const float *__restrict__ logits, const u64 *__restrict__ row_off,
+                     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0,
+                     u32 K, i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
+                     const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks,
+                     u32 num_blocks, u32 block_size, u32 bitmap_words, u32 n_min,
+                     u32 *__restrict__ paths) {
+  extern __shared__ __align__(16) u32 dsmem[];
+  topk_tile_row<false, true, TK_CLUSTER>(logits, row_off, row_n, row_ks, row0, K, raw, page,
+                                         page_cols, k_slots, cblocks, num_blocks, block_size,
+                                         bitmap_words, n_min, 0u, paths, dsmem);
 }
 
 // block: row row0 + blockIdx.x if n <= row_cap -> raw[row, 0:K], page[row, 0:page_cols]

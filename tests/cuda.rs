@@ -1754,6 +1754,112 @@ fn topk_resampled_threshold_serves_rows_the_sample_misjudges() {
     }
 }
 
+/// Tiles of few long rows (at most `sms / 8`, rows of at most 64 K keys: no split) take
+/// `topk_cluster_f32`: each sampled row's collecting pass across a cluster of 8 blocks,
+/// gathered into the first. Rows of both sides of the sampled threshold's conditions
+/// (rows of at most K keys, shared-memory rows, a row of exactly 8 K keys), scores that
+/// the sample judges well, that overflow the candidates from every block (few distinct
+/// values), and samples that misjudge the row both ways (the second pass after the
+/// gather, the first block alone); then a source and a consumer layer of few long rows
+/// (the consumer's bitmap in every block), at every budget.
+#[test]
+fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
+    let Some(mut b) = gpu() else { return };
+    use rand::{Rng, SeedableRng};
+    let hooks = b.device().hooks();
+    let sms = b.device().sm_count();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
+    // Whether key j of a row of n keys lies in one of the sample's 128 chunks of 32.
+    let in_sample = |n: usize, j: usize| {
+        (0..128usize).any(|c| {
+            let s = c * (n - 32) / 127;
+            (s..s + 32).contains(&j)
+        })
+    };
+    for k in [2048usize, 1025] {
+        // Nine sampled rows up to 64 K keys, then K / 2, a shared-memory row and 8 K.
+        let hi = 64 * k;
+        let mut lens: Vec<usize> = (0..9).map(|i| 16_385 + i * (hi - 16_385) / 8).collect();
+        lens.extend([k / 2, 9000, 8 * k]);
+        let rows = lens.len();
+        assert!(rows * kernels::TOPK_CLUSTER <= sms);
+        assert_eq!(
+            kernels::topk_cluster(rows, sms, hooks),
+            !hooks.no_cluster_topk && !hooks.no_wide_topk
+        );
+        let seq = *lens.iter().max().unwrap();
+        let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+        let batch = Batch::explicit(&[seq], &vec![0; rows], &positions, 1).unwrap();
+        let c = Case::random(batch, 8, 32, 32);
+        let sampled_rows = lens
+            .iter()
+            .filter(|&&n| n > 8 * k && n >= 16_384 && n > kernels::topk_short_cap(hooks))
+            .count() as u64;
+        for name in [
+            "random",
+            "random with NaN, -0 and infinities",
+            "ascending",
+            "five distinct values",
+            "sample chunks lowest",
+            "sample chunks highest",
+        ] {
+            let mut scores = Vec::new();
+            for &n in &lens {
+                for j in 0..n {
+                    let x: f32 = rng.gen_range(-4.0..4.0);
+                    scores.push(match name {
+                        "random with NaN, -0 and infinities" if j % 13 == 0 => f32::NAN,
+                        "random with NaN, -0 and infinities" if j % 17 == 1 => -0.0,
+                        "random with NaN, -0 and infinities" if j % 89 == 4 => f32::INFINITY,
+                        "ascending" => j as f32,
+                        "five distinct values" => (j % 5) as f32,
+                        "sample chunks lowest" if in_sample(n, j) => x - 100.0,
+                        "sample chunks highest" if in_sample(n, j) => x + 100.0,
+                        _ => x,
+                    });
+                }
+            }
+            let paths = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
+            if hooks.no_sampled_threshold {
+                assert_eq!(
+                    paths.sampled + paths.resampled,
+                    0,
+                    "{name}, K={k}: {paths:?}"
+                );
+            } else if name.starts_with("random") || name == "ascending" {
+                assert_eq!(paths.sampled, sampled_rows, "{name}, K={k}: {paths:?}");
+            } else if name == "sample chunks lowest" {
+                // Every block's candidates together overflow: the first block's second
+                // pass over the whole row.
+                assert_eq!(paths.resampled, sampled_rows, "{name}, K={k}: {paths:?}");
+            } else if name == "sample chunks highest" {
+                assert_eq!(
+                    paths.sampled + paths.resampled,
+                    sampled_rows,
+                    "{name}, K={k}: {paths:?}"
+                );
+                assert!(paths.resampled > 0, "{name}, K={k}: {paths:?}");
+            }
+        }
+    }
+    // A source layer and its consumer, few long rows (12 of 20,000 to 60,000 keys).
+    let lens: Vec<usize> = (0..12).map(|i| 20_000 + i * 3637).collect();
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let batch = Batch::explicit(&[60_100], &vec![0; lens.len()], &positions, 1).unwrap();
+    let c = Case::random(batch, 8, 32, 33);
+    let params = Params {
+        topk: 1024,
+        page_cols: None,
+        block_size: 8,
+        num_blocks: 2048,
+    };
+    let p = c.problem(params, Role::Source { tail: None });
+    check_exact(&mut b, "few long rows, source", &p);
+    let published = reference::run(&p).published.unwrap();
+    let pc = c.problem(params, Role::Consumer(&published));
+    check_exact(&mut b, "few long rows, consumer", &pc);
+}
+
 /// Selects `scores` (one request, row `i` of `lens[i]` keys, rows concatenated) on the
 /// device and checks every row against a full sort; returns the paths the rows took,
 /// after checking that each row took exactly one.

@@ -88,6 +88,7 @@ fn every_kernel_compiles_for_sm90a() {
                         &[
                             "topk_ragged_f32",
                             "topk_ragged_wide_f32",
+                            "topk_cluster_f32",
                             "topk_short_f32",
                             "topk_segments_f32",
                             "topk_merge_f32",

@@ -194,6 +194,7 @@ struct Functions {
     short: CudaFunction,
     ragged: CudaFunction,
     wide: CudaFunction,
+    cluster: CudaFunction,
     slots: CudaFunction,
 }
 
@@ -322,6 +323,7 @@ impl Engine {
             short: tk("topk_short_f32")?,
             ragged: tk("topk_ragged_f32")?,
             wide: tk("topk_ragged_wide_f32")?,
+            cluster: tk("topk_cluster_f32")?,
             slots: tk("paged_slots")?,
         };
         allow_dynamic_smem(
@@ -329,6 +331,7 @@ impl Engine {
             short_launch_smem(0, short_row_cap(shape, self.dev.hooks()) as usize) as u32,
         )?;
         allow_dynamic_smem(&f.wide, kernels::TOPK_WIDE_SMEM as u32)?;
+        allow_dynamic_smem(&f.cluster, kernels::TOPK_WIDE_SMEM as u32)?;
         let logits_args = LogitsArgs {
             q: ptrs.0,
             q_scale: ptrs.1,
@@ -589,10 +592,10 @@ impl DecodeStep<'_> {
             if row_cap == 0 || sh.max_keys() > row_cap as usize {
                 let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
                 let (name, smem) = long_rows_launch(rows as usize, 0, dev.sm_count(), dev.hooks());
-                let f = if name == "topk_ragged_wide_f32" {
-                    &self.f.wide
-                } else {
-                    &self.f.ragged
+                let f = match name {
+                    "topk_ragged_wide_f32" => &self.f.wide,
+                    "topk_cluster_f32" => &self.f.cluster,
+                    _ => &self.f.ragged,
                 };
                 launches.push((f, name, n_min, smem));
             }

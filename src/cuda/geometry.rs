@@ -273,8 +273,11 @@ pub(super) fn short_row_cap(
 /// The launch that takes a one-row-per-block top-k tile's long rows: its entry and
 /// dynamic shared memory (bytes). `topk_ragged_wide_f32` where [`kernels::topk_wide`]
 /// picks it for `rows` rows and its candidate memory fits beside a consumer's bitmap of
-/// `bitmap_words` (from a 16-byte boundary, as `topk_short_f32`'s row); else
-/// `topk_ragged_f32`, whose dynamic memory is the bitmap alone.
+/// `bitmap_words` (from a 16-byte boundary, as `topk_short_f32`'s row), or
+/// `topk_cluster_f32` (the same memory in each block of a row's cluster) where
+/// [`kernels::topk_cluster`] picks that; else `topk_ragged_f32`, whose dynamic memory is
+/// the bitmap alone. [`launch::topk_rows`](super::launch::topk_rows) gives each row the
+/// entry's blocks ([`topk_row_blocks`]).
 pub(super) fn long_rows_launch(
     rows: usize,
     bitmap_words: u32,
@@ -282,10 +285,22 @@ pub(super) fn long_rows_launch(
     hooks: Hooks,
 ) -> (&'static str, u32) {
     let wide = short_launch_smem(bitmap_words, 0) + kernels::TOPK_WIDE_SMEM;
-    if kernels::topk_wide(rows, sms, hooks) && wide <= MAX_TOPK_DYNAMIC_SMEM {
+    if kernels::topk_cluster(rows, sms, hooks) && wide <= MAX_TOPK_DYNAMIC_SMEM {
+        ("topk_cluster_f32", wide as u32)
+    } else if kernels::topk_wide(rows, sms, hooks) && wide <= MAX_TOPK_DYNAMIC_SMEM {
         ("topk_ragged_wide_f32", wide as u32)
     } else {
         ("topk_ragged_f32", bitmap_words * 4)
+    }
+}
+
+/// Blocks per row of the one-row top-k entry `name`: a cluster for `topk_cluster_f32`,
+/// else one.
+pub(super) fn topk_row_blocks(name: &str) -> u32 {
+    if name == "topk_cluster_f32" {
+        kernels::TOPK_CLUSTER as u32
+    } else {
+        1
     }
 }
 
@@ -764,20 +779,42 @@ mod tests {
         }
     }
 
-    /// Long rows take the wide launch up to 3 rows per SM, with its candidate memory after
-    /// the consumer bitmap (rounded up to 16 bytes), while both fit the dynamic shared
-    /// memory a top-k block may take; otherwise, or under `no_wide_topk`, the ragged
-    /// launch with the bitmap alone.
+    /// Long rows take the cluster launch up to one cluster of 8 blocks per row on every
+    /// SM, then the wide launch up to 3 rows per SM, with its candidate memory after the
+    /// consumer bitmap (rounded up to 16 bytes), while both fit the dynamic shared memory
+    /// a top-k block may take; otherwise, or under `no_wide_topk`, the ragged launch with
+    /// the bitmap alone. `no_cluster_topk` leaves the wide launch.
     #[test]
     fn long_rows_take_the_wide_launch_when_it_fits() {
         let h = Hooks::default();
         let wide = kernels::TOPK_WIDE_SMEM as u32;
-        for sms in [H200_SMS, H100_PCIE_SMS] {
+        assert_eq!(kernels::TOPK_CLUSTER, 8);
+        for (sms, clustered) in [(H200_SMS, 16), (H100_PCIE_SMS, 14)] {
             let most = kernels::TOPK_WIDE_BLOCKS_PER_SM * sms;
+            for rows in [1, clustered] {
+                assert_eq!(
+                    long_rows_launch(rows, 0, sms, h),
+                    ("topk_cluster_f32", wide)
+                );
+            }
             assert_eq!(
-                long_rows_launch(1, 0, sms, h),
+                long_rows_launch(clustered, 5, sms, h),
+                ("topk_cluster_f32", 32 + wide)
+            );
+            assert_eq!(
+                long_rows_launch(clustered + 1, 0, sms, h),
                 ("topk_ragged_wide_f32", wide)
             );
+            let no_cluster = Hooks {
+                no_cluster_topk: true,
+                ..Hooks::default()
+            };
+            assert_eq!(
+                long_rows_launch(1, 0, sms, no_cluster),
+                ("topk_ragged_wide_f32", wide)
+            );
+            assert_eq!(topk_row_blocks("topk_cluster_f32"), 8);
+            assert_eq!(topk_row_blocks("topk_ragged_wide_f32"), 1);
             assert_eq!(
                 long_rows_launch(most, 0, sms, h),
                 ("topk_ragged_wide_f32", wide)

@@ -264,17 +264,22 @@ pub struct Hooks {
     /// `topk_ragged_wide_f32`, which production launches for tiles of at most
     /// [`TOPK_WIDE_BLOCKS_PER_SM`] rows per SM ([`topk_wide`]).
     pub no_wide_topk: bool,
+    /// `topk_ragged_wide_f32` (one block per row) where production launches
+    /// `topk_cluster_f32` ([`topk_cluster`]: tiles of at most `sms /`
+    /// [`TOPK_CLUSTER`] rows, whose sampled rows each take a cluster of blocks).
+    pub no_cluster_topk: bool,
 }
 
 impl Hooks {
     /// The hooks' names, as [`Hooks::parse`] takes them (the field names).
-    pub const NAMES: [&'static str; 6] = [
+    pub const NAMES: [&'static str; 7] = [
         "mma_sync_only",
         "no_scale_fold",
         "no_short_rows",
         "no_sampled_threshold",
         "no_int8_exact",
         "no_wide_topk",
+        "no_cluster_topk",
     ];
 
     /// The hooks named in `list` (comma-separated field names, spaces allowed; empty:
@@ -287,7 +292,7 @@ impl Hooks {
                     "hooks",
                     name,
                     "mma_sync_only, no_scale_fold, no_short_rows, no_sampled_threshold, \
-                     no_int8_exact or no_wide_topk",
+                     no_int8_exact, no_wide_topk or no_cluster_topk",
                 )
             })? = true;
         }
@@ -315,6 +320,7 @@ impl Hooks {
             "no_sampled_threshold" => Some(&mut self.no_sampled_threshold),
             "no_int8_exact" => Some(&mut self.no_int8_exact),
             "no_wide_topk" => Some(&mut self.no_wide_topk),
+            "no_cluster_topk" => Some(&mut self.no_cluster_topk),
             _ => None,
         }
     }
@@ -521,6 +527,16 @@ pub const TOPK_WIDE_BLOCKS_PER_SM: usize = 3;
 /// becomes rare, and such a launch lasts as long as its slowest row.
 pub fn topk_wide(rows: usize, sm_count: usize, hooks: Hooks) -> bool {
     !hooks.no_wide_topk && rows <= TOPK_WIDE_BLOCKS_PER_SM * sm_count
+}
+/// Blocks per row of `topk_cluster_f32`, one cluster (`TK_CLUSTER`).
+pub const TOPK_CLUSTER: usize = 8;
+/// Whether a launch that [`topk_wide`] sends to `topk_ragged_wide_f32` takes
+/// `topk_cluster_f32` instead: when each of its `rows` can have a cluster of
+/// [`TOPK_CLUSTER`] blocks in one wave (at most `sm_count / TOPK_CLUSTER` rows), unless
+/// [`Hooks::no_cluster_topk`]. A sampled row's collecting pass, the one pass over the
+/// row, then runs on all of its cluster's SMs instead of one.
+pub fn topk_cluster(rows: usize, sm_count: usize, hooks: Hooks) -> bool {
+    topk_wide(rows, sm_count, hooks) && !hooks.no_cluster_topk && rows * TOPK_CLUSTER <= sm_count
 }
 /// The logits entry of a launch of `rows` rows of variant `v` under `hooks`, given how
 /// many row groups they make at a block's most rows (`groups_at(rows_per_block)`): the
@@ -1051,6 +1067,7 @@ mod tests {
             ("TK_WIDE_CAP", TOPK_WIDE_CAP),
             ("TK_WIDE_SMEM", TOPK_WIDE_SMEM),
             ("TK_WIDE_MIN_BLOCKS", TOPK_WIDE_BLOCKS_PER_SM),
+            ("TK_CLUSTER", TOPK_CLUSTER),
             ("TK_PATHS", TOPK_PATHS.len()),
             ("TK_SHORT_CAP", TOPK_SHORT_CAP),
             ("BK_THREADS", BLOCK_KEYS_THREADS),

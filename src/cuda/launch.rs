@@ -679,10 +679,17 @@ pub(super) fn topk_rows(
     // SAFETY: each block reads its row's n logits (written by step 1, same
     // stream) and writes its row of raw [T, K] and page [T, page_cols];
     // topk_short_f32 takes only rows of n <= row_cap, whose keys fit the
-    // shared memory this launch sizes.
+    // shared memory this launch sizes. topk_cluster_f32's grid is (cluster, rows), its
+    // cluster size compiled in (__cluster_dims__), the blocks of a row one cluster.
+    let per_row = super::geometry::topk_row_blocks(name);
+    let grid_dim = if per_row > 1 {
+        (per_row, rows, 1)
+    } else {
+        (rows, 1, 1)
+    };
     unsafe {
         l.launch(LaunchConfig {
-            grid_dim: (rows, 1, 1),
+            grid_dim,
             block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
             shared_mem_bytes: dyn_smem,
         })
