@@ -85,10 +85,14 @@ knob_tests() {
 }
 
 if has tests; then
-  log "GPU tests"
-  DSA_REQUIRE_GPU=1 timeout 420 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
-  echo "rc=$?" >> "$OUT/tests.txt"
-  grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
+  # GPU_SUITE=0: the hook, knob and unit parts only (the whole suite ran on these
+  # binaries already; together they pass the 10-minute limit of one device call).
+  if [ "${GPU_SUITE:-1}" != 0 ]; then
+    log "GPU tests"
+    DSA_REQUIRE_GPU=1 timeout 420 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
+    echo "rc=$?" >> "$OUT/tests.txt"
+    grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
+  fi
   # Test filters again on the other side of each forced fallback: the mma.sync kernel
   # where wgmma is the default, the exact class without scale folding, short rows
   # through the two-pass and general paths (the shared-memory row off), long rows

@@ -1827,7 +1827,17 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
                     "{name}, K={k}: {paths:?}"
                 );
             } else if name.starts_with("random") || name == "ascending" {
-                assert_eq!(paths.sampled, sampled_rows, "{name}, K={k}: {paths:?}");
+                // One pass serves each row with the wide candidate memory (cluster or
+                // wide launch: 4 standard deviations of margin at K = 2048); in
+                // topk_ragged_f32's narrower one (no_wide_topk) some rows take a second.
+                assert_eq!(
+                    paths.sampled + paths.resampled,
+                    sampled_rows,
+                    "{name}, K={k}: {paths:?}"
+                );
+                if kernels::topk_wide(rows, sms, hooks) {
+                    assert_eq!(paths.sampled, sampled_rows, "{name}, K={k}: {paths:?}");
+                }
             } else if name == "sample chunks lowest" {
                 // Every block's candidates together overflow: the first block's second
                 // pass over the whole row.
