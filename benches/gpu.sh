@@ -257,9 +257,10 @@ if has sanitize; then
   # tool with --error-exitcode 1, its log under $OUT/sanitize/, and one summary line
   # with the exit status, the tool's error count and its hazards (racecheck); a line
   # with a nonzero rc, errors, hazards or TIMEOUT fails the part. memcheck takes every
-  # GPU test; racecheck the shared-memory row's top-k and the boundary sizes (every
-  # kernel's shared-memory staging at its tile edges); initcheck and synccheck the
-  # special values and the golden files, which reach every kernel. The timeouts cap the
+  # GPU test; racecheck the shared-memory row's top-k, the boundary sizes (every
+  # kernel's shared-memory staging at its tile edges) and one row on the cluster top-k
+  # (its distributed shared memory); initcheck and synccheck the special values and the
+  # golden files, which reach every kernel, synccheck also the cluster's row. The timeouts cap the
   # part near 4 minutes; a TIMEOUT line asks for a narrower filter, not a longer cap.
   log "compute-sanitizer"
   mkdir -p "$OUT/sanitize"
@@ -285,9 +286,9 @@ if has sanitize; then
   T="$B/cuda --test-threads=1"
   san memcheck memcheck 240 $T
   san racecheck racecheck 300 $T --exact topk_short_rows_in_shared_memory_match_a_full_sort \
-    boundary_sizes_from_the_kernel_constants
+    boundary_sizes_from_the_kernel_constants topk_cluster_one_row_for_the_sanitizers
   san initcheck initcheck 25 $T special_values golden_vectors
-  san synccheck synccheck 25 $T special_values golden_vectors
+  san synccheck synccheck 40 $T special_values golden_vectors topk_cluster_one_row_for_the_sanitizers
   san run-memcheck memcheck 30 $B/dsa-indexer run --device cuda --json
   echo "sanitize: $san_fail of 5 runs failed" | tee -a "$OUT/summary.txt"
 fi

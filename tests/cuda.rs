@@ -1870,6 +1870,28 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
     check_exact(&mut b, "few long rows, consumer", &pc);
 }
 
+/// One row on the cluster top-k, small enough for the compute-sanitizer tools (`gpu.sh
+/// sanitize` runs racecheck and synccheck on it): 40,000 random keys at K = 1024, the
+/// sampled path with its collecting pass split across the cluster.
+#[test]
+fn topk_cluster_one_row_for_the_sanitizers() {
+    let Some(mut b) = gpu() else { return };
+    use rand::{Rng, SeedableRng};
+    let hooks = b.device().hooks();
+    let lens = [40_000usize];
+    assert_eq!(
+        kernels::topk_cluster(1, b.device().sm_count(), hooks),
+        !hooks.no_cluster_topk && !hooks.no_wide_topk
+    );
+    let batch = Batch::explicit(&[40_000], &[0], &[39_999], 1).unwrap();
+    let c = Case::random(batch, 8, 32, 34);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(35);
+    let scores: Vec<f32> = (0..lens[0]).map(|_| rng.gen_range(-4.0f32..4.0)).collect();
+    let paths = check_select_by_sort(&mut b, &c, &lens, &scores, 1024, "one row");
+    let want = if hooks.no_sampled_threshold { 0 } else { 1 };
+    assert_eq!(paths.sampled + paths.resampled, want, "{paths:?}");
+}
+
 /// Selects `scores` (one request, row `i` of `lens[i]` keys, rows concatenated) on the
 /// device and checks every row against a full sort; returns the paths the rows took,
 /// after checking that each row took exactly one.
