@@ -8,7 +8,7 @@ use cudarc::driver::CudaSlice;
 
 use super::alloc::{Buf, Fill, Space};
 use super::device::{backend_err, drv, Device};
-use super::geometry::{check_shape, footprint, run_footprint, Paging, Shape, MAX_TOPK};
+use super::geometry::{batch_footprint, check_shape, run_footprint, Paging, Shape, MAX_TOPK};
 use super::kernels::{self, Precision};
 use super::paths::{FoldCounts, TopkPaths};
 use super::run::{OutPlace, Run, Uploads};
@@ -105,7 +105,7 @@ impl CudaBackend {
         let plan = crate::indexer::plan_for(self, p, budget)?;
         self.begin(p, &plan)?;
         let mut out = Vec::with_capacity(p.batch.valid_pairs());
-        let fp = footprint(p.batch.num_rows(), p.topk, self.dev.sm_count());
+        let fp = batch_footprint(p.batch, p.topk, self.dev.sm_count());
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
             run.tile(&self.dev, t)?;
@@ -143,7 +143,7 @@ impl CudaBackend {
         let plan = crate::indexer::plan_for(self, p, budget)?;
         let mut out = Output::alloc(p);
         self.begin(p, &plan)?;
-        let fp = footprint(p.batch.num_rows(), p.topk, self.dev.sm_count());
+        let fp = batch_footprint(p.batch, p.topk, self.dev.sm_count());
         let mut src = 0usize;
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;

@@ -168,21 +168,42 @@ pub(super) fn split_rows(sms: usize) -> usize {
 /// key (`topk_segments_f32` writes both, `topk_merge_f32` reads both).
 pub(super) const SPLIT_BYTES_PER_ID: usize = 8;
 
-/// The footprint of the device (of `sms` SMs) for a problem with `rows` rows and
-/// `K = topk`: the per-row metadata and the split top-k's segment scratch
-/// (`split_segments_cap(sms) * K` ids, [`SPLIT_BYTES_PER_ID`] each).
-pub(super) fn footprint(rows: usize, topk: usize, sms: usize) -> RowFootprint {
+/// The footprint of the device (of `sms` SMs) for a problem of `rows` rows, the longest
+/// of `longest` keys, at `K = topk`: the per-row metadata and the split top-k's segment
+/// scratch ([`split_scratch_bytes`]).
+pub(super) fn footprint(rows: usize, longest: usize, topk: usize, sms: usize) -> RowFootprint {
     RowFootprint {
         align: ROW_ALIGN,
         workers: 1,
         worker_bytes: rows
             .saturating_mul(META_BYTES_PER_ROW)
-            .saturating_add(
-                split_segments_cap(sms)
-                    .saturating_mul(topk)
-                    .saturating_mul(SPLIT_BYTES_PER_ID),
-            )
+            .saturating_add(split_scratch_bytes(longest, topk, sms))
             .saturating_add(PATHS_BYTES),
+    }
+}
+
+/// [`footprint`] of a run over `batch` at `K = topk`.
+pub(super) fn batch_footprint(batch: &Batch, topk: usize, sms: usize) -> RowFootprint {
+    let longest = batch.rows().iter().map(|r| r.n).max().unwrap_or(0);
+    footprint(batch.num_rows(), longest, topk, sms)
+}
+
+/// Whether rows of at most `max_n` keys stay whole at `K = topk` whatever the tile:
+/// at most [`WHOLE_ROW_KEYS_PER_K`] `* K` keys ([`split_segments`]).
+fn rows_stay_whole(max_n: usize, topk: usize) -> bool {
+    max_n <= WHOLE_ROW_KEYS_PER_K.saturating_mul(topk.max(1))
+}
+
+/// Bytes of the split top-k's scratch a run whose longest row has `longest` keys may take
+/// at `K = topk`: `split_segments_cap(sms) * K` ids, [`SPLIT_BYTES_PER_ID`] each, or none
+/// when its rows all stay whole ([`rows_stay_whole`]: no tile of the run splits).
+pub(super) fn split_scratch_bytes(longest: usize, topk: usize, sms: usize) -> usize {
+    if rows_stay_whole(longest, topk) {
+        0
+    } else {
+        split_segments_cap(sms)
+            .saturating_mul(topk)
+            .saturating_mul(SPLIT_BYTES_PER_ID)
     }
 }
 
@@ -210,7 +231,7 @@ pub(super) fn run_footprint(
     sms: usize,
     hooks: Hooks,
 ) -> RowFootprint {
-    let mut fp = footprint(batch.num_rows(), shape.topk, sms);
+    let mut fp = batch_footprint(batch, shape.topk, sms);
     fp.worker_bytes = fp.worker_bytes.saturating_add(
         predecoded_keys(batch, shape, hooks)
             .saturating_mul(kernels::predecoded_key_bytes(shape.dim)),
@@ -232,10 +253,7 @@ pub(super) const WHOLE_ROW_KEYS_PER_K: usize = 64;
 /// 8 K keys, two segment selections per such row and SM, and a tile of fewer than four
 /// rows per SM splits rows of at least `2 * LONG_SPLIT_KEYS` keys in two.
 pub(super) fn split_segments(rows: usize, max_n: usize, topk: usize, sms: usize) -> usize {
-    if rows == 0
-        || max_n <= WHOLE_ROW_KEYS_PER_K.saturating_mul(topk.max(1))
-        || max_n < kernels::topk_split_min_keys()
-    {
+    if rows == 0 || rows_stay_whole(max_n, topk) || max_n < kernels::topk_split_min_keys() {
         return 1;
     }
     if rows < split_rows(sms) {
@@ -617,7 +635,7 @@ mod tests {
         let prefill = Batch::contiguous(&[300, 80], &[200, 0], 1).unwrap();
         assert_eq!(predecoded_keys(&prefill, &flat, h), 380);
         assert_eq!(predecoded_keys(&prefill, &paged, h), 0);
-        let base = footprint(prefill.num_rows(), 512, H200_SMS).worker_bytes;
+        let base = batch_footprint(&prefill, 512, H200_SMS).worker_bytes;
         assert_eq!(
             run_footprint(&prefill, &flat, H200_SMS, h).worker_bytes,
             base + 380 * (128 + 4)
@@ -650,7 +668,7 @@ mod tests {
                 &run_footprint(b, shape, H200_SMS, h),
             )
             .unwrap();
-            let fp = footprint(b.num_rows(), 512, H200_SMS);
+            let fp = batch_footprint(b, 512, H200_SMS);
             let m = RowMeta::new(b, shape, &plan, &fp, H200_SMS, h);
             (
                 m.predecoded_keys,
@@ -673,7 +691,7 @@ mod tests {
             rows: mixed.rows(),
             requests: mixed.requests(),
             shape: &flat,
-            fp: &footprint(mixed.num_rows(), 512, H200_SMS),
+            fp: &batch_footprint(&mixed, 512, H200_SMS),
             variant: flat.logits_variant(),
             hooks: h,
             sms: H200_SMS,
@@ -957,19 +975,39 @@ mod tests {
         assert_eq!(short_row_cap([k + 1].into_iter(), k, 0, 0), 0);
     }
 
+    /// The split scratch is counted where a row is longer than 64 K keys (some tile may
+    /// split it), and only there: at 64 K keys or fewer every tile keeps its rows whole.
     #[test]
     fn footprint_counts_metadata_and_split_scratch() {
         #[cfg(feature = "tuning")]
         if std::env::var("DSA_CUDA_DEFINES").is_ok() {
             return; // TK_SPLIT_ROWS changes the figures on purpose
         }
-        let fp = footprint(1000, 512, H200_SMS);
+        let fp = footprint(1000, 64 * 512 + 1, 512, H200_SMS);
         assert_eq!(fp.align, ROW_ALIGN);
         assert_eq!(
             fp.worker_bytes,
             1000 * META_BYTES_PER_ROW + 8 * H200_SMS * 512 * 8 + PATHS_BYTES
         );
         assert_eq!(fp.row_bytes(17), 32 * 4);
+        let whole = footprint(1000, 64 * 512, 512, H200_SMS);
+        assert_eq!(whole.worker_bytes, 1000 * META_BYTES_PER_ROW + PATHS_BYTES);
+        // Where no row splits, no tile of any size or SM count does.
+        for sms in [H200_SMS, H100_PCIE_SMS] {
+            for rows in [1usize, 7, 131, 400] {
+                for topk in [1usize, 512, 2048] {
+                    let longest = 64 * topk;
+                    assert_eq!(split_scratch_bytes(longest, topk, sms), 0);
+                    assert_eq!(split_segments(rows, longest, topk, sms), 1);
+                    assert!(split_scratch_bytes(longest + 1, topk, sms) > 0);
+                }
+            }
+        }
+        let b = Batch::contiguous(&[40_000, 9], &[39_000, 0], 1).unwrap();
+        assert_eq!(
+            batch_footprint(&b, 512, H200_SMS),
+            footprint(b.num_rows(), 40_000, 512, H200_SMS)
+        );
     }
 
     /// The kernels read pages of a multiple of 16 bytes; other page sizes are errors

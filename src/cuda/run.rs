@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
 use super::device::{ptr, Device};
 use super::geometry::{
-    footprint, long_rows_launch, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES,
+    batch_footprint, long_rows_launch, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES,
     SPLIT_BYTES_PER_ID,
 };
 use super::kernels::{self, Variant};
@@ -356,7 +356,7 @@ impl Run {
         plan: &Plan,
     ) -> Result<Run> {
         let t = batch.rows().len();
-        let fp = footprint(t, shape.topk, dev.sm_count());
+        let fp = batch_footprint(batch, shape.topk, dev.sm_count());
         let meta = RowMeta::new(batch, &shape, plan, &fp, dev.sm_count(), dev.hooks());
         // The transient buffers (metadata, logits tile, block keys, split scratch, path
         // counters), counted as Device::allocate allocates them on this thread, or as
