@@ -1700,14 +1700,6 @@ fn topk_resampled_threshold_serves_rows_the_sample_misjudges() {
     let batch = Batch::explicit(&[seq], &vec![0; rows], &positions, 1).unwrap();
     let c = Case::random(batch.clone(), 8, 32, 5);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
-    // Whether key j of a row of n keys lies in one of the sample's 128 chunks of 32
-    // (chunk c starts at c (n - 32) / 127, as topk.cu's sampled_candidates draws them).
-    let in_sample = |n: usize, j: usize| {
-        (0..128usize).any(|c| {
-            let s = c * (n - 32) / 127;
-            (s..s + 32).contains(&j)
-        })
-    };
     for (name, sample_value) in [
         ("sample chunks lowest", -10.0f32),
         ("sample chunks highest", 100.0),
@@ -1769,13 +1761,6 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
     let hooks = b.device().hooks();
     let sms = b.device().sm_count();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
-    // Whether key j of a row of n keys lies in one of the sample's 128 chunks of 32.
-    let in_sample = |n: usize, j: usize| {
-        (0..128usize).any(|c| {
-            let s = c * (n - 32) / 127;
-            (s..s + 32).contains(&j)
-        })
-    };
     for k in [2048usize, 1025] {
         // Nine sampled rows up to 64 K keys, then K / 2, a shared-memory row and 8 K.
         let hi = 64 * k;
@@ -1854,20 +1839,13 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
     }
     // A source layer and its consumer, few long rows (12 of 20,000 to 60,000 keys).
     let lens: Vec<usize> = (0..12).map(|i| 20_000 + i * 3637).collect();
-    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
-    let batch = Batch::explicit(&[60_100], &vec![0; lens.len()], &positions, 1).unwrap();
-    let c = Case::random(batch, 8, 32, 33);
     let params = Params {
         topk: 1024,
         page_cols: None,
         block_size: 8,
         num_blocks: 2048,
     };
-    let p = c.problem(params, Role::Source { tail: None });
-    check_exact(&mut b, "few long rows, source", &p);
-    let published = reference::run(&p).published.unwrap();
-    let pc = c.problem(params, Role::Consumer(&published));
-    check_exact(&mut b, "few long rows, consumer", &pc);
+    check_source_and_consumer(&mut b, "few long rows", &lens, 60_100, 33, params);
 }
 
 /// One row on the cluster top-k, small enough for the compute-sanitizer tools (`gpu.sh
@@ -1890,6 +1868,40 @@ fn topk_cluster_one_row_for_the_sanitizers() {
     let paths = check_select_by_sort(&mut b, &c, &lens, &scores, 1024, "one row");
     let want = if hooks.no_sampled_threshold { 0 } else { 1 };
     assert_eq!(paths.sampled + paths.resampled, want, "{paths:?}");
+}
+
+/// Whether key j of a row of n keys lies in one of the top-k sample's 128 chunks of 32
+/// (chunk c starts at c (n - 32) / 127, as topk.cu's sampled_candidates draws them).
+fn in_sample(n: usize, j: usize) -> bool {
+    (0..128usize).any(|c| {
+        let s = c * (n - 32) / 127;
+        (s..s + 32).contains(&j)
+    })
+}
+
+/// A source layer over one request's rows of `lens` keys (row `i` at position
+/// `lens[i] - 1` of a request of `seq` keys, `Case::random(.., 8, 32, seed)`) and its
+/// consumer, each checked exactly against the reference at every budget
+/// ([`check_exact`]); returns the consumer's path counters of one more run at an
+/// unbounded budget.
+fn check_source_and_consumer(
+    b: &mut CudaBackend,
+    tag: &str,
+    lens: &[usize],
+    seq: usize,
+    seed: u64,
+    params: Params,
+) -> cuda::TopkPaths {
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let batch = Batch::explicit(&[seq], &vec![0; lens.len()], &positions, 1).unwrap();
+    let c = Case::random(batch, 8, 32, seed);
+    let p = c.problem(params, Role::Source { tail: None });
+    check_exact(b, &format!("{tag}, source"), &p);
+    let published = reference::run(&p).published.unwrap();
+    let pc = c.problem(params, Role::Consumer(&published));
+    check_exact(b, &format!("{tag}, consumer"), &pc);
+    let _ = run_backend(b, &pc, usize::MAX).unwrap();
+    b.topk_paths()
 }
 
 /// Selects `scores` (one request, row `i` of `lens[i]` keys, rows concatenated) on the
@@ -1996,32 +2008,19 @@ fn topk_short_rows_in_shared_memory_match_a_full_sort() {
     }
     // Consumer rows: 5 bitmap words (not a multiple of 4) before the row's keys.
     let lens: Vec<usize> = (0..140).map(|i| 1000 + 2 * i).collect();
-    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
-    let batch = Batch::explicit(&[1300], &vec![0; lens.len()], &positions, 1).unwrap();
-    let c = Case::random(batch, 8, 32, 13);
     let params = Params {
         topk: 100,
         page_cols: None,
         block_size: 8,
         num_blocks: 40,
     };
-    let p = c.problem(params, Role::Source { tail: None });
-    check_exact(&mut b, "short rows, source", &p);
-    let published = reference::run(&p).published.unwrap();
-    let pc = c.problem(params, Role::Consumer(&published));
-    check_exact(&mut b, "short rows, consumer", &pc);
-    let _ = run_backend(&mut b, &pc, usize::MAX).unwrap();
+    let paths = check_source_and_consumer(&mut b, "short rows", &lens, 1300, 13, params);
     let want = if kernels::topk_short_cap(b.device().hooks()) > 0 {
         lens.len() as u64
     } else {
         0
     };
-    assert_eq!(
-        b.topk_paths().short,
-        want,
-        "consumer rows: {:?}",
-        b.topk_paths()
-    );
+    assert_eq!(paths.short, want, "consumer rows: {paths:?}");
 }
 
 /// Both sides of every test hook in one process, each against the reference: an
