@@ -680,22 +680,19 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr u32 S = TK_SEL_CAP, CH = S / 32, WARPS = TK_THREADS / 32, PER = CH / WARPS;
   static_assert(CH % WARPS == 0, "sample chunks per warp");
-  // Chunks spread evenly. The wide memory's kernels (at most 3 blocks per SM, registers
-  // to spare) load a warp's chunks together; the others, at 32 registers, one at a time.
+  // Chunks spread evenly: chunk c's first key. The wide memory's kernels (at most 3
+  // blocks per SM, registers to spare) load a warp's chunks together; the others, at 32
+  // registers, one at a time.
+  const auto chunk_start = [&](const u32 c) { return (u32)(((u64)c * (n - 32)) / (CH - 1)); };
   if constexpr (CAP == TK_WIDE_CAP) {
     u32 v[PER];
 #pragma unroll
-    for (u32 i = 0; i < PER; ++i) {
-      const u32 c = warp + i * WARPS;
-      v[i] = load_key<MODE>(src, (u32)(((u64)c * (n - 32)) / (CH - 1)) + lane);
-    }
+    for (u32 i = 0; i < PER; ++i) v[i] = load_key<MODE>(src, chunk_start(warp + i * WARPS) + lane);
 #pragma unroll
     for (u32 i = 0; i < PER; ++i) sm.sel[(warp + i * WARPS) * 32 + lane] = v[i];
   } else {
-    for (u32 c = warp; c < CH; c += WARPS) {
-      const u32 start = (u32)(((u64)c * (n - 32)) / (CH - 1));
-      sm.sel[c * 32 + lane] = load_key<MODE>(src, start + lane);
-    }
+    for (u32 c = warp; c < CH; c += WARPS)
+      sm.sel[c * 32 + lane] = load_key<MODE>(src, chunk_start(c) + lane);
   }
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
