@@ -311,6 +311,17 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_RING 2
 #endif
 static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
+// WGI8_PIPE (eight-row entry over pre-decoded keys): 1 pipelines the MMAs across key
+// tiles. Tile c + 1's first four rows' MMAs are issued as soon as tile c's first
+// epilogue has freed their accumulators, so each epilogue runs under one chain of MMAs,
+// tile c's second four rows' included, and no warp waits on a fresh MMA at the start of a
+// tile. A ring tile is then refilled by the last warp to finish its MMAs on it (a
+// shared-memory count of the block's warps per ring tile), with the tile WGI8_RING
+// ahead, not at the guard's barrier. 0: one tile at a time, both chains waited for
+// before the next tile's guard.
+#ifndef WGI8_PIPE
+#define WGI8_PIPE 1
+#endif
 // One ring tile: 64 keys of D bytes. The ring is the entry's dynamic shared memory,
 // WGI8_RING tiles and 1024 bytes to align it (the host's kernels::wgi8_ring_bytes).
 #define WGI8_KTILE_BYTES (WGR_KEYS * D)
@@ -416,6 +427,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   constexpr bool PRE = R == 8 && WGI8_PRE;
   extern __shared__ __align__(16) u8 sdyn[];
   __shared__ __align__(8) u64 kfull[WGI8_RING];
+  // WGI8_PIPE: the warps done with each ring tile, counted over its uses (4 per use).
+  constexpr bool PIPE = PRE && WGI8_PIPE;
+  __shared__ u32 kdone[WGI8_RING];
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
@@ -477,7 +491,10 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   if (tid < R) srow[tid] = row_out(logits, row_off, row_n, grp, (u32)tid);
   if (PRE && tid == 0) {
 #pragma unroll
-    for (int i = 0; i < WGI8_RING; ++i) mbar_init(&kfull[i], 1);
+    for (int i = 0; i < WGI8_RING; ++i) {
+      mbar_init(&kfull[i], 1);
+      if (PIPE) kdone[i] = 0u;
+    }
     fence_mbar_init();
   }
   __syncthreads();
@@ -567,7 +584,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
     wgi8_prefetch_info(kinf, kinfo, ks, grp.z, blockIdx.x, warp, gid);
     if (tid == 0) {
 #pragma unroll
-      for (int i = 0; i < WGI8_RING - 1; ++i) {
+      for (int i = 0; i < WGI8_RING - (PIPE ? 0 : 1); ++i) {
         const u32 ci = blockIdx.x + i * gridDim.x;
         if (ci < nchunks)
           wgi8_tma_issue(ring + i * WGI8_KTILE_BYTES, &kfull[i], k8map, ks, ci);
@@ -576,7 +593,170 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   } else {
     prefetch_raw(blockIdx.x);
   }
-  if (q_i8) {
+  // mqa_logits_wgr's tile on each pair of rows, staged in sF in turn (the barriers: every
+  // thread's MMAs on the last pair are done before sF is restaged), the last pair's with
+  // the prefetch; over pre-decoded keys the tile's fp4 keys are read here first.
+  auto fallback_tile = [&](const u32 c, const u32 j0) {
+    if constexpr (PRE) prefetch_raw(c);
+#pragma unroll 1
+    for (int pr = 0; pr < R / WGR_ROWS; ++pr) {
+      __syncthreads();
+      wgr_stage_queries<WGR_ROWS, true>(
+          q, q_scale, [&](u32 r) { return row_of(WGR_ROWS * pr + r); }, fold_q, qbase, stab, sF,
+          tid);
+      fence_proxy_async();
+      __syncthreads();
+      const bool last = pr + 1 == R / WGR_ROWS;
+      const float logit =
+          wgr_tile<true>(raw, rsc, sF, fold_q, qsafe, sqs + WGR_ROWS * pr, sw + WGR_ROWS * pr,
+                         stab, two_mul, tig, odd, hi, [&] {
+                           if (!PRE && last) prefetch_raw(c + gridDim.x);
+                         });
+      store_row_logit(srow[WGR_ROWS * pr + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, logit);
+    }
+  };
+  if (PIPE && q_i8) {
+    if constexpr (PIPE) {
+      constexpr int M = R / WGI8_MMA_ROWS;
+      static_assert(M == 2, "the pipelined loop alternates two accumulator sets");
+      constexpr u32 lbo = (R * H / 8) * 128;
+      int y[M][64];
+      // The guard of the tile whose windows kinf holds, over the block (the same answer in
+      // every thread), and this thread's keys' smallest bytes.
+      auto guard = [&](int (&km)[2]) {
+        const int k_floor = skb[0], k_cap = skb[1], kmin_cap = skb[2];
+        bool ok = true;
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const int mn = (int)(kinf[kk] & 0xFFu), mx = (int)((kinf[kk] >> 8) & 0xFFu);
+          km[kk] = mn;
+          ok &= (kinf[kk] >= WGI8_NONE_INFO) |
+                ((mx - mn <= I8_MAX_SPAN) & (mn >= k_floor) & (mx <= k_cap) & (mn <= kmin_cap));
+        }
+        return __syncthreads_and(ok ? 1 : 0) != 0;
+      };
+      // Four rows m's chain of G k32 steps on ring tile s (the first step overwrites the
+      // accumulators: none is live between a chain's epilogue and the next chain).
+      auto issue = [&](const int m, const u32 s) {
+        const u64 da = wgmma_desc_add(dring, s * WGI8_KTILE_BYTES);
+        const u64 db = wgmma_desc_add(dq, m * (WGI8_MMA_ROWS * H / 8) * 128);
+        wgmma_fence();
+        wgmma_m64n128k32_s8_ss_first(y[m], da, db);
+#pragma unroll
+        for (int g = 1; g < G; ++g)
+          wgmma_m64n128k32_s8_ss(y[m], wgmma_desc_add(da, 32 * g),
+                                 wgmma_desc_add(db, 2 * g * lbo), 1u);
+        wgmma_commit();
+      };
+      // This warp is done with ring tile s (of key tile c): the block's last warp to be
+      // refills it with the key tile WGI8_RING ahead.
+      // Predicated, not branched: these run with MMAs in flight.
+      auto release = [&](const u32 c, const u32 s, const bool valid) {
+        __syncwarp();
+        __threadfence_block();
+        const u32 done =
+            __shfl_sync(FULL_MASK, atom_add_shared_if(valid && lane == 0, &kdone[s], 1u), 0) + 1u;
+        __threadfence_block();
+        const u32 cr = c + WGI8_RING * gridDim.x;
+        tma_load_2d_expect_if(valid && lane == 0 && done % (WGR_THREADS / 32) == 0u && cr < nchunks,
+                              ring + s * WGI8_KTILE_BYTES, k8map, &kfull[s], WGI8_KTILE_BYTES, 0,
+                              (int)(ks + cr * WGR_KEYS));
+      };
+      // Four rows m's epilogue and stores (where valid), rows 4 m + hi and 4 m + 2 + hi.
+      auto finish = [&](const int m, const float ck, const u32 j0, const bool valid) {
+        fence_regs_s32(y[m]);
+        float o[2];
+        wgi8_epilogue(y[m], svm, WGI8_MMA_ROWS * m, ck, neg, tig, odd, hi, o);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const RowOut ro = srow[WGI8_MMA_ROWS * m + 2 * i + (hi ? 1 : 0)];
+          const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
+          const float x = o[i] != o[i] ? __uint_as_float(0xFFC00000u) : o[i];
+          st_global_f32_if(valid && j < ro.n, ro.out + (j < ro.n ? j : 0), x);
+        }
+      };
+      // ck = 2^(kmin - 127) of this thread's key (ue8m0_pow2(kmin, 0) as a select: no
+      // branch while MMAs are in flight).
+      auto ck_of = [&](const int (&km)[2]) {
+        const u32 e = (u32)(odd ? km[1] : km[0]);
+        return __uint_as_float(e != 0u ? e << 23 : 0x00400000u);
+      };
+      u32 c = blockIdx.x;
+      auto advance = [&] {
+        c += gridDim.x;
+        if (++slot == WGI8_RING) {
+          slot = 0;
+          phase ^= 1u;
+        }
+      };
+      int km[2];
+      bool ok = guard(km);
+      if (c + gridDim.x < nchunks)
+        wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
+      // Two key tiles per step, A = c and B = c + gridDim.x: B's first chain goes in under
+      // A's second epilogue, B's second under B's first. No MMA stays in flight from one
+      // step to the next: ptxas serializes every wgmma of a loop whose accumulators, in
+      // flight across its back edge, are read in its body. Nor is any MMA, wait or
+      // accumulator read inside a branch that ptxas cannot prove uniform (it serializes
+      // those too): B's MMAs and epilogue run even where B is past the row group's tiles
+      // or fails the guard, on whatever its ring tile holds (its copy may still be landing),
+      // with no store and no release; B then runs as a fallback tile in the next step,
+      // which waits for its copy.
+      while (c < nchunks) {
+        if (!ok) {
+          // Its keys landed (every copy completes before its ring tile is refilled).
+          mbar_wait(&kfull[slot], phase);
+          release(c, slot, true);
+          fallback_tile(c, c * WGR_KEYS);
+          advance();
+          if (c < nchunks) {
+            ok = guard(km);
+            if (c + gridDim.x < nchunks)
+              wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
+          }
+          continue;
+        }
+        const float ck = ck_of(km);
+        const u32 ja = c * WGR_KEYS, cb = c + gridDim.x;
+        const u32 nslot = slot + 1 == WGI8_RING ? 0u : slot + 1;
+        const u32 nphase = nslot == 0 ? phase ^ 1u : phase;
+        mbar_wait(&kfull[slot], phase);
+        issue(0, slot);
+        issue(1, slot);
+        wgmma_wait<1>();
+        finish(0, ck, ja, true);
+        // B's windows are WGI8_NONE_INFO past the group's keys: the guard admits them.
+        const bool nb = guard(km) && cb < nchunks;
+        wgi8_prefetch_info(kinf, kinfo, ks, grp.z, cb + gridDim.x, warp, gid);
+        if (nb) mbar_wait(&kfull[nslot], nphase);
+        issue(0, nslot);
+        wgmma_wait<1>();
+        release(c, slot, true);
+        finish(1, ck, ja, true);
+        ++n_i8;
+        advance();
+        const float ckb = ck_of(km);
+        const u32 jb = c * WGR_KEYS;
+        issue(1, slot);
+        wgmma_wait<1>();
+        finish(0, ckb, jb, nb);
+        wgmma_wait<0>();
+        release(c, slot, nb);
+        finish(1, ckb, jb, nb);
+        if (nb) {
+          ++n_i8;
+          advance();
+          if (c < nchunks) {
+            ok = guard(km);
+            if (c + gridDim.x < nchunks)
+              wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
+          }
+        } else {
+          ok = false;  // tile c, if any, failed the guard
+        }
+      }
+    }
+  } else if (q_i8) {
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
       const u32 j0 = c * WGR_KEYS;
       // The key side of the guard for this thread's keys (a key past the group's is never
@@ -637,27 +817,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
           store_row_logit(srow[2 * i + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, out[i]);
         ++n_i8;
       } else {
-        // mqa_logits_wgr's tile on each pair of rows, staged in sF in turn (the barriers:
-        // every thread's MMAs on the last pair are done before sF is restaged), the last
-        // pair's with the prefetch; over pre-decoded keys the tile's fp4 keys are read
-        // here first.
-        if constexpr (PRE) prefetch_raw(c);
-#pragma unroll 1
-        for (int pr = 0; pr < R / WGR_ROWS; ++pr) {
-          __syncthreads();
-          wgr_stage_queries<WGR_ROWS, true>(
-              q, q_scale, [&](u32 r) { return row_of(WGR_ROWS * pr + r); }, fold_q, qbase, stab,
-              sF, tid);
-          fence_proxy_async();
-          __syncthreads();
-          const bool last = pr + 1 == R / WGR_ROWS;
-          const float logit =
-              wgr_tile<true>(raw, rsc, sF, fold_q, qsafe, sqs + WGR_ROWS * pr, sw + WGR_ROWS * pr,
-                             stab, two_mul, tig, odd, hi, [&] {
-                               if (!PRE && last) prefetch_raw(c + gridDim.x);
-                             });
-          store_row_logit(srow[WGR_ROWS * pr + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, logit);
-        }
+        fallback_tile(c, j0);
       }
       if (PRE && ++slot == WGI8_RING) {
         slot = 0;
