@@ -311,16 +311,16 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_RING 2
 #endif
 static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
-// WGI8_PIPE (eight-row entry over pre-decoded keys): 1 pipelines the MMAs across key
-// tiles. Tile c + 1's first four rows' MMAs are issued as soon as tile c's first
-// epilogue has freed their accumulators, so each epilogue runs under one chain of MMAs,
-// tile c's second four rows' included, and no warp waits on a fresh MMA at the start of a
-// tile. A ring tile is then refilled by the last warp to finish its MMAs on it (a
-// shared-memory count of the block's warps per ring tile), with the tile WGI8_RING
-// ahead, not at the guard's barrier. 0: one tile at a time, both chains waited for
-// before the next tile's guard.
+// WGI8_PIPE (eight-row entry over pre-decoded keys): 1 takes the key tiles two at a
+// time, tile B's MMAs under tile A's second epilogue and B's first (the loop below
+// says how), and a ring tile is refilled by the last warp to finish its MMAs on it (a
+// shared-memory count of the block's warps per ring tile) with the tile WGI8_RING
+// ahead, not at the guard's barrier. 0, the default: one tile at a time, both chains
+// waited for before the next tile's guard; its SASS is the form the figures in
+// benches/RESULTS.md were measured on. The pipelined form is opt-in (a `tuning`
+// define) until it has been tested and measured on an H200.
 #ifndef WGI8_PIPE
-#define WGI8_PIPE 1
+#define WGI8_PIPE 0
 #endif
 // One ring tile: 64 keys of D bytes. The ring is the entry's dynamic shared memory,
 // WGI8_RING tiles and 1024 bytes to align it (the host's kernels::wgi8_ring_bytes).
