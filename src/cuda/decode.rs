@@ -31,7 +31,7 @@ use super::engine::{
     DeviceQueries, Engine,
 };
 use super::geometry::{
-    long_rows_launch, short_launch_smem, split_segments, MAX_TOPK, PATHS_BYTES, ROW_ALIGN,
+    long_rows_launch, short_launch_smem, split_segments, RowTopk, MAX_TOPK, PATHS_BYTES, ROW_ALIGN,
     SPLIT_BYTES_PER_ID,
 };
 use super::kernels::{self, LogitsEntry, Variant};
@@ -320,10 +320,10 @@ impl Engine {
             logits: self.dev.function(lg, lg_entry.name())?,
             segments: tk("topk_segments_f32")?,
             merge: tk("topk_merge_f32")?,
-            short: tk("topk_short_f32")?,
-            ragged: tk("topk_ragged_f32")?,
-            wide: tk("topk_ragged_wide_f32")?,
-            cluster: tk("topk_cluster_f32")?,
+            short: tk(RowTopk::Short.name())?,
+            ragged: tk(RowTopk::Ragged.name())?,
+            wide: tk(RowTopk::Wide.name())?,
+            cluster: tk(RowTopk::Cluster.name())?,
             slots: tk("paged_slots")?,
         };
         allow_dynamic_smem(
@@ -587,19 +587,20 @@ impl DecodeStep<'_> {
             let mut launches = Vec::with_capacity(2);
             if row_cap > 0 {
                 let smem = short_launch_smem(0, row_cap as usize) as u32;
-                launches.push((&self.f.short, "topk_short_f32", row_cap, smem));
+                launches.push((&self.f.short, RowTopk::Short, row_cap, smem));
             }
             if row_cap == 0 || sh.max_keys() > row_cap as usize {
                 let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
-                let (name, smem) = long_rows_launch(rows as usize, 0, dev.sm_count(), dev.hooks());
-                let f = match name {
-                    "topk_ragged_wide_f32" => &self.f.wide,
-                    "topk_cluster_f32" => &self.f.cluster,
-                    _ => &self.f.ragged,
+                let (entry, smem) = long_rows_launch(rows as usize, 0, dev.sm_count(), dev.hooks());
+                let f = match entry {
+                    RowTopk::Wide => &self.f.wide,
+                    RowTopk::Cluster => &self.f.cluster,
+                    RowTopk::Ragged => &self.f.ragged,
+                    RowTopk::Short => &self.f.short,
                 };
-                launches.push((f, name, n_min, smem));
+                launches.push((f, entry, n_min, smem));
             }
-            for (f, name, bound, smem) in launches {
+            for (f, entry, bound, smem) in launches {
                 let args = TopkRowsArgs {
                     logits: a.logits,
                     row_off: a.row_off,
@@ -618,7 +619,7 @@ impl DecodeStep<'_> {
                     row_bound: bound,
                     paths: tk_paths,
                 };
-                launch::topk_rows(s, f, name, &args, rows, smem)?;
+                launch::topk_rows(s, f, entry, &args, rows, smem)?;
             }
         }
         // 4. page from raw through the page table.

@@ -288,37 +288,61 @@ pub(super) fn short_row_cap(
     }
 }
 
+/// The top-k entries whose blocks each take one row of a tile (`topk.cu`), or a cluster
+/// of blocks one row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RowTopk {
+    /// `topk_short_f32`: rows of at most `row_cap` keys, each in shared memory.
+    Short,
+    /// `topk_ragged_f32`: passes over global memory, many blocks per SM.
+    Ragged,
+    /// `topk_ragged_wide_f32`: the same with more candidate slots, for tiles of few rows.
+    Wide,
+    /// `topk_cluster_f32`: a cluster of [`kernels::TOPK_CLUSTER`] blocks per row.
+    Cluster,
+}
+
+impl RowTopk {
+    /// The entry's name in the top-k module.
+    pub(super) fn name(self) -> &'static str {
+        match self {
+            RowTopk::Short => "topk_short_f32",
+            RowTopk::Ragged => "topk_ragged_f32",
+            RowTopk::Wide => "topk_ragged_wide_f32",
+            RowTopk::Cluster => "topk_cluster_f32",
+        }
+    }
+
+    /// Blocks per row: the cluster's for [`RowTopk::Cluster`] (its grid is
+    /// `(cluster, rows)`, the cluster size compiled into the kernel), else one.
+    pub(super) fn blocks_per_row(self) -> u32 {
+        match self {
+            RowTopk::Cluster => kernels::TOPK_CLUSTER as u32,
+            _ => 1,
+        }
+    }
+}
+
 /// The launch that takes a one-row-per-block top-k tile's long rows: its entry and
-/// dynamic shared memory (bytes). `topk_ragged_wide_f32` where [`kernels::topk_wide`]
-/// picks it for `rows` rows and its candidate memory fits beside a consumer's bitmap of
+/// dynamic shared memory (bytes). [`RowTopk::Wide`] where [`kernels::topk_wide`] picks it
+/// for `rows` rows and its candidate memory fits beside a consumer's bitmap of
 /// `bitmap_words` (from a 16-byte boundary, as `topk_short_f32`'s row), or
-/// `topk_cluster_f32` (the same memory in each block of a row's cluster) where
-/// [`kernels::topk_cluster`] picks that; else `topk_ragged_f32`, whose dynamic memory is
-/// the bitmap alone. [`launch::topk_rows`](super::launch::topk_rows) gives each row the
-/// entry's blocks ([`topk_row_blocks`]).
+/// [`RowTopk::Cluster`] (the same memory in each block of a row's cluster) where
+/// [`kernels::topk_cluster`] picks that; else [`RowTopk::Ragged`], whose dynamic memory
+/// is the bitmap alone.
 pub(super) fn long_rows_launch(
     rows: usize,
     bitmap_words: u32,
     sms: usize,
     hooks: Hooks,
-) -> (&'static str, u32) {
+) -> (RowTopk, u32) {
     let wide = short_launch_smem(bitmap_words, 0) + kernels::TOPK_WIDE_SMEM;
     if kernels::topk_cluster(rows, sms, hooks) && wide <= MAX_TOPK_DYNAMIC_SMEM {
-        ("topk_cluster_f32", wide as u32)
+        (RowTopk::Cluster, wide as u32)
     } else if kernels::topk_wide(rows, sms, hooks) && wide <= MAX_TOPK_DYNAMIC_SMEM {
-        ("topk_ragged_wide_f32", wide as u32)
+        (RowTopk::Wide, wide as u32)
     } else {
-        ("topk_ragged_f32", bitmap_words * 4)
-    }
-}
-
-/// Blocks per row of the one-row top-k entry `name`: a cluster for `topk_cluster_f32`,
-/// else one.
-pub(super) fn topk_row_blocks(name: &str) -> u32 {
-    if name == "topk_cluster_f32" {
-        kernels::TOPK_CLUSTER as u32
-    } else {
-        1
+        (RowTopk::Ragged, bitmap_words * 4)
     }
 }
 
@@ -810,18 +834,15 @@ mod tests {
         for (sms, clustered) in [(H200_SMS, 16), (H100_PCIE_SMS, 14)] {
             let most = kernels::TOPK_WIDE_BLOCKS_PER_SM * sms;
             for rows in [1, clustered] {
-                assert_eq!(
-                    long_rows_launch(rows, 0, sms, h),
-                    ("topk_cluster_f32", wide)
-                );
+                assert_eq!(long_rows_launch(rows, 0, sms, h), (RowTopk::Cluster, wide));
             }
             assert_eq!(
                 long_rows_launch(clustered, 5, sms, h),
-                ("topk_cluster_f32", 32 + wide)
+                (RowTopk::Cluster, 32 + wide)
             );
             assert_eq!(
                 long_rows_launch(clustered + 1, 0, sms, h),
-                ("topk_ragged_wide_f32", wide)
+                (RowTopk::Wide, wide)
             );
             let no_cluster = Hooks {
                 no_cluster_topk: true,
@@ -829,36 +850,27 @@ mod tests {
             };
             assert_eq!(
                 long_rows_launch(1, 0, sms, no_cluster),
-                ("topk_ragged_wide_f32", wide)
+                (RowTopk::Wide, wide)
             );
-            assert_eq!(topk_row_blocks("topk_cluster_f32"), 8);
-            assert_eq!(topk_row_blocks("topk_ragged_wide_f32"), 1);
-            assert_eq!(
-                long_rows_launch(most, 0, sms, h),
-                ("topk_ragged_wide_f32", wide)
-            );
-            assert_eq!(
-                long_rows_launch(most + 1, 0, sms, h),
-                ("topk_ragged_f32", 0)
-            );
-            assert_eq!(
-                long_rows_launch(most + 1, 5, sms, h),
-                ("topk_ragged_f32", 20)
-            );
+            assert_eq!(RowTopk::Cluster.blocks_per_row(), 8);
+            assert_eq!(RowTopk::Wide.blocks_per_row(), 1);
+            assert_eq!(long_rows_launch(most, 0, sms, h), (RowTopk::Wide, wide));
+            assert_eq!(long_rows_launch(most + 1, 0, sms, h), (RowTopk::Ragged, 0));
+            assert_eq!(long_rows_launch(most + 1, 5, sms, h), (RowTopk::Ragged, 20));
         }
         assert_eq!(
             long_rows_launch(256, 5, H200_SMS, h),
-            ("topk_ragged_wide_f32", 32 + wide)
+            (RowTopk::Wide, 32 + wide)
         );
         let room = (MAX_TOPK_DYNAMIC_SMEM - kernels::TOPK_WIDE_SMEM) / 4;
         let fits = (room / 4 * 4) as u32;
         assert_eq!(
             long_rows_launch(256, fits, H200_SMS, h),
-            ("topk_ragged_wide_f32", 4 * fits + wide)
+            (RowTopk::Wide, 4 * fits + wide)
         );
         assert_eq!(
             long_rows_launch(256, fits + 1, H200_SMS, h),
-            ("topk_ragged_f32", 4 * (fits + 1))
+            (RowTopk::Ragged, 4 * (fits + 1))
         );
         let narrow = Hooks {
             no_wide_topk: true,
@@ -866,7 +878,7 @@ mod tests {
         };
         assert_eq!(
             long_rows_launch(1, 0, H200_SMS, narrow),
-            ("topk_ragged_f32", 0)
+            (RowTopk::Ragged, 0)
         );
     }
 

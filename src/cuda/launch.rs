@@ -7,7 +7,7 @@
 use cudarc::driver::{CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::device::{backend_err, drv};
-use super::geometry::Paging;
+use super::geometry::{Paging, RowTopk};
 use super::kernels::{self, LogitsEntry, Variant};
 use crate::error::Result;
 use crate::problem::Format;
@@ -649,12 +649,12 @@ pub(super) struct TopkRowsArgs {
     pub paths: u64,
 }
 
-/// Launch top-k kernel `f` (`name`: `topk_short_f32` or `topk_ragged_f32`): one block
-/// per row of the tile's `rows`, `dyn_smem` bytes of dynamic shared memory.
+/// Launch top-k entry `entry` (its function `f`): the entry's blocks for each row of the
+/// tile's `rows`, `dyn_smem` bytes of dynamic shared memory.
 pub(super) fn topk_rows(
     s: &CudaStream,
     f: &CudaFunction,
-    name: &str,
+    entry: RowTopk,
     a: &TopkRowsArgs,
     rows: u32,
     dyn_smem: u32,
@@ -681,7 +681,7 @@ pub(super) fn topk_rows(
     // topk_short_f32 takes only rows of n <= row_cap, whose keys fit the
     // shared memory this launch sizes. topk_cluster_f32's grid is (cluster, rows), its
     // cluster size compiled in (__cluster_dims__), the blocks of a row one cluster.
-    let per_row = super::geometry::topk_row_blocks(name);
+    let per_row = entry.blocks_per_row();
     let grid_dim = if per_row > 1 {
         (per_row, rows, 1)
     } else {
@@ -694,7 +694,7 @@ pub(super) fn topk_rows(
             shared_mem_bytes: dyn_smem,
         })
     }
-    .map_err(drv(name))?;
+    .map_err(drv(entry.name()))?;
     Ok(())
 }
 

@@ -8,8 +8,8 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
 use super::device::{ptr, Device};
 use super::geometry::{
-    batch_footprint, long_rows_launch, short_launch_smem, RowMeta, Shape, TileGeom, PATHS_BYTES,
-    SPLIT_BYTES_PER_ID,
+    batch_footprint, long_rows_launch, short_launch_smem, RowMeta, RowTopk, Shape, TileGeom,
+    PATHS_BYTES, SPLIT_BYTES_PER_ID,
 };
 use super::kernels::{self, Variant};
 use super::launch::{
@@ -648,15 +648,15 @@ impl Run {
         let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
         let short = (row_cap > 0).then(|| {
             let bytes = short_launch_smem(bw, row_cap as usize) as u32;
-            ("topk_short_f32", row_cap, bytes)
+            (RowTopk::Short, row_cap, bytes)
         });
         let long = (g.max_n >= n_min as usize).then(|| {
-            let (name, bytes) = long_rows_launch(g.rows.len(), bw, dev.sm_count(), dev.hooks());
-            (name, n_min, bytes)
+            let (entry, bytes) = long_rows_launch(g.rows.len(), bw, dev.sm_count(), dev.hooks());
+            (entry, n_min, bytes)
         });
         let page = self.topk_page(a);
-        for (name, bound, dyn_smem) in [short, long].into_iter().flatten() {
-            let f = dev.function(Variant::Topk, name)?;
+        for (entry, bound, dyn_smem) in [short, long].into_iter().flatten() {
+            let f = dev.function(Variant::Topk, entry.name())?;
             allow_dynamic_smem(&f, dyn_smem)?;
             let args = TopkRowsArgs {
                 logits: a.logits,
@@ -676,7 +676,7 @@ impl Run {
                 row_bound: bound,
                 paths: a.paths,
             };
-            launch::topk_rows(s, &f, name, &args, g.rows.len() as u32, dyn_smem)?;
+            launch::topk_rows(s, &f, entry, &args, g.rows.len() as u32, dyn_smem)?;
         }
         Ok(())
     }
