@@ -65,8 +65,8 @@
 #   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),
-#   WGI8_PIPE (1: the eight-row entry over pre-decoded keys takes two key tiles at a time,
-#   the MMAs of the second under the first's epilogues; 0, the default, one at a time); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
+#   WGI8_PIPE (T = 2 to 8: the eight-row entry over pre-decoded keys takes T key tiles at a
+#   time, each tile's MMAs under the epilogues of the one before; 0, the default, one at a time); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -121,10 +121,11 @@ if has tests; then
   knob_tests "WGI8_PREDECODE=0" int8_exact exact_class boundary special golden same_bits engine
   # The pre-decoded keys' ring with a third tile.
   knob_tests "WGI8_RING=3" int8_exact exact_class boundary golden same_bits engine
-  # The eight-row entry two key tiles at a time (the second's MMAs under the first's
-  # epilogues), and so with a ring of three.
-  knob_tests "WGI8_PIPE=1" int8_exact exact_class boundary special golden same_bits engine
-  knob_tests "WGI8_PIPE=1 WGI8_RING=3" int8_exact exact_class boundary golden same_bits engine
+  # The eight-row entry two and four key tiles at a time (each tile's MMAs under the
+  # epilogues of the one before), and two with a ring of three.
+  knob_tests "WGI8_PIPE=2" int8_exact exact_class boundary special golden same_bits engine
+  knob_tests "WGI8_PIPE=4" int8_exact exact_class boundary special golden same_bits engine
+  knob_tests "WGI8_PIPE=2 WGI8_RING=3" int8_exact exact_class boundary golden same_bits engine
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
@@ -202,7 +203,7 @@ if has ab; then
   # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
   # precision=fast, each against the same run's default run above ($AB: a shorter
   # list). Needs the `tuning` build.
-  AB="${AB:-v41-chunk:WGI8_PIPE=1;v41-chunk-wide:WGI8_PIPE=1;v41-1m:WGI8_PIPE=1;v41-1m-256m:WGI8_PIPE=1;v41-chunk:WGI8_PIPE=1 WGI8_RING=3;v41-chunk:WGI8_PREDECODE=0;v41-1m:WGI8_PREDECODE=0;v41-1m-256m:WGI8_PREDECODE=0;v41-chunk-wide:WGI8_PREDECODE=0;v41-chunk:WGI8_RING=3;v41-1m:WGI8_RING=3;v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0;v32-decode-b1-128k:hooks=no_cluster_topk}"
+  AB="${AB:-v41-chunk:WGI8_PIPE=2;v41-chunk:WGI8_PIPE=4;v41-chunk-wide:WGI8_PIPE=2;v41-1m:WGI8_PIPE=2;v41-1m:WGI8_PIPE=4;v41-1m-256m:WGI8_PIPE=2;v41-chunk:WGI8_PIPE=2 WGI8_RING=3;v41-chunk:WGI8_PREDECODE=0;v41-1m:WGI8_PREDECODE=0;v41-1m-256m:WGI8_PREDECODE=0;v41-chunk-wide:WGI8_PREDECODE=0;v41-chunk:WGI8_RING=3;v41-1m:WGI8_RING=3;v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0;v32-decode-b1-128k:hooks=no_cluster_topk}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="" hooks="" prec=full

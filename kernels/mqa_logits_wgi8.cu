@@ -311,9 +311,9 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_RING 2
 #endif
 static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
-// WGI8_PIPE (eight-row entry over pre-decoded keys): 1 takes the key tiles two at a
-// time, tile B's MMAs under tile A's second epilogue and B's first (the loop below
-// says how), and a ring tile is refilled by the last warp to finish its MMAs on it (a
+// WGI8_PIPE (eight-row entry over pre-decoded keys): T >= 2 takes the key tiles T at a
+// time, each tile's MMAs under the epilogues of the one before (the loop below says
+// how), and a ring tile is refilled by the last warp to finish its MMAs on it (a
 // shared-memory count of the block's warps per ring tile) with the tile WGI8_RING
 // ahead, not at the guard's barrier. 0, the default: one tile at a time, both chains
 // waited for before the next tile's guard; its SASS is the form the figures in
@@ -322,6 +322,8 @@ static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
 #ifndef WGI8_PIPE
 #define WGI8_PIPE 0
 #endif
+static_assert(WGI8_PIPE == 0 || (WGI8_PIPE >= 2 && WGI8_PIPE <= 8),
+              "WGI8_PIPE: 0, or 2 to 8 key tiles per step");
 // One ring tile: 64 keys of D bytes. The ring is the entry's dynamic shared memory,
 // WGI8_RING tiles and 1024 bytes to align it (the host's kernels::wgi8_ring_bytes).
 #define WGI8_KTILE_BYTES (WGR_KEYS * D)
@@ -693,15 +695,17 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       bool ok = guard(km);
       if (c + gridDim.x < nchunks)
         wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
-      // Two key tiles per step, A = c and B = c + gridDim.x: B's first chain goes in under
-      // A's second epilogue, B's second under B's first. No MMA stays in flight from one
-      // step to the next: ptxas serializes every wgmma of a loop whose accumulators, in
-      // flight across its back edge, are read in its body. Nor is any MMA, wait or
-      // accumulator read inside a branch that ptxas cannot prove uniform (it serializes
-      // those too): B's MMAs and epilogue run even where B is past the row group's tiles
-      // or fails the guard, on whatever its ring tile holds (its copy may still be landing),
-      // with no store and no release; B then runs as a fallback tile in the next step,
-      // which waits for its copy.
+      // T = WGI8_PIPE key tiles per step: tile t + 1's first chain goes in under tile t's
+      // second epilogue, its second chain under its own first epilogue. No MMA stays in
+      // flight from one step to the next: ptxas serializes every wgmma of a loop whose
+      // accumulators, in flight across its back edge, are read in its body. Nor is any
+      // MMA, wait or accumulator read inside a branch that ptxas cannot prove uniform (it
+      // serializes those too): a tile's MMAs and epilogues run even where it is past the
+      // row group's tiles or is invalid (it or a tile before it in the step fails the
+      // guard), on whatever its ring tile holds (its copy may still be landing), with no
+      // store and no release. The first invalid tile then runs as a fallback tile, which
+      // waits for its copy, and the next step starts after it.
+      constexpr int T = WGI8_PIPE;
       while (c < nchunks) {
         if (!ok) {
           // Its keys landed (every copy completes before its ring tile is refilled).
@@ -716,43 +720,61 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
           }
           continue;
         }
-        const float ck = ck_of(km);
-        const u32 ja = c * WGR_KEYS, cb = c + gridDim.x;
-        const u32 nslot = slot + 1 == WGI8_RING ? 0u : slot + 1;
-        const u32 nphase = nslot == 0 ? phase ^ 1u : phase;
-        mbar_wait(&kfull[slot], phase);
-        issue(0, slot);
-        issue(1, slot);
-        wgmma_wait<1>();
-        finish(0, ck, ja, true);
-        // B's windows are WGI8_NONE_INFO past the group's keys: the guard admits them.
-        const bool nb = guard(km) && cb < nchunks;
-        wgi8_prefetch_info(kinf, kinfo, ks, grp.z, cb + gridDim.x, warp, gid);
-        if (nb) mbar_wait(&kfull[nslot], nphase);
-        issue(0, nslot);
-        wgmma_wait<1>();
-        release(c, slot, true);
-        finish(1, ck, ja, true);
-        ++n_i8;
-        advance();
-        const float ckb = ck_of(km);
-        const u32 jb = c * WGR_KEYS;
-        issue(1, slot);
-        wgmma_wait<1>();
-        finish(0, ckb, jb, nb);
-        wgmma_wait<0>();
-        release(c, slot, nb);
-        finish(1, ckb, jb, nb);
-        if (nb) {
-          ++n_i8;
-          advance();
+        // A step: tiles c + t gridDim.x, t < T. Tile t + 1 is valid where tile t is, it
+        // passes the guard and it is one of the group's tiles (tile 0 passed already).
+        float ck = ck_of(km);
+        bool v = true;                    // tile t is valid
+        u32 ct = c, st = slot, pt = phase;  // tile t, its ring tile and that tile's phase
+        u32 nvalid = 0;
+        mbar_wait(&kfull[st], pt);
+        issue(0, st);
+        issue(1, st);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const u32 jt = ct * WGR_KEYS, cn = ct + gridDim.x;
+          const u32 sn = st + 1 == WGI8_RING ? 0u : st + 1;
+          const u32 pn = sn == 0 ? pt ^ 1u : pt;
+          wgmma_wait<1>();
+          finish(0, ck, jt, v);
+          bool vn = false;
+          if (t + 1 < T) {
+            // Tile t + 1's windows are WGI8_NONE_INFO past the group's keys: the guard
+            // admits them.
+            vn = guard(km) && v && cn < nchunks;
+            wgi8_prefetch_info(kinf, kinfo, ks, grp.z, cn + gridDim.x, warp, gid);
+            if (vn) mbar_wait(&kfull[sn], pn);
+            issue(0, sn);
+            wgmma_wait<1>();
+          } else {
+            wgmma_wait<0>();
+          }
+          release(ct, st, v);
+          finish(1, ck, jt, v);
+          nvalid += v ? 1u : 0u;
+          if (t + 1 < T) {
+            ck = ck_of(km);
+            issue(1, sn);
+          }
+          v = vn;
+          ct = cn;
+          st = sn;
+          pt = pn;
+        }
+        n_i8 += nvalid;
+        for (u32 i = 0; i < nvalid; ++i) advance();
+        if (nvalid == (u32)T) {
           if (c < nchunks) {
             ok = guard(km);
             if (c + gridDim.x < nchunks)
               wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
           }
         } else {
-          ok = false;  // tile c, if any, failed the guard
+          // Tile c failed the guard: it runs as a fallback tile next. kinf holds the
+          // windows of tile nvalid + 1 of the step; the guard after the fallback reads
+          // those of the tile after c.
+          ok = false;
+          if (T > 2 && c + gridDim.x < nchunks)
+            wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
         }
       }
     }
