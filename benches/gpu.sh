@@ -4,7 +4,7 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage --features tuning                                   # here
-#   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [torch] [ncu] [ncutk] [sanitize]
+#   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [pipe] [torch] [ncu] [ncutk] [sanitize]
 #        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
@@ -217,6 +217,28 @@ if has ab; then
     log "A/B $wl: ${hooks:+hooks $hooks }$defs (precision $prec)"
     DSA_CUDA_HOOKS="$hooks" DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json --precision "$prec" "$wl" --reps 5 >> "$OUT/summary.txt" 2>&1
   done
+fi
+
+if has pipe; then
+  # The opt-in pipelined eight-row loop (WGI8_PIPE=T): its int8 tests at T = 2 and 4
+  # first, then each T beside the default in alternating processes, two rounds on
+  # v41-chunk and one on v41-chunk-wide and v41-1m (pipe.txt, and the summary).
+  log "WGI8_PIPE"
+  for defs in "WGI8_PIPE=2" "WGI8_PIPE=4"; do
+    knob_tests "$defs" int8_exact exact_class boundary golden
+  done
+  for round in 1 2; do
+    for defs in "" "WGI8_PIPE=2" "WGI8_PIPE=4"; do
+      DSA_CUDA_DEFINES="$defs" timeout 60 $B/dsa-indexer bench --device cuda --json v41-chunk --reps 5 \
+        2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
+    done
+  done
+  for defs in "" "WGI8_PIPE=2" "WGI8_PIPE=4"; do
+    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json v41-chunk-wide v41-1m \
+      --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
+  done
+  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/pipe.txt" \
+    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
 
 if has ncu; then
