@@ -221,14 +221,15 @@ fi
 
 if has pipe; then
   # The opt-in pipelined eight-row loop (WGI8_PIPE=T): its int8 tests at T = 2 and 4
-  # first, then each T beside the default in alternating processes, two rounds on
+  # (and at T = 4 with two blocks per SM, where 222 registers hold it without spills)
+  # first, then each beside the default in alternating processes, two rounds on
   # v41-chunk and one on v41-chunk-wide and v41-1m (pipe.txt, and the summary).
   log "WGI8_PIPE"
-  for defs in "WGI8_PIPE=2" "WGI8_PIPE=4"; do
+  for defs in "WGI8_PIPE=2" "WGI8_PIPE=4" "WGI8_PIPE=4 WGI8_R8_MIN_BLOCKS=2"; do
     knob_tests "$defs" int8_exact exact_class boundary golden
   done
   for round in 1 2; do
-    for defs in "" "WGI8_PIPE=2" "WGI8_PIPE=4"; do
+    for defs in "" "WGI8_PIPE=2" "WGI8_PIPE=4" "WGI8_PIPE=4 WGI8_R8_MIN_BLOCKS=2"; do
       DSA_CUDA_DEFINES="$defs" timeout 60 $B/dsa-indexer bench --device cuda --json v41-chunk --reps 5 \
         2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
     done
