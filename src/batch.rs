@@ -184,6 +184,10 @@ impl Batch {
     pub fn query_starts(&self) -> Option<&[usize]> {
         self.query_starts.as_deref()
     }
+    /// The most keys a row sees: `max n` over rows (0 without rows).
+    pub fn longest_row(&self) -> usize {
+        self.rows.iter().map(|r| r.n).max().unwrap_or(0)
+    }
     /// `sum n` over rows: the number of (row, visible key) pairs.
     pub fn valid_pairs(&self) -> usize {
         self.rows

@@ -16,6 +16,9 @@ fn worked_examples_of_the_spec() {
     assert_eq!(ks_ke(&b), (vec![0, 0, 0, 10, 10], vec![8, 9, 10, 13, 14]));
     let b = Batch::contiguous(&[10, 4], &[7, 2], 2).unwrap();
     assert_eq!(ks_ke(&b), (vec![0, 0, 0, 5, 5], vec![4, 4, 5, 6, 7]));
+    // n = ke - ks: 4, 4, 5, 1, 2.
+    assert_eq!(b.longest_row(), 5);
+    assert_eq!(Batch::contiguous(&[3], &[3], 1).unwrap().longest_row(), 0);
 }
 
 #[test]

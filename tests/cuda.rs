@@ -1870,11 +1870,13 @@ fn topk_cluster_one_row_for_the_sanitizers() {
     assert_eq!(paths.sampled + paths.resampled, want, "{paths:?}");
 }
 
-/// Whether key j of a row of n keys lies in one of the top-k sample's 128 chunks of 32
-/// (chunk c starts at c (n - 32) / 127, as topk.cu's sampled_candidates draws them).
+/// Whether key j of a row of n keys lies in one of the top-k sample's `TOPK_SEL_CAP / 32`
+/// chunks of 32 (chunk c starts at c (n - 32) / (chunks - 1), as topk.cu's
+/// sampled_candidates draws them).
 fn in_sample(n: usize, j: usize) -> bool {
-    (0..128usize).any(|c| {
-        let s = c * (n - 32) / 127;
+    let chunks = kernels::TOPK_SEL_CAP / 32;
+    (0..chunks).any(|c| {
+        let s = c * (n - 32) / (chunks - 1);
         (s..s + 32).contains(&j)
     })
 }
@@ -2573,7 +2575,7 @@ fn same_bits_for_every_budget_and_every_run() {
     );
     let first = run_backend(&mut b, &p, usize::MAX).unwrap().0;
     let first_logits = b.logits(&p, usize::MAX).unwrap();
-    let one_row = p.batch.rows().iter().map(|r| r.n).max().unwrap() * 4;
+    let one_row = p.batch.longest_row() * 4;
     for budget in [
         1usize,
         one_row / 2,
@@ -3799,7 +3801,7 @@ fn check_tolerance_budgets(b: &mut CudaBackend, tag: &str, p: &Problem) {
     if bits(&got_logits) == bits(&want_logits) {
         check_outputs(&format!("{tag}: same logits"), &first, &reference::run(p));
     }
-    let one_row = p.batch.rows().iter().map(|r| r.n).max().unwrap() * 4;
+    let one_row = p.batch.longest_row() * 4;
     for budget in [1usize, one_row / 2, one_row, 3 * one_row, 1 << 16, 1 << 20] {
         let (out, plan) = run_backend(b, p, budget).unwrap();
         check_outputs(

@@ -184,8 +184,7 @@ pub(super) fn footprint(rows: usize, longest: usize, topk: usize, sms: usize) ->
 
 /// [`footprint`] of a run over `batch` at `K = topk`.
 pub(super) fn batch_footprint(batch: &Batch, topk: usize, sms: usize) -> RowFootprint {
-    let longest = batch.rows().iter().map(|r| r.n).max().unwrap_or(0);
-    footprint(batch.num_rows(), longest, topk, sms)
+    footprint(batch.num_rows(), batch.longest_row(), topk, sms)
 }
 
 /// Whether rows of at most `max_n` keys stay whole at `K = topk` whatever the tile:
@@ -386,8 +385,7 @@ pub(super) fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
         }
     }
     if s.consumer {
-        let max_n = batch.rows().iter().map(|r| r.n).max().unwrap_or(0);
-        let bytes = max_n.div_ceil(s.block_size).div_ceil(32) * 4;
+        let bytes = batch.longest_row().div_ceil(s.block_size).div_ceil(32) * 4;
         if bytes > MAX_BITMAP_BYTES {
             return Err(Error::range(
                 "block_size",
@@ -480,9 +478,12 @@ impl RowMeta {
         }
         // A consumer row's bitmap of kept blocks, then (from a 16-byte boundary) the
         // shared-memory row: the top-k launch's dynamic shared memory.
-        let longest = rows.iter().map(|r| r.n).max().unwrap_or(0);
         m.bitmap_words = if shape.consumer {
-            longest.div_ceil(shape.block_size).div_ceil(32).max(1) as u32
+            batch
+                .longest_row()
+                .div_ceil(shape.block_size)
+                .div_ceil(32)
+                .max(1) as u32
         } else {
             0
         };
