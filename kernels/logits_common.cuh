@@ -282,13 +282,25 @@ __device__ __forceinline__ RowOut row_out(float *__restrict__ logits, const u64 
   const u32 row = grp.x + r;
   return {logits + row_off[row], row_n[row]};
 }
+// A logit as stored: a NaN as the contract's 0xFFC00000.
+__device__ __forceinline__ float stored_logit(float logit) {
+  if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+  return logit;
+}
 // Stores a wgmma kernel's logit of the lane's row o (row_out) and key j = jg (+ 8 on
 // odd lanes, after the head sum) if the row sees it, a NaN as the contract's 0xFFC00000.
 __device__ __forceinline__ void store_row_logit(const RowOut o, const u32 jg, const bool odd,
                                                 float logit) {
-  if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+  logit = stored_logit(logit);
   const u32 j = jg + (odd ? 8 : 0);
   if (j < o.n) o.out[j] = logit;
+}
+// store_row_logit where `valid` holds, as one predicated store (no branch: a caller with
+// wgmma in flight keeps them asynchronous).
+__device__ __forceinline__ void store_row_logit_if(const bool valid, const RowOut o, const u32 jg,
+                                                   const bool odd, const float logit) {
+  const u32 j = jg + (odd ? 8 : 0);
+  st_global_f32_if(valid && j < o.n, o.out + (j < o.n ? j : 0), stored_logit(logit));
 }
 // store_row_logit of row r of the group (if the group has it), its row read here. Kept
 // apart from store_row_logit on purpose: the default-mode kernels w16 and wgr were
@@ -297,7 +309,7 @@ __device__ __forceinline__ void store_row_logit(const RowOut o, const u32 jg, co
 __device__ __forceinline__ void store_logit(float *__restrict__ logits, const u64 *row_off,
                                             const u32 *row_n, const uint4 grp, const u32 r,
                                             const u32 jg, const bool odd, float logit) {
-  if (logit != logit) logit = __uint_as_float(0xFFC00000u);
+  logit = stored_logit(logit);
   if (r < grp.y) {
     const u32 row = grp.x + r;
     const u32 j = jg + (odd ? 8 : 0);

@@ -670,12 +670,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
         float o[2];
         wgi8_epilogue(y[m], svm, WGI8_MMA_ROWS * m, ck, neg, tig, odd, hi, o);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const RowOut ro = srow[WGI8_MMA_ROWS * m + 2 * i + (hi ? 1 : 0)];
-          const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
-          const float x = o[i] != o[i] ? __uint_as_float(0xFFC00000u) : o[i];
-          st_global_f32_if(valid && j < ro.n, ro.out + (j < ro.n ? j : 0), x);
-        }
+        for (int i = 0; i < 2; ++i)
+          store_row_logit_if(valid, srow[WGI8_MMA_ROWS * m + 2 * i + (hi ? 1 : 0)],
+                             j0 + 16 * warp + gid, odd, o[i]);
       };
       // ck = 2^(kmin - 127) of this thread's key (ue8m0_pow2(kmin, 0) as a select: no
       // branch while MMAs are in flight).
