@@ -697,7 +697,7 @@ mod x86 {
 }
 
 /// The engine's logits for every row of `p`, rows concatenated (`f32 [sum n]`, the
-/// layout of [`crate::reference::logits`]), on `isa`, single-threaded. For tests that
+/// layout of [`crate::reference::logits()`]), on `isa`, single-threaded. For tests that
 /// hold the engine bitwise to the reference.
 pub fn engine_logits(p: &Problem, isa: Isa) -> Vec<f32> {
     let rows = p.batch.rows();

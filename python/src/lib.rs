@@ -1,11 +1,11 @@
 //! `dsa_indexer._native`: the library's CPU reference, plan, dumps and SPEC 9 judge
 //! for Python. The Python package `dsa_indexer` wraps these functions; their
-//! arguments arrive as one dict per layer ([`layer::Layer::from_dict`]).
+//! arguments arrive as one dict per layer (`layer::Layer::from_dict`).
 //!
 //! Errors: a library error naming bad input is a `ValueError` carrying the library's
 //! message; a backend failure (no GPU, a driver or NVRTC error) a `RuntimeError`; a file
 //! that cannot be read or written an `OSError`. Every entry point runs inside
-//! [`guard`], so a panic, which would be a bug, is a `RuntimeError` and not an abort.
+//! `guard`, so a panic, which would be a bug, is a `RuntimeError` and not an abort.
 
 #[cfg(feature = "cuda")]
 mod cuda;

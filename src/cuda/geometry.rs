@@ -546,7 +546,7 @@ impl RowMeta {
 }
 
 /// The logits entry of a tile of rows `rows[tile]` of variant `v` under `hooks` in a run
-/// that has pre-decoded keys or not (`predecoded`, [`predecoded_keys`]): the entry, rows
+/// that has pre-decoded keys or not (`predecoded`, `predecoded_keys`): the entry, rows
 /// per block, threads per block. [`kernels::logits_entry`] over the tile's row groups
 /// (prefill's tiles take the wide entry; decode's rows of one to four per request do
 /// not), except that in a run without pre-decoded keys a tile whose entry reads them

@@ -1,7 +1,7 @@
 //! The oracle: SPEC 4 to 6 as the formulas read, one row at a time, rayon across rows.
 //!
 //! Every other path (the chunked driver, the fast CPU engine, CUDA) is tested against
-//! [`run`] and [`logits`]. [`int8_path`] is no part of the oracle: it models a kernel's
+//! [`run`] and [`logits()`]. [`int8_path`] is no part of the oracle: it models a kernel's
 //! arithmetic (the exact class on int8 tensor cores) and is tested against it.
 
 pub mod candidates;
