@@ -224,17 +224,25 @@ if has pipe; then
   # (and at T = 4 with two blocks per SM, where 222 registers hold it without spills)
   # first, then each beside the default in alternating processes, two rounds on
   # v41-chunk and one on v41-chunk-wide and v41-1m (pipe.txt, and the summary).
+  # A form that hangs (its ring's protocol has not run on a GPU before) is caught by one
+  # short run with a 60 s timeout and left out of the rest, so that it cannot take the
+  # call's time in the tests' longer timeouts.
   log "WGI8_PIPE"
+  forms=()
   for defs in "WGI8_PIPE=2" "WGI8_PIPE=4" "WGI8_PIPE=4 WGI8_R8_MIN_BLOCKS=2"; do
+    DSA_CUDA_DEFINES="$defs" timeout 60 $B/dsa-indexer bench --device cuda v41-chunk --reps 1 > /dev/null 2>> "$OUT/pipe.txt"
+    rc=$?
+    if [ $rc != 0 ]; then echo "$defs: one v41-chunk run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
+    forms+=("$defs")
     knob_tests "$defs" int8_exact exact_class boundary golden
   done
   for round in 1 2; do
-    for defs in "" "WGI8_PIPE=2" "WGI8_PIPE=4" "WGI8_PIPE=4 WGI8_R8_MIN_BLOCKS=2"; do
+    for defs in "" ${forms[@]+"${forms[@]}"}; do
       DSA_CUDA_DEFINES="$defs" timeout 60 $B/dsa-indexer bench --device cuda --json v41-chunk --reps 5 \
         2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
     done
   done
-  for defs in "" "WGI8_PIPE=2" "WGI8_PIPE=4"; do
+  for defs in "" ${forms[@]+"${forms[@]}"}; do
     DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json v41-chunk-wide v41-1m \
       --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
   done
