@@ -356,9 +356,13 @@ impl Engine {
             (Isa::Avx2, 64) => unsafe { x86::tol_avx2::<2>(self, r, q_fp4, k_fp4, out) },
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, _) => unsafe { x86::tol_avx2::<4>(self, r, q_fp4, k_fp4, out) },
-            (_, 32) => tolerance_block_with::<1>(self, r, q_fp4, k_fp4, out),
-            (_, 64) => tolerance_block_with::<2>(self, r, q_fp4, k_fp4, out),
-            _ => tolerance_block_with::<4>(self, r, q_fp4, k_fp4, out),
+            (_, 32) => {
+                tolerance_block_with::<1>(self, r, q_fp4, k_fp4, out, group_sums_portable::<1>)
+            }
+            (_, 64) => {
+                tolerance_block_with::<2>(self, r, q_fp4, k_fp4, out, group_sums_portable::<2>)
+            }
+            _ => tolerance_block_with::<4>(self, r, q_fp4, k_fp4, out, group_sums_portable::<4>),
         }
     }
 
@@ -462,6 +466,9 @@ fn heads_pairwise(terms: &mut [[f32; LANES]; 64], n: usize, out: &mut [f32; LANE
 /// order is free), `t_g = s_g * c_g` with the fp4 side's group scale, the f64 pairwise
 /// sum over groups rounded once to f32, `w * relu(a)`, the f32 pairwise sum over heads,
 /// then `* kscale` for E4M3 keys.
+///
+/// `sums(q, kb, s)` fills `s[g]` with the `G` group sums of one head's query values `q`
+/// (`[D]`) against the key block's values `kb` (`[D]` of `LANES` keys).
 #[inline(always)]
 fn tolerance_block_with<const G: usize>(
     e: &Engine,
@@ -469,23 +476,16 @@ fn tolerance_block_with<const G: usize>(
     q_fp4: bool,
     k_fp4: bool,
     out: &mut [f32; LANES],
+    mut sums: impl FnMut(&[f64], &[[f64; LANES]], &mut [[f64; LANES]; 4]),
 ) {
     let (h, d) = (e.heads, e.dim);
-    let kb = &e.k_block_f64;
+    let (kb, _) = e.k_block_f64.as_chunks::<LANES>();
+    let kb = &kb[..d];
     let mut terms = [[0f32; LANES]; 64];
     for (hh, term) in terms.iter_mut().enumerate().take(h) {
         let base = (r * h + hh) * d;
-        let q = &e.q_f64[base..base + d];
         let mut s = [[0f64; LANES]; 4];
-        for (g, sg) in s.iter_mut().enumerate().take(G) {
-            for dd in 0..32 {
-                let qd = q[g * 32 + dd];
-                let kd = &kb[(g * 32 + dd) * LANES..(g * 32 + dd + 1) * LANES];
-                for l in 0..LANES {
-                    sg[l] += qd * kd[l];
-                }
-            }
-        }
+        sums(&e.q_f64[base..base + d], kb, &mut s);
         let mut t = [[0f64; LANES]; 4];
         for g in 0..G {
             for l in 0..LANES {
@@ -513,6 +513,18 @@ fn tolerance_block_with<const G: usize>(
     if !k_fp4 {
         for (o, s) in out.iter_mut().zip(&e.k_block_kscale) {
             *o *= s;
+        }
+    }
+}
+
+/// Portable group sums for [`tolerance_block_with`]: one group after another.
+fn group_sums_portable<const G: usize>(q: &[f64], kb: &[[f64; LANES]], s: &mut [[f64; LANES]; 4]) {
+    for (g, sg) in s.iter_mut().enumerate().take(G) {
+        for dd in 0..32 {
+            let (qd, kd) = (q[g * 32 + dd], &kb[g * 32 + dd]);
+            for l in 0..LANES {
+                sg[l] += qd * kd[l];
+            }
         }
     }
 }
@@ -596,7 +608,12 @@ mod x86 {
     use super::{block_with, Engine, HEAD_BLOCK, LANES};
     use std::arch::x86_64::*;
 
-    /// Tolerance class on AVX-512 (the lane loops vectorize over 8 f64 lanes).
+    /// Tolerance class on AVX-512: the group sums as `vfmadd231pd` chains over the block's
+    /// two vectors of 8 keys. A group's dims are split over `4 / G` chains (dims `c`,
+    /// `c + 4 / G`, ...), so that every `G` runs four chains a vector. A fused
+    /// multiply-add rounds once where a multiply and an add round twice; here neither
+    /// rounds (every product and partial sum is exact, [`super::tolerance_block_with`]),
+    /// so the sums are the same bits.
     #[target_feature(enable = "avx512f,avx2")]
     pub(super) unsafe fn tol_avx512<const G: usize>(
         e: &Engine,
@@ -605,10 +622,41 @@ mod x86 {
         k_fp4: bool,
         out: &mut [f32; LANES],
     ) {
-        super::tolerance_block_with::<G>(e, r, q_fp4, k_fp4, out)
+        super::tolerance_block_with::<G>(e, r, q_fp4, k_fp4, out, |q, kb, s| {
+            let p = 4 / G;
+            let mut acc = [[_mm512_setzero_pd(); 2]; 4];
+            for dd in (0..32).step_by(p) {
+                for g in 0..G {
+                    for c in 0..p {
+                        let d = 32 * g + dd + c;
+                        let (qd, kd) = (_mm512_set1_pd(q[d]), kb[d].as_ptr());
+                        let a = &mut acc[g * p + c];
+                        // SAFETY: kd points at LANES = 16 f64.
+                        a[0] = _mm512_fmadd_pd(qd, unsafe { _mm512_loadu_pd(kd) }, a[0]);
+                        a[1] = _mm512_fmadd_pd(qd, unsafe { _mm512_loadu_pd(kd.add(8)) }, a[1]);
+                    }
+                }
+            }
+            for g in 0..G {
+                let mut v = acc[g * p];
+                for c in 1..p {
+                    v = [
+                        _mm512_add_pd(v[0], acc[g * p + c][0]),
+                        _mm512_add_pd(v[1], acc[g * p + c][1]),
+                    ];
+                }
+                // SAFETY: s[g] holds LANES = 16 f64.
+                unsafe {
+                    _mm512_storeu_pd(s[g].as_mut_ptr(), v[0]);
+                    _mm512_storeu_pd(s[g].as_mut_ptr().add(8), v[1]);
+                }
+            }
+        })
     }
 
-    /// Tolerance class on AVX2.
+    /// Tolerance class on AVX2: the group sums as multiply and add chains, half the block
+    /// (8 keys, two vectors of 4) at a time, so that the eight chains and their operands
+    /// fit the 16 registers; `4 / G` chains a group as in [`tol_avx512`].
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn tol_avx2<const G: usize>(
         e: &Engine,
@@ -617,7 +665,42 @@ mod x86 {
         k_fp4: bool,
         out: &mut [f32; LANES],
     ) {
-        super::tolerance_block_with::<G>(e, r, q_fp4, k_fp4, out)
+        super::tolerance_block_with::<G>(e, r, q_fp4, k_fp4, out, |q, kb, s| {
+            let p = 4 / G;
+            for half in 0..2 {
+                let mut acc = [[_mm256_setzero_pd(); 2]; 4];
+                for dd in (0..32).step_by(p) {
+                    for g in 0..G {
+                        for c in 0..p {
+                            let d = 32 * g + dd + c;
+                            let qd = _mm256_set1_pd(q[d]);
+                            let kd = kb[d][8 * half..].as_ptr();
+                            let a = &mut acc[g * p + c];
+                            // SAFETY: kd points at 8 f64.
+                            let (k0, k1) =
+                                unsafe { (_mm256_loadu_pd(kd), _mm256_loadu_pd(kd.add(4))) };
+                            a[0] = _mm256_add_pd(a[0], _mm256_mul_pd(qd, k0));
+                            a[1] = _mm256_add_pd(a[1], _mm256_mul_pd(qd, k1));
+                        }
+                    }
+                }
+                for g in 0..G {
+                    let mut v = acc[g * p];
+                    for c in 1..p {
+                        v = [
+                            _mm256_add_pd(v[0], acc[g * p + c][0]),
+                            _mm256_add_pd(v[1], acc[g * p + c][1]),
+                        ];
+                    }
+                    // SAFETY: s[g][8 half ..] holds 8 f64.
+                    unsafe {
+                        let o = s[g][8 * half..].as_mut_ptr();
+                        _mm256_storeu_pd(o, v[0]);
+                        _mm256_storeu_pd(o.add(4), v[1]);
+                    }
+                }
+            }
+        })
     }
 
     /// AVX-512 VNNI: one `vpdpbusd` (biased u8 keys x i8 queries, four products a lane)

@@ -209,3 +209,47 @@ fn tolerance_group_sum_order_is_pairwise() {
         );
     }
 }
+
+/// The tolerance class's group sums at the ends of E4M3's range: in every group,
+/// `448 * 448` at its first dim, `-448 * 448` at its last and the smallest product,
+/// `2^-9 * 2^-9`, at the 30 between. Exact, `s_g = 30 * 2^-18`; an accumulator of
+/// fewer than 36 bits loses the small products next to the large ones, in any order the
+/// engine's chains take (one per group, or `4 / G` per group over interleaved dims).
+#[test]
+fn tolerance_group_sums_are_exact_across_e4m3s_range() {
+    let batch = Batch::contiguous(&[1], &[0], 1).unwrap();
+    let h = 8;
+    for d in [32, 64, 128] {
+        let code = |e: usize, last: u8| match e % 32 {
+            0 => 0x7E,  // 448
+            31 => last, // +-448
+            _ => 0x01,  // 2^-9
+        };
+        let q = Array3::from_shape_fn((1, h, d), |(_, _, e)| code(e, 0xFE));
+        let k = Array2::from_shape_fn((1, d), |(_, e)| code(e, 0x7E));
+        let ks = Array1::from_elem(1, 1.0f32);
+        let w = Array2::from_elem((1, h), 1.0f32);
+        let inputs = Inputs {
+            q: Queries::E4m3(q.view()),
+            k: Keys::E4m3 {
+                codes: k.view(),
+                scale: ks.view(),
+            },
+            weights: w.view(),
+            k_slots: None,
+        };
+        let p = Problem::new(&batch, inputs, Params::new(1), Role::Plain).unwrap();
+        let want = reference::logits(&p);
+        let exact = (h * d / 32 * 30) as f32 * 2f32.powi(-18);
+        assert_eq!(want, vec![exact], "D = {d}: the reference");
+        for isa in Isa::available() {
+            let got = engine_logits(&p, isa);
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                vec![exact.to_bits()],
+                "D = {d}, {}",
+                isa.name()
+            );
+        }
+    }
+}
