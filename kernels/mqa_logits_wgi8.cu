@@ -766,9 +766,10 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
               wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
           }
         } else {
-          // Tile c failed the guard: it runs as a fallback tile next. kinf holds the
-          // windows of tile nvalid + 1 of the step; the guard after the fallback reads
-          // those of the tile after c.
+          // Tile c failed the guard: it runs as a fallback tile next, and the guard after
+          // it reads the windows of tile c + gridDim.x. kinf holds those of the step's
+          // tile T: at T = 2 the same tile (c is the step's tile 1), at T > 2 they are
+          // read again.
           ok = false;
           if (T > 2 && c + gridDim.x < nchunks)
             wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
