@@ -431,12 +431,12 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
 // r >= 160), and a miss costs a second pass. (The midpoint for every K misses often at small K: at K = 512 and
 // n = 1 M the rank is 7, and the upper margin is narrower.)
 
-// Whether a row of n keys takes the sampled threshold at K <= TK_SEL_CAP (topk_row_fast
-// serves no larger K), for CAP candidate slots (MODE 0: f32 logits).
+// Whether a row of n keys takes the sampled threshold, for CAP candidate slots (MODE 0:
+// f32 logits); never at K > TK_SEL_CAP, which topk_row_fast does not serve.
 template <int MODE>
 __device__ __forceinline__ bool sampled_row(const u32 n, const u32 K, const u32 cap) {
-  return TK_SAMPLED && MODE == 0 && n >= TK_SAMPLE_MIN && n > (u32)TK_SAMPLE_RATIO * K &&
-         3u * K <= 2u * cap;
+  return TK_SAMPLED && MODE == 0 && K <= TK_SEL_CAP && n >= TK_SAMPLE_MIN &&
+         n > (u32)TK_SAMPLE_RATIO * K && 3u * K <= 2u * cap;
 }
 
 // ==== clusters (topk_cluster_f32) ====
@@ -1151,9 +1151,7 @@ __device__ __forceinline__ void topk_tile_row(
   const u32 n = row_n[row];
   if (TK_STOP == 9 || (SHORT ? n > row_cap : n < n_min)) return;
   // A cluster's other blocks serve sampled rows only; the first selects any other alone.
-  if (CL > 1 && cluster_rank() != 0u &&
-      !(K <= TK_SEL_CAP && sampled_row<0>(n, K, TopkWideSmem::cap)))
-    return;
+  if (CL > 1 && cluster_rank() != 0u && !sampled_row<0>(n, K, TopkWideSmem::cap)) return;
   if (cblocks) consumer_bitmap(smem, cblocks, row, num_blocks, bitmap_words);
   const RowSrc src{logits + row_off[row], 0u, cblocks ? smem : nullptr, block_size, ~0u,
                    nullptr};
