@@ -700,7 +700,8 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
   u32 t, unused, sampled;
   t = sample_threshold_22(sm, r, sampled);
-  if (TK_STOP == 1) return TK_SAMPLE_STOP;
+  // (A cluster's helper blocks stop as helpers: the first block counts the row's path.)
+  if (TK_STOP == 1) return CL > 1 && cluster_rank() != 0u ? TK_SAMPLE_HELPER : TK_SAMPLE_STOP;
   if (sampled < r) {  // fewer than r candidates sampled (a consumer's bitmap)
     __syncthreads();  // every thread has read misc before the caller's fallback resets it
     return CL > 1 && cluster_rank() != 0u ? TK_SAMPLE_HELPER : TK_SAMPLE_MISS;
