@@ -369,12 +369,11 @@ __device__ __forceinline__ void wgi8_prefetch_info(u32 (&kinf)[2], const u32 *ki
     kinf[kk] = j + 8 * kk >= nkeys ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 8 * kk];
 }
 
-// Thread 0: key tile c's 64 rows of k8 (from flat key ks + 64 c) into ring tile `tile`,
-// completing on `bar`.
+// Key tile c's 64 rows of k8 (from flat key ks + 64 c) into ring tile `tile`, completing
+// on `bar`, issued by one thread where p holds (predicated instructions, no branch).
 __device__ __forceinline__ void wgi8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *k8map,
-                                               const u32 ks, const u32 c) {
-  mbar_arrive_expect_tx(bar, WGI8_KTILE_BYTES);
-  tma_load_2d(tile, k8map, bar, 0, (int)(ks + c * WGR_KEYS));
+                                               const u32 ks, const u32 c, const bool p = true) {
+  tma_load_2d_expect_if(p, tile, k8map, bar, WGI8_KTILE_BYTES, 0, (int)(ks + c * WGR_KEYS));
 }
 
 // Counts a block's tiles on each path (thread 0; every thread calls it).
@@ -660,9 +659,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
             __shfl_sync(FULL_MASK, atom_add_shared_if(valid && lane == 0, &kdone[s], 1u), 0) + 1u;
         __threadfence_block();
         const u32 cr = c + WGI8_RING * gridDim.x;
-        tma_load_2d_expect_if(valid && lane == 0 && done % (WGR_THREADS / 32) == 0u && cr < nchunks,
-                              ring + s * WGI8_KTILE_BYTES, k8map, &kfull[s], WGI8_KTILE_BYTES, 0,
-                              (int)(ks + cr * WGR_KEYS));
+        wgi8_tma_issue(ring + s * WGI8_KTILE_BYTES, &kfull[s], k8map, ks, cr,
+                       valid && lane == 0 && done % (WGR_THREADS / 32) == 0u && cr < nchunks);
       };
       // Four rows m's epilogue and stores (where valid), rows 4 m + hi and 4 m + 2 + hi.
       auto finish = [&](const int m, const float ck, const u32 j0, const bool valid) {
