@@ -97,27 +97,7 @@ fn chunked_driver_reproduces_every_golden_file_at_several_budgets() {
         for budget in [1usize, 64, 1000, 1 << 20, usize::MAX] {
             let (out, plan) = run_cpu(&p, budget).unwrap();
             let tag = format!("{name} at budget {budget} ({} tiles)", plan.tiles.len());
-            check(
-                &tag,
-                "raw",
-                out.raw.as_slice().unwrap(),
-                e.raw.as_ref().unwrap().as_slice().unwrap(),
-            );
-            check(
-                &tag,
-                "page",
-                out.page.as_slice().unwrap(),
-                e.page.as_ref().unwrap().as_slice().unwrap(),
-            );
-            if let Some(want) = &e.published {
-                let got = out.published.as_ref().expect("published");
-                check(
-                    &tag,
-                    "published",
-                    got.blocks.as_slice().unwrap(),
-                    want.as_slice().unwrap(),
-                );
-            }
+            check_expected_outputs(&tag, &p, &out, e);
         }
     }
 }
