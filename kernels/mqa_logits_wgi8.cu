@@ -617,6 +617,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
     }
   };
   if (PIPE && q_i8) {
+    // (if constexpr: the one-tile build does not instantiate the pipelined loop, whose
+    // static_asserts and T = WGI8_PIPE hold only where it is on; the run-time test keeps
+    // the else branches below one chain.)
     if constexpr (PIPE) {
       constexpr int M = R / WGI8_MMA_ROWS;
       static_assert(M == 2, "the pipelined loop alternates two accumulator sets");
