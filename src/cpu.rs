@@ -18,7 +18,10 @@
 //!
 //! **Tolerance class (any E4M3 side).** Exact f64 group sums (every partial sum of
 //! products of E4M3/E2M1 values is exact in f64, so any order gives `s_g`), then the
-//! f64 pairwise sum over groups, rounded once to f32, as the reference does.
+//! f64 pairwise sum over groups, rounded once to f32, as the reference does. Since the
+//! order is free, the sums run as independent vector chains over the key block (four a
+//! vector, a group's dims split between them where `G < 4`): fused multiply-adds on
+//! AVX-512 (neither form rounds anything here), multiplies and adds on AVX2.
 
 use crate::batch::Row;
 use crate::formats::{e2m1, e4m3, ue8m0};
