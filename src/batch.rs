@@ -27,6 +27,17 @@ pub struct Row {
 }
 
 impl Row {
+    /// The row at position `p` of request `b` (`r`, its entry in the batch) under
+    /// compression ratio `ratio`: it sees the keys `j < (p + 1) / ratio` (SPEC 3).
+    fn at(b: usize, r: &Request, p: usize, ratio: usize) -> Row {
+        Row {
+            request: b,
+            position: p,
+            n: (p + 1) / ratio,
+            ks: r.key_offset,
+        }
+    }
+
     /// `ke = ks + n`: end of the visible keys in the flat key buffer.
     pub fn ke(&self) -> usize {
         self.ks + self.n
@@ -91,14 +102,7 @@ impl Batch {
         rows.try_reserve_exact(total)
             .map_err(|_| Error::overflow("rows T"))?;
         for (b, (r, &q0)) in reqs.iter().zip(query_starts).enumerate() {
-            for p in q0..r.seq_len {
-                rows.push(Row {
-                    request: b,
-                    position: p,
-                    n: (p + 1) / ratio,
-                    ks: r.key_offset,
-                });
-            }
+            rows.extend((q0..r.seq_len).map(|p| Row::at(b, r, p, ratio)));
         }
         Ok(Batch {
             ratio,
@@ -141,12 +145,7 @@ impl Batch {
                     "position < seq_len of its request",
                 ));
             }
-            rows.push(Row {
-                request: b,
-                position: p,
-                n: (p + 1) / ratio,
-                ks: r.key_offset,
-            });
+            rows.push(Row::at(b, r, p, ratio));
         }
         Ok(Batch {
             ratio,
