@@ -39,7 +39,8 @@
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
-# `run --device cuda`, about 4 minutes; each on request). The golden files are read from
+# `run --device cuda`, about 4 minutes, and with SAN_PIPE=T a racecheck of the pipelined
+# eight-row loop at WGI8_PIPE=T; each on request). The golden files are read from
 # tests/golden unless $DSA_GOLDEN_DIR says otherwise.
 #
 # Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
@@ -328,7 +329,17 @@ if has sanitize; then
   san initcheck initcheck 25 $T special_values golden_vectors
   san synccheck synccheck 40 $T special_values golden_vectors topk_cluster_one_row_for_the_sanitizers
   san run-memcheck memcheck 30 $B/dsa-indexer run --device cuda --json
-  echo "sanitize: $san_fail of 5 runs failed" | tee -a "$OUT/summary.txt"
+  runs=5
+  # SAN_PIPE=T: racecheck the boundary sizes once more with the pipelined eight-row loop
+  # (WGI8_PIPE=T), for its ring's shared counts. (Its copies and MMAs are the async
+  # proxy's, which racecheck does not track; the tests' bitwise checks cover those.)
+  if [ -n "${SAN_PIPE:-}" ]; then
+    export DSA_CUDA_DEFINES="WGI8_PIPE=$SAN_PIPE"
+    san "racecheck-pipe$SAN_PIPE" racecheck 120 $T --exact boundary_sizes_from_the_kernel_constants
+    unset DSA_CUDA_DEFINES
+    runs=6
+  fi
+  echo "sanitize: $san_fail of $runs runs failed" | tee -a "$OUT/summary.txt"
 fi
 
 if has old; then
