@@ -67,7 +67,8 @@
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),
 #   WGI8_PIPE (T = 2 to 8: the eight-row entry over pre-decoded keys takes T key tiles at a
-#   time, each tile's MMAs under the epilogues of the one before; 0, the default, one at a time); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
+#   time, each tile's MMAs under the epilogues of the one before; 0, the default, one at a time),
+#   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -226,12 +227,13 @@ if has pipe; then
   # first, then each beside the default in alternating processes, two rounds on
   # v41-chunk and one on v41-chunk-wide and v41-1m (pipe.txt, and the summary).
   # A form that hangs (its ring's protocol has not run on a GPU before) is caught by one
-  # short run with a 60 s timeout and left out of the rest, so that it cannot take the
-  # call's time in the tests' longer timeouts.
+  # short run first, with MBAR_WATCHDOG (a wait that never ends traps: the launch fails)
+  # and a 60 s timeout, and left out of the rest, so that it cannot take the call's time
+  # in the tests' longer timeouts.
   log "WGI8_PIPE"
   forms=()
   for defs in "WGI8_PIPE=2" "WGI8_PIPE=4" "WGI8_PIPE=4 WGI8_R8_MIN_BLOCKS=2"; do
-    DSA_CUDA_DEFINES="$defs" timeout 60 $B/dsa-indexer bench --device cuda v41-chunk --reps 1 > /dev/null 2>> "$OUT/pipe.txt"
+    DSA_CUDA_DEFINES="$defs MBAR_WATCHDOG=24" timeout -k 10 60 $B/dsa-indexer bench --device cuda v41-chunk --reps 1 > /dev/null 2>> "$OUT/pipe.txt"
     rc=$?
     if [ $rc != 0 ]; then echo "$defs: one v41-chunk run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
     forms+=("$defs")

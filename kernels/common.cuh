@@ -428,14 +428,34 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u64 *bar, u32 bytes) {
 __device__ __forceinline__ void mbar_arrive(u64 *bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
+// MBAR_WATCHDOG=N (tuning): an mbarrier wait traps after 2^N failed tries, so that a
+// kernel that would wait forever (a copy never issued) fails its launch instead of
+// hanging the process. 0, the default: no count.
+#ifndef MBAR_WATCHDOG
+#define MBAR_WATCHDOG 0
+#endif
 // Waits until the barrier's phase of parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(u64 *bar, u32 parity) {
+#if MBAR_WATCHDOG
+  for (u32 tries = 0;; ++tries) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (tries >> MBAR_WATCHDOG) __trap();
+  }
+#else
   asm volatile(
       "{\n.reg .pred p;\nMBAR_WAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       "@!p bra MBAR_WAIT;\n}\n" ::"r"(smem_u32(bar)),
       "r"(parity)
       : "memory");
+#endif
 }
 // The box of tensor map `map` at coordinates (c0, c1[, c2]) into shared memory at dst,
 // completing its bytes on `bar`. Coordinates past the tensor read as zeros.
