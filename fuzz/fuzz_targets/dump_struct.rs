@@ -19,7 +19,7 @@ use arbitrary::{Arbitrary, Unstructured};
 use dsa_indexer::dump::{Dump, Expected};
 use dsa_indexer::{reference, Error};
 use fuzz_common::case::{check_output, check_plan, Spec};
-use fuzz_common::dump_file::{dump_of, Break, File, Keep, TENSORS};
+use fuzz_common::dump_file::{assert_same_dump, dump_of, Break, File, Keep, TENSORS};
 use fuzz_common::{kind, STATS};
 use libfuzzer_sys::fuzz_target;
 
@@ -44,23 +44,6 @@ fn problem_part(d: &Dump) -> Dump {
     d.meta.description.clear();
     d.expected = Expected::default();
     d
-}
-
-/// `got` is `want`: the bytes the crate writes of each are the same, and so are the
-/// values wherever `want` is equal to itself. (A float tensor may hold a NaN, the
-/// reference's logits or a breaking mutation's bytes, and a NaN is not equal to itself
-/// under `PartialEq`; the bytes compare it bitwise.)
-fn assert_same_dump(got: &Dump, want: &Dump, what: &str) {
-    assert!(
-        got.to_bytes().expect("a parsed dump serialises")
-            == want.to_bytes().expect("a parsed dump serialises"),
-        "{what}: the bytes written differ"
-    );
-    #[allow(clippy::eq_op)]
-    let reflexive = want == want;
-    if reflexive {
-        assert_eq!(got, want, "{what}");
-    }
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -18,6 +18,23 @@ use dsa_indexer::reference::{self, Output};
 use crate::case::Spec;
 use crate::Rng;
 
+/// `got` is `want`: the bytes the crate writes of each are the same, and so are the
+/// values wherever `want` is equal to itself. (A float tensor may hold a NaN, the
+/// reference's logits or a breaking mutation's bytes, and a NaN is not equal to itself
+/// under `PartialEq`; the bytes compare it bitwise.)
+pub fn assert_same_dump(got: &Dump, want: &Dump, what: &str) {
+    assert!(
+        got.to_bytes().expect("a parsed dump serialises")
+            == want.to_bytes().expect("a parsed dump serialises"),
+        "{what}: the bytes written differ"
+    );
+    #[allow(clippy::eq_op)]
+    let reflexive = want == want;
+    if reflexive {
+        assert_eq!(got, want, "{what}");
+    }
+}
+
 /// A valid dump of the spec's layer (no defect), and the reference's outputs of its
 /// problem. `None` when the spec's consumer has no candidates to take (no source rows).
 pub fn dump_of(spec: &Spec) -> Option<(Dump, Output)> {
