@@ -80,7 +80,7 @@ fuzz_target!(|data: &[u8]| {
     let l: Option<u128> = (ratio > 0).then(|| seq_lens.iter().map(|&s| (s / ratio) as u128).sum());
     let keys_ok = l.is_some_and(|l| l <= usize::MAX as u128);
 
-    let (result, rows, expect_ok) = if mode % 2 == 0 {
+    let (result, rows, expect_ok) = if mode.is_multiple_of(2) {
         // Contiguous.
         let q0: Vec<usize> = recs
             .iter()

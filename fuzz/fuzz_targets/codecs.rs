@@ -168,11 +168,11 @@ fn check_quantizers(xs: &[f32], flags: u8) {
     };
     match quantize_fp4_blocks(xs, floor) {
         Err(_) => assert!(
-            xs.is_empty() || xs.len() % 32 != 0 || !finite,
+            xs.is_empty() || !xs.len().is_multiple_of(32) || !finite,
             "fp4 quantizer rejected a valid row"
         ),
         Ok((packed, scales)) => {
-            assert!(!xs.is_empty() && xs.len() % 32 == 0 && finite);
+            assert!(!xs.is_empty() && xs.len().is_multiple_of(32) && finite);
             assert_eq!((packed.len(), scales.len()), (xs.len() / 2, xs.len() / 32));
             for (g, grp) in xs.chunks(32).enumerate() {
                 let amax = grp.iter().fold(0f32, |a, v| a.max(v.abs()));

@@ -91,7 +91,7 @@ fn mutate(
         }
         4 => {
             let rows = table.nrows();
-            *table = if m.a % 2 == 0 && rows > 0 {
+            *table = if m.a.is_multiple_of(2) && rows > 0 {
                 table.slice(s![..rows - 1, ..]).to_owned()
             } else {
                 let mut n = Array2::from_elem((rows + 1, table.ncols()), -1);
@@ -99,7 +99,7 @@ fn mutate(
                 n
             };
         }
-        5 if table.len() > 0 => {
+        5 if !table.is_empty() => {
             let (r, c) = (m.a as usize % table.nrows(), m.b as usize % table.ncols());
             let n = pages as i32;
             table[[r, c]] = [
@@ -112,11 +112,11 @@ fn mutate(
                 v as i32,
             ][(v >> 24) as usize % 7];
         }
-        6 if kv.len() > 0 => {
+        6 if !kv.is_empty() => {
             let (r, c) = (m.a as usize % pages, m.b as usize % width);
             kv[[r, c]] = v as u8;
         }
-        7 if kv.len() > 0 => {
+        7 if !kv.is_empty() => {
             // A reserved code or scale byte somewhere in the page's value region.
             let r = m.a as usize % pages;
             match f {
@@ -131,7 +131,7 @@ fn mutate(
                 }
             }
         }
-        8 if kv.len() > 0 => {
+        8 if !kv.is_empty() => {
             // A bad E4M3 scale (or any E2M1 code byte) at one slot of a page.
             let r = m.a as usize % pages;
             match f {
@@ -149,7 +149,7 @@ fn mutate(
         9 => {
             let mut n = Array2::from_elem((pages + 1, width), v as u8);
             n.slice_mut(s![..pages, ..]).assign(kv);
-            *kv = if m.a % 2 == 0 && pages > 0 {
+            *kv = if m.a.is_multiple_of(2) && pages > 0 {
                 kv.slice(s![..pages - 1, ..]).to_owned()
             } else {
                 n

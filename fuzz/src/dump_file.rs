@@ -438,7 +438,7 @@ fn reencode(f: &mut File, want: &Dump, t: u8, variant: u8) {
     match (e.name.as_str(), e.dtype.as_str(), fmt) {
         ("q" | "k", "U8", Format::E4m3) => e.dtype = "F8_E4M3".into(),
         ("q" | "k", "U8", Format::E2m1) => {
-            if variant % 2 == 0 {
+            if variant.is_multiple_of(2) {
                 e.dtype = "I8".into();
             } else {
                 e.dtype = "F4".into();
@@ -446,7 +446,7 @@ fn reencode(f: &mut File, want: &Dump, t: u8, variant: u8) {
             }
         }
         ("q_scale" | "k_scale", "U8", Format::E2m1) => {
-            if variant % 3 == 0 {
+            if variant.is_multiple_of(3) {
                 e.dtype = "F8_E8M0".into();
             } else {
                 // One little-endian word per row: its byte g is group g.
@@ -583,11 +583,7 @@ impl Break {
                 if !e.shape.is_empty() {
                     let i = *i as usize % e.shape.len();
                     let elems: u64 = e.shape.iter().product();
-                    let per = if elems == 0 {
-                        0
-                    } else {
-                        e.data.len() as u64 / elems
-                    };
+                    let per = (e.data.len() as u64).checked_div(elems).unwrap_or(0);
                     e.shape[i] = *v as u64;
                     let want: u64 = e.shape.iter().product::<u64>() * per;
                     e.data.resize(want as usize, 0x11);

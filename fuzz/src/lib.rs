@@ -53,7 +53,7 @@ impl Stats {
             }
         });
         let n = self.total.fetch_add(1, Relaxed) + 1;
-        if (n >= 1024 && n.is_power_of_two()) || n % (1 << 17) == 0 {
+        if (n >= 1024 && n.is_power_of_two()) || n.is_multiple_of(1 << 17) {
             self.print("progress");
         }
     }
@@ -114,7 +114,9 @@ pub fn kind(e: &Error) -> &'static str {
 pub struct Rng(pub u64);
 
 impl Rng {
-    /// Next 64 random bits.
+    /// Next 64 random bits. (Not an `Iterator`: it never ends, and its callers want a
+    /// `u64`, not an `Option`.)
+    #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
