@@ -681,18 +681,25 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
         const u32 e = (u32)(odd ? km[1] : km[0]);
         return __uint_as_float(e != 0u ? e << 23 : 0x00400000u);
       };
+      // The ring tile after ring tile s, whose phase is p, and that tile's phase.
+      auto ring_next = [](const u32 s, const u32 p, u32 &sn, u32 &pn) {
+        sn = s + 1 == WGI8_RING ? 0u : s + 1;
+        pn = sn == 0 ? p ^ 1u : p;
+      };
       u32 c = blockIdx.x;
       auto advance = [&] {
         c += gridDim.x;
-        if (++slot == WGI8_RING) {
-          slot = 0;
-          phase ^= 1u;
-        }
+        ring_next(slot, phase, slot, phase);
       };
       int km[2];
-      bool ok = guard(km);
-      if (c + gridDim.x < nchunks)
-        wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
+      // The guard of tile c, then the next tile's windows into kinf.
+      auto guard_next = [&] {
+        const bool pass = guard(km);
+        if (c + gridDim.x < nchunks)
+          wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
+        return pass;
+      };
+      bool ok = guard_next();
       // T = WGI8_PIPE key tiles per step: tile t + 1's first chain goes in under tile t's
       // second epilogue, its second chain under its own first epilogue. No MMA stays in
       // flight from one step to the next: ptxas serializes every wgmma of a loop whose
@@ -711,11 +718,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
           release(c, slot, true);
           fallback_tile(c, c * WGR_KEYS);
           advance();
-          if (c < nchunks) {
-            ok = guard(km);
-            if (c + gridDim.x < nchunks)
-              wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
-          }
+          if (c < nchunks) ok = guard_next();
           continue;
         }
         // A step: tiles c + t gridDim.x, t < T. Tile t + 1 is valid where tile t is, it
@@ -730,8 +733,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
 #pragma unroll
         for (int t = 0; t < T; ++t) {
           const u32 jt = ct * WGR_KEYS, cn = ct + gridDim.x;
-          const u32 sn = st + 1 == WGI8_RING ? 0u : st + 1;
-          const u32 pn = sn == 0 ? pt ^ 1u : pt;
+          u32 sn, pn;
+          ring_next(st, pt, sn, pn);
           wgmma_wait<1>();
           finish(0, ck, jt, v);
           bool vn = false;
@@ -761,11 +764,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
         n_i8 += nvalid;
         for (u32 i = 0; i < nvalid; ++i) advance();
         if (nvalid == (u32)T) {
-          if (c < nchunks) {
-            ok = guard(km);
-            if (c + gridDim.x < nchunks)
-              wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
-          }
+          if (c < nchunks) ok = guard_next();
         } else {
           // Tile c failed the guard: it runs as a fallback tile next, and the guard after
           // it reads the windows of tile c + gridDim.x. kinf holds those of the step's
