@@ -384,17 +384,20 @@ pub(super) fn check_shape(s: &Shape, batch: &Batch) -> Result<()> {
             ));
         }
     }
-    if s.consumer {
-        let bytes = batch.longest_row().div_ceil(s.block_size).div_ceil(32) * 4;
-        if bytes > MAX_BITMAP_BYTES {
-            return Err(Error::range(
-                "block_size",
-                s.block_size,
-                "consumer rows need ceil(n / B) / 8 <= 160 KiB of shared memory on the CUDA backend",
-            ));
-        }
+    if s.consumer && bitmap_words(batch, s.block_size) * 4 > MAX_BITMAP_BYTES {
+        return Err(Error::range(
+            "block_size",
+            s.block_size,
+            "consumer rows need ceil(n / B) / 8 <= 160 KiB of shared memory on the CUDA backend",
+        ));
     }
     Ok(())
+}
+
+/// The 32-bit words of a consumer row's bitmap of kept blocks of `block_size` keys, one
+/// bit a block, for the batch's longest row.
+fn bitmap_words(batch: &Batch, block_size: usize) -> usize {
+    batch.longest_row().div_ceil(block_size).div_ceil(32)
 }
 
 /// A run's per-row metadata and per-tile launch geometry, computed on the host once per
@@ -479,11 +482,7 @@ impl RowMeta {
         // A consumer row's bitmap of kept blocks, then (from a 16-byte boundary) the
         // shared-memory row: the top-k launch's dynamic shared memory.
         m.bitmap_words = if shape.consumer {
-            batch
-                .longest_row()
-                .div_ceil(shape.block_size)
-                .div_ceil(32)
-                .max(1) as u32
+            bitmap_words(batch, shape.block_size).max(1) as u32
         } else {
             0
         };
