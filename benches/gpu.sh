@@ -239,16 +239,16 @@ if has pipe; then
     forms+=("$defs")
     knob_tests "$defs" int8_exact exact_class boundary golden
   done
-  for round in 1 2; do
+  pipe_round() {  # pipe_round SECONDS WORKLOAD...: the default, then each form that ran
+    local secs="$1"; shift
     for defs in "" ${forms[@]+"${forms[@]}"}; do
-      DSA_CUDA_DEFINES="$defs" timeout 60 $B/dsa-indexer bench --device cuda --json v41-chunk --reps 5 \
-        2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
+      DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json "$@" \
+        --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
     done
-  done
-  for defs in "" ${forms[@]+"${forms[@]}"}; do
-    DSA_CUDA_DEFINES="$defs" timeout 120 $B/dsa-indexer bench --device cuda --json v41-chunk-wide v41-1m \
-      --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
-  done
+  }
+  pipe_round 60 v41-chunk
+  pipe_round 60 v41-chunk
+  pipe_round 120 v41-chunk-wide v41-1m
   grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/pipe.txt" \
     | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
@@ -305,9 +305,10 @@ if has sanitize; then
   # part near 4 minutes; a TIMEOUT line asks for a narrower filter, not a longer cap.
   log "compute-sanitizer"
   mkdir -p "$OUT/sanitize"
-  san_fail=0
+  san_fail=0 san_runs=0
   san() {  # san NAME TOOL SECONDS COMMAND...
     local name="$1" tool="$2" secs="$3"; shift 3
+    san_runs=$((san_runs + 1))
     local logf="$OUT/sanitize/$name.txt"
     DSA_REQUIRE_GPU=1 timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 1 \
       --print-limit 50 --log-file "$logf" "$@" > "$OUT/sanitize/$name.out" 2>&1
@@ -331,7 +332,6 @@ if has sanitize; then
   san initcheck initcheck 25 $T special_values golden_vectors
   san synccheck synccheck 40 $T special_values golden_vectors topk_cluster_one_row_for_the_sanitizers
   san run-memcheck memcheck 30 $B/dsa-indexer run --device cuda --json
-  runs=5
   # SAN_PIPE=T: racecheck the boundary sizes once more with the pipelined eight-row loop
   # (WGI8_PIPE=T), for its ring's shared counts. (Its copies and MMAs are the async
   # proxy's, which racecheck does not track; the tests' bitwise checks cover those.)
@@ -339,9 +339,8 @@ if has sanitize; then
     export DSA_CUDA_DEFINES="WGI8_PIPE=$SAN_PIPE"
     san "racecheck-pipe$SAN_PIPE" racecheck 120 $T --exact boundary_sizes_from_the_kernel_constants
     unset DSA_CUDA_DEFINES
-    runs=6
   fi
-  echo "sanitize: $san_fail of $runs runs failed" | tee -a "$OUT/summary.txt"
+  echo "sanitize: $san_fail of $san_runs runs failed" | tee -a "$OUT/summary.txt"
 fi
 
 if has old; then
