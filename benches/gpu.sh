@@ -232,7 +232,9 @@ if has pipe; then
   # in the tests' longer timeouts.
   log "WGI8_PIPE"
   forms=()
-  for defs in "WGI8_PIPE=2" "WGI8_PIPE=4" "WGI8_PIPE=4 WGI8_R8_MIN_BLOCKS=2"; do
+  # PIPE_FORMS (';'-separated define sets) replaces the three forms.
+  IFS=';' read -ra pipe_forms <<< "${PIPE_FORMS:-WGI8_PIPE=2;WGI8_PIPE=4;WGI8_PIPE=4 WGI8_R8_MIN_BLOCKS=2}"
+  for defs in "${pipe_forms[@]}"; do
     DSA_CUDA_DEFINES="$defs MBAR_WATCHDOG=24" timeout -k 10 60 $B/dsa-indexer bench --device cuda v41-chunk --reps 1 > /dev/null 2>> "$OUT/pipe.txt"
     rc=$?
     if [ $rc != 0 ]; then echo "$defs: one v41-chunk run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
