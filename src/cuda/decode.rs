@@ -198,6 +198,18 @@ struct Functions {
     slots: CudaFunction,
 }
 
+impl Functions {
+    /// The row top-k entry's function.
+    fn row_topk(&self, entry: RowTopk) -> &CudaFunction {
+        match entry {
+            RowTopk::Short => &self.short,
+            RowTopk::Ragged => &self.ragged,
+            RowTopk::Wide => &self.wide,
+            RowTopk::Cluster => &self.cluster,
+        }
+    }
+}
+
 /// The shared-memory row capacity of a decode step's `topk_short_f32` launch: the
 /// longest context's keys (or the cap), when longer than `K`; 0 for none.
 fn short_row_cap(shape: &DecodeShape, hooks: kernels::Hooks) -> u32 {
@@ -592,13 +604,7 @@ impl DecodeStep<'_> {
             if row_cap == 0 || sh.max_keys() > row_cap as usize {
                 let n_min = if row_cap > 0 { row_cap + 1 } else { 0 };
                 let (entry, smem) = long_rows_launch(rows as usize, 0, dev.sm_count(), dev.hooks());
-                let f = match entry {
-                    RowTopk::Wide => &self.f.wide,
-                    RowTopk::Cluster => &self.f.cluster,
-                    RowTopk::Ragged => &self.f.ragged,
-                    RowTopk::Short => &self.f.short,
-                };
-                launches.push((f, entry, n_min, smem));
+                launches.push((self.f.row_topk(entry), entry, n_min, smem));
             }
             for (f, entry, bound, smem) in launches {
                 let args = TopkRowsArgs {
