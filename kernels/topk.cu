@@ -700,11 +700,15 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   const u32 r = (u32)(((u64)target * S + n - 1) / n);  // in 1 .. S
   u32 t, unused, sampled;
   t = sample_threshold_22(sm, r, sampled);
-  // (A cluster's helper blocks stop as helpers: the first block counts the row's path.)
-  if (TK_STOP == 1) return CL > 1 && cluster_rank() != 0u ? TK_SAMPLE_HELPER : TK_SAMPLE_STOP;
+  // A row that ends here: a cluster's helper blocks stop as helpers, and the first
+  // block counts the row's path.
+  const auto end_row = [&](const int path) {
+    return CL > 1 && cluster_rank() != 0u ? TK_SAMPLE_HELPER : path;
+  };
+  if (TK_STOP == 1) return end_row(TK_SAMPLE_STOP);
   if (sampled < r) {  // fewer than r candidates sampled (a consumer's bitmap)
     __syncthreads();  // every thread has read misc before the caller's fallback resets it
-    return CL > 1 && cluster_rank() != 0u ? TK_SAMPLE_HELPER : TK_SAMPLE_MISS;
+    return end_row(TK_SAMPLE_MISS);
   }
   if constexpr (CL > 1) {
     const u32 rank = cluster_rank();
