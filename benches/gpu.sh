@@ -305,11 +305,15 @@ if has sanitize; then
   # (its distributed shared memory); initcheck and synccheck the special values and the
   # golden files, which reach every kernel, synccheck also the cluster's row. The timeouts cap the
   # part near 4 minutes; a TIMEOUT line asks for a narrower filter, not a longer cap.
+  # SAN_ONLY="NAME ..." runs only the named runs (memcheck, racecheck, initcheck,
+  # synccheck, run-memcheck, racecheck-pipeT), so that the part can be split over calls
+  # of at most 10 minutes.
   log "compute-sanitizer"
   mkdir -p "$OUT/sanitize"
   san_fail=0 san_runs=0
   san() {  # san NAME TOOL SECONDS COMMAND...
     local name="$1" tool="$2" secs="$3"; shift 3
+    [ -n "${SAN_ONLY:-}" ] && [[ " $SAN_ONLY " != *" $name "* ]] && return
     san_runs=$((san_runs + 1))
     local logf="$OUT/sanitize/$name.txt"
     DSA_REQUIRE_GPU=1 timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 1 \
