@@ -226,7 +226,7 @@ if has pipe; then
   # (and at T = 4 with two blocks per SM, where 222 registers hold it without spills)
   # first, then each beside the default in alternating processes, two rounds on
   # v41-chunk and one on v41-chunk-wide and v41-1m (pipe.txt, and the summary).
-  # A form that hangs (its ring's protocol has not run on a GPU before) is caught by one
+  # A form that hangs (after a change to its ring's protocol) is caught by one
   # short run first, with MBAR_WATCHDOG (a wait that never ends traps: the launch fails)
   # and a 60 s timeout, and left out of the rest, so that it cannot take the call's time
   # in the tests' longer timeouts.

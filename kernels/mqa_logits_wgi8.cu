@@ -318,7 +318,7 @@ static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
 // ahead, not at the guard's barrier. 0, the default: one tile at a time, both chains
 // waited for before the next tile's guard; its SASS is the form the figures in
 // benches/RESULTS.md were measured on. The pipelined form is opt-in (a `tuning`
-// define) until it has been tested and measured on an H200.
+// define): bitwise on the H200, and slower there than the default (RESULTS.md).
 #ifndef WGI8_PIPE
 #define WGI8_PIPE 0
 #endif
