@@ -320,15 +320,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8_ss(int (&d)[64], u64 da, u64
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31]), "+r"(d[32]), "+r"(d[33]), "+r"(d[34]), "+r"(d[35]), "+r"(d[36]), "+r"(d[37]), "+r"(d[38]), "+r"(d[39]), "+r"(d[40]), "+r"(d[41]), "+r"(d[42]), "+r"(d[43]), "+r"(d[44]), "+r"(d[45]), "+r"(d[46]), "+r"(d[47]), "+r"(d[48]), "+r"(d[49]), "+r"(d[50]), "+r"(d[51]), "+r"(d[52]), "+r"(d[53]), "+r"(d[54]), "+r"(d[55]), "+r"(d[56]), "+r"(d[57]), "+r"(d[58]), "+r"(d[59]), "+r"(d[60]), "+r"(d[61]), "+r"(d[62]), "+r"(d[63])
       : "l"(da), "l"(db), "r"(scale_d));
 }
-// wgmma_m64n128k32_s8_ss with scale_d = 0: D = A * B, D write-only (its old values are
-// not an input, so they need not be live before the chain's first step).
-__device__ __forceinline__ void wgmma_m64n128k32_s8_ss_first(int (&d)[64], u64 da, u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p;\n}\n"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]), "=r"(d[7]), "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]), "=r"(d[13]), "=r"(d[14]), "=r"(d[15]), "=r"(d[16]), "=r"(d[17]), "=r"(d[18]), "=r"(d[19]), "=r"(d[20]), "=r"(d[21]), "=r"(d[22]), "=r"(d[23]), "=r"(d[24]), "=r"(d[25]), "=r"(d[26]), "=r"(d[27]), "=r"(d[28]), "=r"(d[29]), "=r"(d[30]), "=r"(d[31]), "=r"(d[32]), "=r"(d[33]), "=r"(d[34]), "=r"(d[35]), "=r"(d[36]), "=r"(d[37]), "=r"(d[38]), "=r"(d[39]), "=r"(d[40]), "=r"(d[41]), "=r"(d[42]), "=r"(d[43]), "=r"(d[44]), "=r"(d[45]), "=r"(d[46]), "=r"(d[47]), "=r"(d[48]), "=r"(d[49]), "=r"(d[50]), "=r"(d[51]), "=r"(d[52]), "=r"(d[53]), "=r"(d[54]), "=r"(d[55]), "=r"(d[56]), "=r"(d[57]), "=r"(d[58]), "=r"(d[59]), "=r"(d[60]), "=r"(d[61]), "=r"(d[62]), "=r"(d[63])
-      : "l"(da), "l"(db), "r"(0u));
-}
 // D (+)= A(64x32 e4m3, registers: the mma.sync m16n8k32 A fragment of each warp's 16
 // rows) * B(32x128 e4m3, smem, K-major); scale_d = 0 overwrites D. Accumulator layout as
 // in wgmma_m64n64k32_e4m3, with j = 0..15. The tensor core adds the products with
@@ -479,17 +470,6 @@ __device__ __forceinline__ void tma_load_2d_expect_if(const bool p, void *dst, c
       "r"(smem_u32(bar)), "r"(bytes), "r"(smem_u32(dst)), "l"((unsigned long long)map), "r"(c0),
       "r"(c1)
       : "memory");
-}
-// atomicAdd(addr, v) on shared memory where p holds, as a predicated instruction (0
-// elsewhere): the old value.
-__device__ __forceinline__ u32 atom_add_shared_if(const bool p, u32 *addr, const u32 v) {
-  u32 old = 0u;
-  asm volatile(
-      "{\n.reg .pred q;\nsetp.ne.b32 q, %3, 0;\n@q atom.shared.add.u32 %0, [%1], %2;\n}\n"
-      : "+r"(old)
-      : "r"(smem_u32(addr)), "r"(v), "r"((u32)p)
-      : "memory");
-  return old;
 }
 // A global f32 store where p holds, as a predicated instruction.
 __device__ __forceinline__ void st_global_f32_if(const bool p, float *addr, const float v) {

@@ -311,19 +311,6 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_RING 2
 #endif
 static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
-// WGI8_PIPE (eight-row entry over pre-decoded keys): T >= 2 takes the key tiles T at a
-// time, each tile's MMAs under the epilogues of the one before (the loop below says
-// how), and a ring tile is refilled by the last warp to finish its MMAs on it (a
-// shared-memory count of the block's warps per ring tile) with the tile WGI8_RING
-// ahead, not at the guard's barrier. 0, the default: one tile at a time, both chains
-// waited for before the next tile's guard; its SASS is the form the figures in
-// benches/RESULTS.md were measured on. The pipelined form is opt-in (a `tuning`
-// define): bitwise on the H200, and slower there than the default (RESULTS.md).
-#ifndef WGI8_PIPE
-#define WGI8_PIPE 0
-#endif
-static_assert(WGI8_PIPE == 0 || (WGI8_PIPE >= 2 && WGI8_PIPE <= 8),
-              "WGI8_PIPE: 0, or 2 to 8 key tiles per step");
 // One ring tile: 64 keys of D bytes. The ring is the entry's dynamic shared memory,
 // WGI8_RING tiles and 1024 bytes to align it (the host's kernels::wgi8_ring_bytes).
 #define WGI8_KTILE_BYTES (WGR_KEYS * D)
@@ -428,9 +415,6 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   constexpr bool PRE = R == 8 && WGI8_PRE;
   extern __shared__ __align__(16) u8 sdyn[];
   __shared__ __align__(8) u64 kfull[WGI8_RING];
-  // WGI8_PIPE: the warps done with each ring tile, counted over its uses (4 per use).
-  constexpr bool PIPE = PRE && WGI8_PIPE;
-  __shared__ u32 kdone[WGI8_RING];
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
@@ -492,10 +476,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   if (tid < R) srow[tid] = row_out(logits, row_off, row_n, grp, (u32)tid);
   if (PRE && tid == 0) {
 #pragma unroll
-    for (int i = 0; i < WGI8_RING; ++i) {
-      mbar_init(&kfull[i], 1);
-      if (PIPE) kdone[i] = 0u;
-    }
+    for (int i = 0; i < WGI8_RING; ++i) mbar_init(&kfull[i], 1);
     fence_mbar_init();
   }
   __syncthreads();
@@ -585,7 +566,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
     wgi8_prefetch_info(kinf, kinfo, ks, grp.z, blockIdx.x, warp, gid);
     if (tid == 0) {
 #pragma unroll
-      for (int i = 0; i < WGI8_RING - (PIPE ? 0 : 1); ++i) {
+      for (int i = 0; i < WGI8_RING - 1; ++i) {
         const u32 ci = blockIdx.x + i * gridDim.x;
         if (ci < nchunks)
           wgi8_tma_issue(ring + i * WGI8_KTILE_BYTES, &kfull[i], k8map, ks, ci);
@@ -616,167 +597,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       store_row_logit(srow[WGR_ROWS * pr + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, logit);
     }
   };
-  if (PIPE && q_i8) {
-    // (if constexpr: the one-tile build does not instantiate the pipelined loop, whose
-    // static_asserts and T = WGI8_PIPE hold only where it is on; the run-time test keeps
-    // the else branches below one chain.)
-    if constexpr (PIPE) {
-      constexpr int M = R / WGI8_MMA_ROWS;
-      static_assert(M == 2, "the pipelined loop alternates two accumulator sets");
-      constexpr u32 lbo = (R * H / 8) * 128;
-      int y[M][64];
-      // The guard of the tile whose windows kinf holds, over the block (the same answer in
-      // every thread), and this thread's keys' smallest bytes.
-      auto guard = [&](int (&km)[2]) {
-        const int k_floor = skb[0], k_cap = skb[1], kmin_cap = skb[2];
-        bool ok = true;
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int mn = (int)(kinf[kk] & 0xFFu), mx = (int)((kinf[kk] >> 8) & 0xFFu);
-          km[kk] = mn;
-          ok &= (kinf[kk] >= WGI8_NONE_INFO) |
-                ((mx - mn <= I8_MAX_SPAN) & (mn >= k_floor) & (mx <= k_cap) & (mn <= kmin_cap));
-        }
-        return __syncthreads_and(ok ? 1 : 0) != 0;
-      };
-      // Four rows m's chain of G k32 steps on ring tile s (the first step overwrites the
-      // accumulators: none is live between a chain's epilogue and the next chain).
-      auto issue = [&](const int m, const u32 s) {
-        const u64 da = wgmma_desc_add(dring, s * WGI8_KTILE_BYTES);
-        const u64 db = wgmma_desc_add(dq, m * (WGI8_MMA_ROWS * H / 8) * 128);
-        wgmma_fence();
-        wgmma_m64n128k32_s8_ss_first(y[m], da, db);
-#pragma unroll
-        for (int g = 1; g < G; ++g)
-          wgmma_m64n128k32_s8_ss(y[m], wgmma_desc_add(da, 32 * g),
-                                 wgmma_desc_add(db, 2 * g * lbo), 1u);
-        wgmma_commit();
-      };
-      // This warp is done with ring tile s (of key tile c): the block's last warp to be
-      // refills it with the key tile WGI8_RING ahead.
-      // Predicated, not branched: these run with MMAs in flight.
-      auto release = [&](const u32 c, const u32 s, const bool valid) {
-        __syncwarp();
-        __threadfence_block();
-        const u32 done =
-            __shfl_sync(FULL_MASK, atom_add_shared_if(valid && lane == 0, &kdone[s], 1u), 0) + 1u;
-        __threadfence_block();
-        const u32 cr = c + WGI8_RING * gridDim.x;
-        wgi8_tma_issue(ring + s * WGI8_KTILE_BYTES, &kfull[s], k8map, ks, cr,
-                       valid && lane == 0 && done % (WGR_THREADS / 32) == 0u && cr < nchunks);
-      };
-      // Four rows m's epilogue and stores (where valid), rows 4 m + hi and 4 m + 2 + hi.
-      auto finish = [&](const int m, const float ck, const u32 j0, const bool valid) {
-        fence_regs_s32(y[m]);
-        float o[2];
-        wgi8_epilogue(y[m], svm, WGI8_MMA_ROWS * m, ck, neg, tig, odd, hi, o);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          store_row_logit_if(valid, srow[WGI8_MMA_ROWS * m + 2 * i + (hi ? 1 : 0)],
-                             j0 + 16 * warp + gid, odd, o[i]);
-      };
-      // ck = 2^(kmin - 127) of this thread's key (ue8m0_pow2(kmin, 0) as a select: no
-      // branch while MMAs are in flight).
-      auto ck_of = [&](const int (&km)[2]) {
-        const u32 e = (u32)(odd ? km[1] : km[0]);
-        return __uint_as_float(e != 0u ? e << 23 : 0x00400000u);
-      };
-      // The ring tile after ring tile s, whose phase is p, and that tile's phase.
-      auto ring_next = [](const u32 s, const u32 p, u32 &sn, u32 &pn) {
-        sn = s + 1 == WGI8_RING ? 0u : s + 1;
-        pn = sn == 0 ? p ^ 1u : p;
-      };
-      u32 c = blockIdx.x;
-      auto advance = [&] {
-        c += gridDim.x;
-        ring_next(slot, phase, slot, phase);
-      };
-      int km[2];
-      // The guard of tile c, then the next tile's windows into kinf.
-      auto guard_next = [&] {
-        const bool pass = guard(km);
-        if (c + gridDim.x < nchunks)
-          wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
-        return pass;
-      };
-      bool ok = guard_next();
-      // T = WGI8_PIPE key tiles per step: tile t + 1's first chain goes in under tile t's
-      // second epilogue, its second chain under its own first epilogue. No MMA stays in
-      // flight from one step to the next: ptxas serializes every wgmma of a loop whose
-      // accumulators, in flight across its back edge, are read in its body. Nor is any
-      // MMA, wait or accumulator read inside a branch that ptxas cannot prove uniform (it
-      // serializes those too): a tile's MMAs and epilogues run even where it is past the
-      // row group's tiles or is invalid (it or a tile before it in the step fails the
-      // guard), on whatever its ring tile holds (its copy may still be landing), with no
-      // store and no release. The first invalid tile then runs as a fallback tile, which
-      // waits for its copy, and the next step starts after it.
-      constexpr int T = WGI8_PIPE;
-      while (c < nchunks) {
-        if (!ok) {
-          // Its keys landed (every copy completes before its ring tile is refilled).
-          mbar_wait(&kfull[slot], phase);
-          release(c, slot, true);
-          fallback_tile(c, c * WGR_KEYS);
-          advance();
-          if (c < nchunks) ok = guard_next();
-          continue;
-        }
-        // A step: tiles c + t gridDim.x, t < T. Tile t + 1 is valid where tile t is, it
-        // passes the guard and it is one of the group's tiles (tile 0 passed already).
-        float ck = ck_of(km);
-        bool v = true;                    // tile t is valid
-        u32 ct = c, st = slot, pt = phase;  // tile t, its ring tile and that tile's phase
-        u32 nvalid = 0;
-        mbar_wait(&kfull[st], pt);
-        issue(0, st);
-        issue(1, st);
-#pragma unroll
-        for (int t = 0; t < T; ++t) {
-          const u32 jt = ct * WGR_KEYS, cn = ct + gridDim.x;
-          u32 sn, pn;
-          ring_next(st, pt, sn, pn);
-          wgmma_wait<1>();
-          finish(0, ck, jt, v);
-          bool vn = false;
-          if (t + 1 < T) {
-            // Tile t + 1's windows are WGI8_NONE_INFO past the group's keys: the guard
-            // admits them.
-            vn = guard(km) && v && cn < nchunks;
-            wgi8_prefetch_info(kinf, kinfo, ks, grp.z, cn + gridDim.x, warp, gid);
-            if (vn) mbar_wait(&kfull[sn], pn);
-            issue(0, sn);
-            wgmma_wait<1>();
-          } else {
-            wgmma_wait<0>();
-          }
-          release(ct, st, v);
-          finish(1, ck, jt, v);
-          nvalid += v ? 1u : 0u;
-          if (t + 1 < T) {
-            ck = ck_of(km);
-            issue(1, sn);
-          }
-          v = vn;
-          ct = cn;
-          st = sn;
-          pt = pn;
-        }
-        n_i8 += nvalid;
-        for (u32 i = 0; i < nvalid; ++i) advance();
-        if (nvalid == (u32)T) {
-          if (c < nchunks) ok = guard_next();
-        } else {
-          // Tile c failed the guard: it runs as a fallback tile next, and the guard after
-          // it reads the windows of tile c + gridDim.x. kinf holds those of the step's
-          // tile T: at T = 2 the same tile (c is the step's tile 1), at T > 2 they are
-          // read again.
-          ok = false;
-          if (T > 2 && c + gridDim.x < nchunks)
-            wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
-        }
-      }
-    }
-  } else if (q_i8) {
+  if (q_i8) {
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
       const u32 j0 = c * WGR_KEYS;
       // The key side of the guard for this thread's keys (a key past the group's is never
