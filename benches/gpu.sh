@@ -4,7 +4,7 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage --features tuning                                   # here
-#   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [pipe] [torch] [ncu] [ncutk] [sanitize]
+#   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [alt] [torch] [ncu] [ncutk] [sanitize]
 #        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
@@ -39,8 +39,8 @@
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
-# `run --device cuda`, about 4 minutes, and with SAN_PIPE=T a racecheck of the pipelined
-# eight-row loop at WGI8_PIPE=T; each on request). The golden files are read from
+# `run --device cuda`, each on request; alt: define sets of the exact class's kernel
+# beside the default, below). The golden files are read from
 # tests/golden unless $DSA_GOLDEN_DIR says otherwise.
 #
 # Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
@@ -66,8 +66,6 @@
 #   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),
-#   WGI8_PIPE (T = 2 to 8: the eight-row entry over pre-decoded keys takes T key tiles at a
-#   time, each tile's MMAs under the epilogues of the one before; 0, the default, one at a time),
 #   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour).
 set -uo pipefail
@@ -123,11 +121,6 @@ if has tests; then
   knob_tests "WGI8_PREDECODE=0" int8_exact exact_class boundary special golden same_bits engine
   # The pre-decoded keys' ring with a third tile.
   knob_tests "WGI8_RING=3" int8_exact exact_class boundary golden same_bits engine
-  # The eight-row entry two and four key tiles at a time (each tile's MMAs under the
-  # epilogues of the one before), and two with a ring of three.
-  knob_tests "WGI8_PIPE=2" int8_exact exact_class boundary special golden same_bits engine
-  knob_tests "WGI8_PIPE=4" int8_exact exact_class boundary special golden same_bits engine
-  knob_tests "WGI8_PIPE=2 WGI8_RING=3" int8_exact exact_class boundary golden same_bits engine
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
@@ -205,7 +198,7 @@ if has ab; then
   # workload:NAME=VALUE ..., where NAME=VALUE is a define, hooks=NAME[,NAME] or
   # precision=fast, each against the same run's default run above ($AB: a shorter
   # list). Needs the `tuning` build.
-  AB="${AB:-v41-chunk:WGI8_PIPE=2;v41-chunk:WGI8_PIPE=4;v41-chunk-wide:WGI8_PIPE=2;v41-1m:WGI8_PIPE=2;v41-1m:WGI8_PIPE=4;v41-1m-256m:WGI8_PIPE=2;v41-chunk:WGI8_PIPE=2 WGI8_RING=3;v41-chunk:WGI8_PREDECODE=0;v41-1m:WGI8_PREDECODE=0;v41-1m-256m:WGI8_PREDECODE=0;v41-chunk-wide:WGI8_PREDECODE=0;v41-chunk:WGI8_RING=3;v41-1m:WGI8_RING=3;v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0;v32-decode-b1-128k:hooks=no_cluster_topk}"
+  AB="${AB:-v41-chunk:WGI8_PREDECODE=0;v41-1m:WGI8_PREDECODE=0;v41-1m-256m:WGI8_PREDECODE=0;v41-chunk-wide:WGI8_PREDECODE=0;v41-chunk:WGI8_RING=3;v41-1m:WGI8_RING=3;v41-chunk:hooks=no_int8_exact;v41-chunk-wide:hooks=no_int8_exact;v41-chunk:WGI8_ROWS=4;v41-chunk-wide:WGI8_ROWS=4;v41-1m:WGI8_ROWS=4;v41-1m-256m:WGI8_ROWS=4;v41-decode-b64-64k:WGI8_ROWS=8;v41-decode-b64-64k:hooks=no_int8_exact;v41-chunk:hooks=mma_sync_only;v41-chunk:hooks=no_scale_fold;v41-chunk:hooks=no_sampled_threshold;v32-16k:hooks=mma_sync_only;v32-64k:TK_SAMPLE_RATIO=16;v32-16k:hooks=no_short_rows;v32-64k:hooks=no_short_rows;v41-1m-256m:TK_SEG_ALIGN=0;v41-1m:TK_SEG_ALIGN=0;v32-decode-b1-128k:hooks=no_cluster_topk}"
   IFS=';' read -ra abs <<< "$AB"
   for ab in "${abs[@]}"; do
     wl="${ab%%:*}" defs="" hooks="" prec=full
@@ -221,37 +214,35 @@ if has ab; then
   done
 fi
 
-if has pipe; then
-  # The opt-in pipelined eight-row loop (WGI8_PIPE=T): its int8 tests at T = 2 and 4
-  # (and at T = 4 with two blocks per SM, where 222 registers hold it without spills)
-  # first, then each beside the default in alternating processes, two rounds on
-  # v41-chunk and one on v41-chunk-wide and v41-1m (pipe.txt, and the summary).
-  # A form that hangs (after a change to its ring's protocol) is caught by one
-  # short run first, with MBAR_WATCHDOG (a wait that never ends traps: the launch fails)
-  # and a 60 s timeout, and left out of the rest, so that it cannot take the call's time
-  # in the tests' longer timeouts.
-  log "WGI8_PIPE"
+if has alt; then
+  # ALT_FORMS (';'-separated define sets of the exact class's kernel, each a candidate
+  # form) beside the default in alternating processes: each form's int8 tests first,
+  # then two rounds on v41-chunk and one on v41-chunk-wide and v41-1m (alt.txt, and the
+  # summary). A form that hangs (a ring whose protocol is new) is caught by one short
+  # run first, with MBAR_WATCHDOG (a wait that never ends traps: the launch fails) and
+  # a 60 s timeout, and left out of the rest, so that it cannot take the call's time in
+  # the tests' longer timeouts.
+  log "alternating A/B: ${ALT_FORMS:-no forms (ALT_FORMS is empty)}"
   forms=()
-  # PIPE_FORMS (';'-separated define sets) replaces the three forms.
-  IFS=';' read -ra pipe_forms <<< "${PIPE_FORMS:-WGI8_PIPE=2;WGI8_PIPE=4;WGI8_PIPE=4 WGI8_R8_MIN_BLOCKS=2}"
-  for defs in "${pipe_forms[@]}"; do
-    DSA_CUDA_DEFINES="$defs MBAR_WATCHDOG=24" timeout -k 10 60 $B/dsa-indexer bench --device cuda v41-chunk --reps 1 > /dev/null 2>> "$OUT/pipe.txt"
+  IFS=';' read -ra alt_forms <<< "${ALT_FORMS:-}"
+  for defs in ${alt_forms[@]+"${alt_forms[@]}"}; do
+    DSA_CUDA_DEFINES="$defs MBAR_WATCHDOG=24" timeout -k 10 60 $B/dsa-indexer bench --device cuda v41-chunk --reps 1 > /dev/null 2>> "$OUT/alt.txt"
     rc=$?
     if [ $rc != 0 ]; then echo "$defs: one v41-chunk run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
     forms+=("$defs")
     knob_tests "$defs" int8_exact exact_class boundary golden
   done
-  pipe_round() {  # pipe_round SECONDS WORKLOAD...: the default, then each form that ran
+  alt_round() {  # alt_round SECONDS WORKLOAD...: the default, then each form that ran
     local secs="$1"; shift
     for defs in "" ${forms[@]+"${forms[@]}"}; do
       DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json "$@" \
-        --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/pipe.txt"
+        --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/alt.txt"
     done
   }
-  pipe_round 60 v41-chunk
-  pipe_round 60 v41-chunk
-  pipe_round 120 v41-chunk-wide v41-1m
-  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/pipe.txt" \
+  alt_round 60 v41-chunk
+  alt_round 60 v41-chunk
+  alt_round 120 v41-chunk-wide v41-1m
+  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/alt.txt" \
     | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
 
@@ -306,7 +297,7 @@ if has sanitize; then
   # golden files, which reach every kernel, synccheck also the cluster's row. The timeouts cap the
   # part near 4 minutes; a TIMEOUT line asks for a narrower filter, not a longer cap.
   # SAN_ONLY="NAME ..." runs only the named runs (memcheck, racecheck, initcheck,
-  # synccheck, run-memcheck, racecheck-pipeT), so that the part can be split over calls
+  # synccheck, run-memcheck), so that the part can be split over calls
   # of at most 10 minutes.
   log "compute-sanitizer"
   mkdir -p "$OUT/sanitize"
@@ -338,14 +329,6 @@ if has sanitize; then
   san initcheck initcheck 25 $T special_values golden_vectors
   san synccheck synccheck 40 $T special_values golden_vectors topk_cluster_one_row_for_the_sanitizers
   san run-memcheck memcheck 30 $B/dsa-indexer run --device cuda --json
-  # SAN_PIPE=T: racecheck the boundary sizes once more with the pipelined eight-row loop
-  # (WGI8_PIPE=T), for its ring's shared counts. (Its copies and MMAs are the async
-  # proxy's, which racecheck does not track; the tests' bitwise checks cover those.)
-  if [ -n "${SAN_PIPE:-}" ]; then
-    export DSA_CUDA_DEFINES="WGI8_PIPE=$SAN_PIPE"
-    san "racecheck-pipe$SAN_PIPE" racecheck 120 $T --exact boundary_sizes_from_the_kernel_constants
-    unset DSA_CUDA_DEFINES
-  fi
   echo "sanitize: $san_fail of $san_runs runs failed" | tee -a "$OUT/summary.txt"
 fi
 
