@@ -356,11 +356,12 @@ __device__ __forceinline__ void wgi8_prefetch_info(u32 (&kinf)[2], const u32 *ki
     kinf[kk] = j + 8 * kk >= nkeys ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 8 * kk];
 }
 
-// Key tile c's 64 rows of k8 (from flat key ks + 64 c) into ring tile `tile`, completing
-// on `bar`, issued by one thread where p holds (predicated instructions, no branch).
+// Thread 0: key tile c's 64 rows of k8 (from flat key ks + 64 c) into ring tile `tile`,
+// completing on `bar`.
 __device__ __forceinline__ void wgi8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *k8map,
-                                               const u32 ks, const u32 c, const bool p = true) {
-  tma_load_2d_expect_if(p, tile, k8map, bar, WGI8_KTILE_BYTES, 0, (int)(ks + c * WGR_KEYS));
+                                               const u32 ks, const u32 c) {
+  mbar_arrive_expect_tx(bar, WGI8_KTILE_BYTES);
+  tma_load_2d(tile, k8map, bar, 0, (int)(ks + c * WGR_KEYS));
 }
 
 // Counts a block's tiles on each path (thread 0; every thread calls it).
