@@ -457,6 +457,19 @@ __device__ __forceinline__ void tma_load_2d(void *dst, const TmaDesc *map, u64 *
       "l"((unsigned long long)map), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
 }
+// tma_load_2d of a tile of `bytes` onto `bar` (its expected bytes first), issued where p
+// holds, as predicated instructions.
+__device__ __forceinline__ void tma_load_2d_expect_if(const bool p, void *dst, const TmaDesc *map,
+                                                     u64 *bar, const u32 bytes, int c0, int c1) {
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.b32 q, %0, 0;\n"
+      "@q mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n"
+      "@q cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%3], [%4, {%5, %6}], [%1];\n}\n" ::"r"(
+          (u32)p),
+      "r"(smem_u32(bar)), "r"(bytes), "r"(smem_u32(dst)), "l"((unsigned long long)map), "r"(c0),
+      "r"(c1)
+      : "memory");
+}
 // A global f32 store where p holds, as a predicated instruction.
 __device__ __forceinline__ void st_global_f32_if(const bool p, float *addr, const float v) {
   asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %0, 0;\n@q st.global.f32 [%1], %2;\n}\n" ::"r"(

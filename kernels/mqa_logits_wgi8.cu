@@ -360,8 +360,7 @@ __device__ __forceinline__ void wgi8_prefetch_info(u32 (&kinf)[2], const u32 *ki
 // completing on `bar`.
 __device__ __forceinline__ void wgi8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *k8map,
                                                const u32 ks, const u32 c) {
-  mbar_arrive_expect_tx(bar, WGI8_KTILE_BYTES);
-  tma_load_2d(tile, k8map, bar, 0, (int)(ks + c * WGR_KEYS));
+  tma_load_2d_expect_if(true, tile, k8map, bar, WGI8_KTILE_BYTES, 0, (int)(ks + c * WGR_KEYS));
 }
 
 // Counts a block's tiles on each path (thread 0; every thread calls it).
