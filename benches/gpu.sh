@@ -295,9 +295,9 @@ if has sanitize; then
   # kernel's shared-memory staging at its tile edges) and one row on the cluster top-k
   # (its distributed shared memory); initcheck and synccheck the special values and the
   # golden files, which reach every kernel, synccheck also the cluster's row. The timeouts cap the
-  # part at 635 s, more than one device call's 10 minutes: SAN_ONLY="NAME ..." runs only
-  # the named runs (memcheck, racecheck, initcheck, synccheck, run-memcheck), to split it
-  # over calls. A TIMEOUT line asks for a narrower filter, not a longer cap.
+  # part at 635 s; SAN_ONLY="NAME ..." runs only the named runs (memcheck, racecheck,
+  # initcheck, synccheck, run-memcheck). A TIMEOUT line asks for a narrower filter, not a
+  # longer cap.
   log "compute-sanitizer"
   mkdir -p "$OUT/sanitize"
   san_fail=0 san_runs=0
