@@ -146,6 +146,12 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 // vector holds the neutral 0x0001FFFF.
 #define I8_QWIN_NONE 0x0001FFFFu
 
+// WGI8_SVM2=1 (tuning): svm holds each column's v alone (float2 p = columns 2 p, 2 p + 1),
+// and the epilogue computes m = v * -2^23 (exact, the same bits as -v * 2^23): one 8-byte
+// shared load and two multiplies per four heads instead of one 16-byte load.
+#ifndef WGI8_SVM2
+#define WGI8_SVM2 0
+#endif
 // 2^23 as an f32, and its bits: the epilogue reads max(Y + 0x4B000000, 0x4B000000) (one
 // VIADDMNMX) as the f32 2^23 + max(Y, 0).
 #define I8_MAGIC 8388608.0f
@@ -168,7 +174,13 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const int j = 4 * r + a;
+#if WGI8_SVM2
+      const float2 cv = reinterpret_cast<const float2 *>(svm)[4 * (4 * r0 + j) + tig];
+      const float4 c =
+          make_float4(cv.x, cv.y, __fmul_rn(cv.x, -I8_MAGIC), __fmul_rn(cv.y, -I8_MAGIC));
+#else
       const float4 c = svm[4 * (4 * r0 + j) + tig];
+#endif
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         const int i = 4 * j + 2 * kk;
@@ -460,9 +472,13 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       }
       const float wv = sw[r][hh];
       const float v = __fmul_rn(wv, ue8m0_pow2(mn, 2));
+#if WGI8_SVM2
+      reinterpret_cast<float *>(&reinterpret_cast<float2 *>(svm)[n >> 1])[n & 1] = v;
+#else
       float *vm = reinterpret_cast<float *>(&svm[n >> 1]);
       vm[n & 1] = v;
       vm[2 + (n & 1)] = __fmul_rn(-v, I8_MAGIC);
+#endif
       qwin = __vminu4(qwin, mn | ((255u - mx) << 8) | ((mx - mn <= I8_MAX_SPAN ? 1u : 0u) << 16));
       const u32 f = (__float_as_uint(v) >> 23) & 0xFFu;
       // byte 0: f over the columns with a nonzero weight (255: none), byte 1: 255 - f.
