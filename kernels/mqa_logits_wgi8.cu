@@ -323,14 +323,6 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_RING 2
 #endif
 static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
-// WGI8_SKEW=1 (tuning): the eight-row loop over pre-decoded keys leaves a tile's second
-// four rows' epilogue to the next tile, where it runs under that tile's first four rows'
-// MMAs; the tile's own first epilogue runs under its second MMAs, as in the default loop.
-// The tensor cores then wait for no epilogue but the guard's. Each tile still ends with
-// nothing in flight, so the guard and the ring are the default loop's.
-#ifndef WGI8_SKEW
-#define WGI8_SKEW 0
-#endif
 // One ring tile: 64 keys of D bytes. The ring is the entry's dynamic shared memory,
 // WGI8_RING tiles and 1024 bytes to align it (the host's kernels::wgi8_ring_bytes).
 #define WGI8_KTILE_BYTES (WGR_KEYS * D)
@@ -621,98 +613,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       store_row_logit(srow[WGR_ROWS * pr + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, logit);
     }
   };
-  // WGI8_SKEW's loop (see WGI8_SKEW), over pre-decoded keys: a tile's second four rows'
-  // accumulator (y1) is read under the next tile's first MMAs. Nothing is in flight at
-  // the top of an iteration or on either side of a branch: ptxas keeps the wgmma
-  // asynchronous only when the groups in flight are the same on every path.
-  auto wgi8_skew_loop = [&] {
-    if constexpr (PRE && WGI8_SKEW) {
-      constexpr u32 lbo = (R * H / 8) * 128;
-      int y0[64], y1[64];
-#pragma unroll
-      for (int i = 0; i < 64; ++i) y1[i] = 0;
-      auto issue = [&](int (&y)[64], const int m) {
-        const u64 da = wgmma_desc_add(dring, slot * WGI8_KTILE_BYTES);
-        wgmma_fence();
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-          wgmma_m64n128k32_s8_ss(y, wgmma_desc_add(da, 32 * g),
-                                 wgmma_desc_add(dq, 2 * g * lbo + m * (WGI8_MMA_ROWS * H / 8) * 128),
-                                 g > 0 ? 1u : 0u);
-        wgmma_commit();
-      };
-      // Rows 4 m .. 4 m + 3 of key tile j0 from y (ck: this thread's key's
-      // 2^(ek_min - 127)); stored when `store`.
-      auto epilogue = [&](const int (&y)[64], const int m, const float ck, const u32 j0,
-                          const bool store) {
-        float o[2];
-        wgi8_epilogue(y, svm, WGI8_MMA_ROWS * m, ck, neg, tig, odd, hi, o);
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-          if (store)
-            store_row_logit(srow[WGI8_MMA_ROWS * m + 2 * rr + (hi ? 1 : 0)], j0 + 16 * warp + gid,
-                            odd, o[rr]);
-      };
-      // The ck of the tile before this one when its second four rows wait in y1, else 0
-      // (a key's ck is a power of two, never 0).
-      float ck1 = 0.0f;
-      for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
-        const u32 j0 = c * WGR_KEYS;
-        // The guard and the ring as in the loop below (every MMA of the tiles before this
-        // one is done here too).
-        int kmin[2];
-        bool ok = true;
-#pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int mn = (int)(kinf[kk] & 0xFFu), mx = (int)((kinf[kk] >> 8) & 0xFFu);
-          kmin[kk] = mn;
-          ok = ok && (kinf[kk] >= WGI8_NONE_INFO ||
-                      (mx - mn <= I8_MAX_SPAN && mn >= skb[0] && mx <= skb[1] && mn <= skb[2]));
-        }
-        const bool i8 = __syncthreads_and(ok ? 1 : 0) != 0;
-        if (tid == 0) {
-          const u32 cn = c + (WGI8_RING - 1) * gridDim.x;
-          const u32 prev = slot == 0 ? WGI8_RING - 1 : slot - 1;
-          if (cn < nchunks)
-            wgi8_tma_issue(ring + prev * WGI8_KTILE_BYTES, &kfull[prev], k8map, ks, cn);
-        }
-        if (c + gridDim.x < nchunks)
-          wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
-        mbar_wait(&kfull[slot], phase);
-        if (i8) {
-          const float ck = ue8m0_pow2((u32)(odd ? kmin[1] : kmin[0]), 0);
-          issue(y0, 0);
-          epilogue(y1, 1, ck1, j0 - gridDim.x * WGR_KEYS, ck1 != 0.0f);
-          issue(y1, 1);
-          wgmma_wait<1>();
-          fence_regs_s32(y0);
-          epilogue(y0, 0, ck, j0, true);
-          wgmma_wait<0>();
-          fence_regs_s32(y1);
-          ck1 = ck;
-          ++n_i8;
-        } else {
-          epilogue(y1, 1, ck1, j0 - gridDim.x * WGR_KEYS, ck1 != 0.0f);
-          ck1 = 0.0f;
-          fallback_tile(c, j0);
-          // y1 is written again after the fallback (its value is not stored), so that it is
-          // not live across it.
-#pragma unroll
-          for (int i = 0; i < 64; ++i) y1[i] = 0;
-        }
-        if (++slot == WGI8_RING) {
-          slot = 0;
-          phase ^= 1u;
-        }
-      }
-      // The last tile's (c - gridDim.x is the block's last tile here).
-      const u32 last = blockIdx.x + (nchunks - 1 - blockIdx.x) / gridDim.x * gridDim.x;
-      epilogue(y1, 1, ck1, last * WGR_KEYS, ck1 != 0.0f);
-    }
-  };
-  if (PRE && WGI8_SKEW && q_i8) {
-    wgi8_skew_loop();
-  } else if (q_i8) {
+  if (q_i8) {
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
       const u32 j0 = c * WGR_KEYS;
       // The key side of the guard for this thread's keys (a key past the group's is never
