@@ -58,7 +58,7 @@
 // SPEC 4 then takes term_h = w_h * relu(a_h) and logit = P(term_0 .. term_31). With
 // cq_h = 2^(eq_min,h - 129) and ck = 2^(ek_min - 127) (so a_h = Y_h cq_h ck), the kernel
 // computes, per (row, key):
-// - v_h = w_h * cq_h and m_h = -v_h * 2^23, once per block (per column);
+// - v_h = w_h * cq_h once per block (per column), and m_h = v_h * -2^23 (= -v_h * 2^23);
 // - x_h = 2^23 + max(Y_h, 0) as the bits of max(acc, 0x4B000000), the accumulator having
 //   started at 0x4B000000 (2^23 as an f32; |Y| < 2^21, so acc = 0x4B000000 + Y and, for
 //   Y >= 0, the f32 2^23 + Y);
@@ -146,11 +146,14 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 // vector holds the neutral 0x0001FFFF.
 #define I8_QWIN_NONE 0x0001FFFFu
 
-// WGI8_SVM2=1 (tuning): svm holds each column's v alone (float2 p = columns 2 p, 2 p + 1),
-// and the epilogue computes m = v * -2^23 (exact, the same bits as -v * 2^23): one 8-byte
-// shared load and two multiplies per four heads instead of one 16-byte load.
+// svm, the head epilogue's block constants: each column's v alone (float2 p = columns
+// 2 p, 2 p + 1), and the epilogue computes m = v * -2^23 (exact: the same bits as
+// -v * 2^23). One 8-byte shared load and two multiplies per four heads: the loop's
+// shared-memory pipe, which the wgmma's operand reads share, is its busiest unit, and a
+// 16-byte load of (v, v, m, m) takes twice the wavefronts. WGI8_SVM2=0 (tuning) restores
+// those loads for the A/B (svm is sized for them).
 #ifndef WGI8_SVM2
-#define WGI8_SVM2 0
+#define WGI8_SVM2 1
 #endif
 // 2^23 as an f32, and its bits: the epilogue reads max(Y + 0x4B000000, 0x4B000000) (one
 // VIADDMNMX) as the f32 2^23 + max(Y, 0).
@@ -216,7 +219,7 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 // mma(y, g, db, scale_d) issuing step g of one chain with B descriptor db (A, the tile's
 // keys with each key's values shifted by its group's offset from kmin[kk], its smallest
 // byte, comes from the caller), and the head epilogue above with the block's columns'
-// (v, m) in svm (float4 p = columns 2 p, 2 p + 1: v, v, m, m). Writes the logits of rows
+// constants in svm (see WGI8_SVM2). Writes the logits of rows
 // 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r
 // of neg: every weight of row r has its sign bit set.
 template <int R, class Mma>
