@@ -160,6 +160,28 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 #define I8_MAGIC 8388608.0f
 #define I8_MAGIC_BITS 0x4B000000
 
+// WGI8_N256=1 (tuning): the eight-row entry over pre-decoded keys runs each key tile's
+// G k32 steps as one m64n256k32 chain over all eight rows (B's 256 columns, the two
+// four-row accumulators side by side) instead of two m64n128k32 chains: the keys (A) are
+// read from shared memory once per step, not twice, and half the MMA instructions are
+// issued; both epilogues then follow the one wait.
+#ifndef WGI8_N256
+#define WGI8_N256 0
+#endif
+#if WGI8_N256
+// D (+)= A(64x32 s8, smem descriptor) * B(32x256 s8, smem descriptor), s32 accumulate,
+// exact as wgmma_m64n128k32_s8_ss; columns 0..127 in d0, 128..255 in d1 (each in that
+// form's accumulator layout).
+__device__ __forceinline__ void wgmma_m64n256k32_s8_ss(int (&d0)[64], int (&d1)[64], u64 da,
+                                                       u64 db, u32 scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p;\n}\n"
+      : "+r"(d0[0]), "+r"(d0[1]), "+r"(d0[2]), "+r"(d0[3]), "+r"(d0[4]), "+r"(d0[5]), "+r"(d0[6]), "+r"(d0[7]), "+r"(d0[8]), "+r"(d0[9]), "+r"(d0[10]), "+r"(d0[11]), "+r"(d0[12]), "+r"(d0[13]), "+r"(d0[14]), "+r"(d0[15]), "+r"(d0[16]), "+r"(d0[17]), "+r"(d0[18]), "+r"(d0[19]), "+r"(d0[20]), "+r"(d0[21]), "+r"(d0[22]), "+r"(d0[23]), "+r"(d0[24]), "+r"(d0[25]), "+r"(d0[26]), "+r"(d0[27]), "+r"(d0[28]), "+r"(d0[29]), "+r"(d0[30]), "+r"(d0[31]), "+r"(d0[32]), "+r"(d0[33]), "+r"(d0[34]), "+r"(d0[35]), "+r"(d0[36]), "+r"(d0[37]), "+r"(d0[38]), "+r"(d0[39]), "+r"(d0[40]), "+r"(d0[41]), "+r"(d0[42]), "+r"(d0[43]), "+r"(d0[44]), "+r"(d0[45]), "+r"(d0[46]), "+r"(d0[47]), "+r"(d0[48]), "+r"(d0[49]), "+r"(d0[50]), "+r"(d0[51]), "+r"(d0[52]), "+r"(d0[53]), "+r"(d0[54]), "+r"(d0[55]), "+r"(d0[56]), "+r"(d0[57]), "+r"(d0[58]), "+r"(d0[59]), "+r"(d0[60]), "+r"(d0[61]), "+r"(d0[62]), "+r"(d0[63]), "+r"(d1[0]), "+r"(d1[1]), "+r"(d1[2]), "+r"(d1[3]), "+r"(d1[4]), "+r"(d1[5]), "+r"(d1[6]), "+r"(d1[7]), "+r"(d1[8]), "+r"(d1[9]), "+r"(d1[10]), "+r"(d1[11]), "+r"(d1[12]), "+r"(d1[13]), "+r"(d1[14]), "+r"(d1[15]), "+r"(d1[16]), "+r"(d1[17]), "+r"(d1[18]), "+r"(d1[19]), "+r"(d1[20]), "+r"(d1[21]), "+r"(d1[22]), "+r"(d1[23]), "+r"(d1[24]), "+r"(d1[25]), "+r"(d1[26]), "+r"(d1[27]), "+r"(d1[28]), "+r"(d1[29]), "+r"(d1[30]), "+r"(d1[31]), "+r"(d1[32]), "+r"(d1[33]), "+r"(d1[34]), "+r"(d1[35]), "+r"(d1[36]), "+r"(d1[37]), "+r"(d1[38]), "+r"(d1[39]), "+r"(d1[40]), "+r"(d1[41]), "+r"(d1[42]), "+r"(d1[43]), "+r"(d1[44]), "+r"(d1[45]), "+r"(d1[46]), "+r"(d1[47]), "+r"(d1[48]), "+r"(d1[49]), "+r"(d1[50]), "+r"(d1[51]), "+r"(d1[52]), "+r"(d1[53]), "+r"(d1[54]), "+r"(d1[55]), "+r"(d1[56]), "+r"(d1[57]), "+r"(d1[58]), "+r"(d1[59]), "+r"(d1[60]), "+r"(d1[61]), "+r"(d1[62]), "+r"(d1[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+#endif
+
 // ==== one key tile, int8 ====
 
 // The head epilogue of four rows (r0 .. r0 + 3) from their accumulator y (the s32 head
@@ -254,6 +276,34 @@ __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], con
     out[2 * m + 1] = o[1];
   }
 }
+
+#if WGI8_N256
+// wgi8_tile_mma's tile at eight rows as one m64n256k32 chain (WGI8_N256), A the tile's
+// pre-decoded keys in shared memory (da).
+__device__ __forceinline__ void wgi8_tile_ss256(const u64 da, const int (&kmin)[2], const u64 db0,
+                                                const float4 *svm, const u32 neg, const int tig,
+                                                const bool odd, const bool hi, float (&out)[4]) {
+  constexpr u32 lbo = (8 * H / 8) * 128;
+  const float ck = ue8m0_pow2((u32)(odd ? kmin[1] : kmin[0]), 0);
+  int y0[64], y1[64];
+  wgmma_fence();
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+    wgmma_m64n256k32_s8_ss(y0, y1, wgmma_desc_add(da, 32 * g), wgmma_desc_add(db0, 2 * g * lbo),
+                           g > 0 ? 1u : 0u);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs_s32(y0);
+  fence_regs_s32(y1);
+  float o[2];
+  wgi8_epilogue(y0, svm, 0, ck, neg, tig, odd, hi, o);
+  out[0] = o[0];
+  out[1] = o[1];
+  wgi8_epilogue(y1, svm, WGI8_MMA_ROWS, ck, neg, tig, odd, hi, o);
+  out[2] = o[0];
+  out[3] = o[1];
+}
+#endif
 
 // The same tile from this thread's s8 A fragments af (its two keys): then next() (the
 // next tile's prefetch), and the MMAs read A from af.
@@ -661,6 +711,12 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       }
       if (i8) {
         float out[R / 2];
+#if WGI8_N256
+        if constexpr (PRE) {
+          wgi8_tile_ss256(wgmma_desc_add(dring, slot * WGI8_KTILE_BYTES), kmin, dq, svm, neg,
+                          tig, odd, hi, out);
+        } else
+#endif
         if constexpr (PRE) {
           const u64 da = wgmma_desc_add(dring, slot * WGI8_KTILE_BYTES);
           wgi8_tile_mma<R>(
