@@ -155,6 +155,13 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 #ifndef WGI8_SVM2
 #define WGI8_SVM2 1
 #endif
+// WGI8_SVM4=1 (tuning, with WGI8_SVM2): svm's float2 16 r + 4 t + a holds the v of row
+// r's columns 8 a + 2 t + e, so that a thread's eight columns of a row are two 16-byte
+// loads instead of four 8-byte ones.
+#ifndef WGI8_SVM4
+#define WGI8_SVM4 0
+#endif
+static_assert(!WGI8_SVM4 || WGI8_SVM2, "WGI8_SVM4 needs WGI8_SVM2");
 // 2^23 as an f32, and its bits: the epilogue reads max(Y + 0x4B000000, 0x4B000000) (one
 // VIADDMNMX) as the f32 2^23 + max(Y, 0).
 #define I8_MAGIC 8388608.0f
@@ -196,10 +203,19 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 #pragma unroll
   for (int r = 0; r < WGI8_MMA_ROWS; ++r) {
     float s1[2][4];
+#if WGI8_SVM4
+    // This thread's eight columns of the row: (a = 0, 1), then (a = 2, 3).
+    const float4 v01 = svm[8 * (r0 + r) + 2 * tig], v23 = svm[8 * (r0 + r) + 2 * tig + 1];
+#endif
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const int j = 4 * r + a;
-#if WGI8_SVM2
+#if WGI8_SVM4
+      const float4 &vv = a < 2 ? v01 : v23;
+      const float2 cv = (a & 1) ? make_float2(vv.z, vv.w) : make_float2(vv.x, vv.y);
+      const float4 c =
+          make_float4(cv.x, cv.y, __fmul_rn(cv.x, -I8_MAGIC), __fmul_rn(cv.y, -I8_MAGIC));
+#elif WGI8_SVM2
       const float2 cv = reinterpret_cast<const float2 *>(svm)[4 * (4 * r0 + j) + tig];
       const float4 c =
           make_float4(cv.x, cv.y, __fmul_rn(cv.x, -I8_MAGIC), __fmul_rn(cv.y, -I8_MAGIC));
@@ -517,7 +533,11 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       }
       const float wv = sw[r][hh];
       const float v = __fmul_rn(wv, ue8m0_pow2(mn, 2));
-#if WGI8_SVM2
+#if WGI8_SVM4
+      // float2 16 r + 4 t + a of column n = 32 r + 8 a + 2 t + e, component e.
+      reinterpret_cast<float *>(
+          &reinterpret_cast<float2 *>(svm)[16 * (n >> 5) + 4 * ((n >> 1) & 3) + ((n >> 3) & 3)])[n & 1] = v;
+#elif WGI8_SVM2
       reinterpret_cast<float *>(&reinterpret_cast<float2 *>(svm)[n >> 1])[n & 1] = v;
 #else
       float *vm = reinterpret_cast<float *>(&svm[n >> 1]);
