@@ -216,9 +216,10 @@ fi
 
 if has alt; then
   # ALT_FORMS (';'-separated define sets of the exact class's kernel, each a candidate
-  # form) beside the default in alternating processes: each form's int8 tests first,
-  # then two rounds on v41-chunk and one on v41-chunk-wide and v41-1m (alt.txt, and the
-  # summary). A form that hangs (a ring whose protocol is new) is caught by one short
+  # form) beside the default in alternating processes: each form's tests of the exact
+  # class's kernels first (int8, exact-class, boundary, golden, paged, decode and
+  # special-value tests), then two rounds on v41-chunk and one on v41-chunk-wide, v41-1m
+  # and v41-decode-b64-64k (alt.txt, and the summary). A form that hangs (a ring whose protocol is new) is caught by one short
   # run first, with MBAR_WATCHDOG (a wait that never ends traps: the launch fails) and
   # a 60 s timeout, and left out of the rest, so that it cannot take the call's time in
   # the tests' longer timeouts.
@@ -230,7 +231,7 @@ if has alt; then
     rc=$?
     if [ $rc != 0 ]; then echo "$defs: one v41-chunk run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
     forms+=("$defs")
-    knob_tests "$defs" int8_exact exact_class boundary golden
+    knob_tests "$defs" int8_exact exact_class boundary golden paged decode special_values
   done
   alt_round() {  # alt_round SECONDS WORKLOAD...: the default, then each form that ran
     local secs="$1"; shift
@@ -241,7 +242,7 @@ if has alt; then
   }
   alt_round 60 v41-chunk
   alt_round 60 v41-chunk
-  alt_round 120 v41-chunk-wide v41-1m
+  alt_round 120 v41-chunk-wide v41-1m v41-decode-b64-64k
   grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/alt.txt" \
     | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
