@@ -535,8 +535,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       const float v = __fmul_rn(wv, ue8m0_pow2(mn, 2));
 #if WGI8_SVM4
       // float2 16 r + 4 t + a of column n = 32 r + 8 a + 2 t + e, component e.
-      reinterpret_cast<float *>(
-          &reinterpret_cast<float2 *>(svm)[16 * (n >> 5) + 4 * ((n >> 1) & 3) + ((n >> 3) & 3)])[n & 1] = v;
+      const int p2 = 16 * (n >> 5) + 4 * ((n >> 1) & 3) + ((n >> 3) & 3);
+      reinterpret_cast<float *>(&reinterpret_cast<float2 *>(svm)[p2])[n & 1] = v;
 #elif WGI8_SVM2
       reinterpret_cast<float *>(&reinterpret_cast<float2 *>(svm)[n >> 1])[n & 1] = v;
 #else
