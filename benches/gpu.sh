@@ -219,10 +219,10 @@ if has alt; then
   # form) beside the default in alternating processes: each form's tests of the exact
   # class's kernels first (int8, exact-class, boundary, golden, paged, decode and
   # special-value tests), then two rounds on v41-chunk and one on v41-chunk-wide, v41-1m
-  # and v41-decode-b64-64k (alt.txt, and the summary). A form that hangs (a ring whose protocol is new) is caught by one short
-  # run first, with MBAR_WATCHDOG (a wait that never ends traps: the launch fails) and
-  # a 60 s timeout, and left out of the rest, so that it cannot take the call's time in
-  # the tests' longer timeouts.
+  # and v41-decode-b64-64k (alt.txt, and the summary). A form that hangs (a ring whose
+  # protocol is new) is caught by one short run first, with MBAR_WATCHDOG (a wait that
+  # never ends traps: the launch fails) and a 60 s timeout, and left out of the rest, so
+  # that it cannot take the call's time in the tests' longer timeouts.
   log "alternating A/B: ${ALT_FORMS:-no forms (ALT_FORMS is empty)}"
   forms=()
   IFS=';' read -ra alt_forms <<< "${ALT_FORMS:-}"
