@@ -437,6 +437,26 @@ __device__ __forceinline__ void wgi8_prefetch_info(u32 (&kinf)[2], const u32 *ki
     kinf[kk] = j + 8 * kk >= nkeys ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 8 * kk];
 }
 
+// WGI8_VOTE=1 (tuning): the eight-row loop over pre-decoded keys takes each tile's guard
+// without a block barrier. Every warp judges the whole tile itself (each lane the windows
+// of keys lane and lane + 32, one vote), which gives every warp the same answer, as the
+// barrier's AND of the threads' own keys does. The ring then needs the order the barrier
+// gave: each warp arrives on the tile's `empty` mbarrier once its MMAs of the tile are
+// done (or it fell back), and thread 0 waits for that before it refills the ring tile.
+#ifndef WGI8_VOTE
+#define WGI8_VOTE 0
+#endif
+#if WGI8_VOTE
+// The windows of keys lane and lane + 32 of key tile c, as wgi8_prefetch_info's.
+__device__ __forceinline__ void wgi8_prefetch_vote(u32 (&vw)[2], const u32 *kinfo, const u32 ks,
+                                                   const u32 nkeys, const u32 c, const int lane) {
+  const u32 j = c * WGR_KEYS + lane;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    vw[h] = j + 32 * h >= nkeys ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 32 * h];
+}
+#endif
+
 // Thread 0: key tile c's 64 rows of k8 (from flat key ks + 64 c) into ring tile `tile`,
 // completing on `bar`.
 __device__ __forceinline__ void wgi8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *k8map,
@@ -496,6 +516,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   constexpr bool PRE = R == 8 && WGI8_PRE;
   extern __shared__ __align__(16) u8 sdyn[];
   __shared__ __align__(8) u64 kfull[WGI8_RING];
+#if WGI8_VOTE
+  __shared__ __align__(8) u64 kempty[WGI8_RING];
+#endif
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
@@ -566,6 +589,10 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   if (PRE && tid == 0) {
 #pragma unroll
     for (int i = 0; i < WGI8_RING; ++i) mbar_init(&kfull[i], 1);
+#if WGI8_VOTE
+#pragma unroll
+    for (int i = 0; i < WGI8_RING; ++i) mbar_init(&kempty[i], WGR_THREADS / 32);
+#endif
     fence_mbar_init();
   }
   __syncthreads();
@@ -638,6 +665,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   // Pre-decoded keys: this thread's keys' scale windows (kinf), the ring's first tile
   // (1024-byte aligned) and the ring tile and phase of the block's current key tile.
   u32 kinf[2];
+#if WGI8_VOTE
+  u32 vw[2];  // the vote's windows (WGI8_VOTE)
+#endif
   u8 *const ring = sdyn + ((1024u - (smem_u32(sdyn) & 1023u)) & 1023u);
   // The MMAs' descriptors, each step a fixed offset from these (wgmma_desc_add): B, the
   // queries' s8 operands in sQ; A over pre-decoded keys, the ring's first tile.
@@ -653,6 +683,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   // and thread 0 starts the ring's copies.
   if (PRE && q_i8) {
     wgi8_prefetch_info(kinf, kinfo, ks, grp.z, blockIdx.x, warp, gid);
+#if WGI8_VOTE
+    wgi8_prefetch_vote(vw, kinfo, ks, grp.z, blockIdx.x, lane);
+#endif
     if (tid == 0) {
 #pragma unroll
       for (int i = 0; i < WGI8_RING - 1; ++i) {
@@ -713,7 +746,23 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
         ok = ok && ((PRE ? kinf[kk] >= WGI8_NONE_INFO : none[kk]) ||
                     (mx - mn <= I8_MAX_SPAN && mn >= skb[0] && mx <= skb[1] && mn <= skb[2]));
       }
+#if WGI8_VOTE
+      bool i8;
+      if constexpr (PRE) {
+        bool okv = true;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int mn = (int)(vw[h] & 0xFFu), mx = (int)((vw[h] >> 8) & 0xFFu);
+          okv = okv && (vw[h] >= WGI8_NONE_INFO || (mx - mn <= I8_MAX_SPAN && mn >= skb[0] &&
+                                                    mx <= skb[1] && mn <= skb[2]));
+        }
+        i8 = __all_sync(FULL_MASK, okv);
+      } else {
+        i8 = __syncthreads_and(ok ? 1 : 0) != 0;
+      }
+#else
       const bool i8 = __syncthreads_and(ok ? 1 : 0) != 0;
+#endif
       if constexpr (PRE) {
         // Every thread's MMAs of the tiles before this one are done: thread 0 refills the
         // ring tile before this one's with the tile WGI8_RING - 1 ahead. Then the next
@@ -722,11 +771,20 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
         if (tid == 0) {
           const u32 cn = c + (WGI8_RING - 1) * gridDim.x;
           const u32 prev = slot == 0 ? WGI8_RING - 1 : slot - 1;
-          if (cn < nchunks)
+          if (cn < nchunks) {
+#if WGI8_VOTE
+            // Every warp is done with the tile before this one, which used ring tile prev.
+            if (c != blockIdx.x) mbar_wait(&kempty[prev], slot == 0 ? phase ^ 1u : phase);
+#endif
             wgi8_tma_issue(ring + prev * WGI8_KTILE_BYTES, &kfull[prev], k8map, ks, cn);
+          }
         }
-        if (c + gridDim.x < nchunks)
+        if (c + gridDim.x < nchunks) {
           wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
+#if WGI8_VOTE
+          wgi8_prefetch_vote(vw, kinfo, ks, grp.z, c + gridDim.x, lane);
+#endif
+        }
         mbar_wait(&kfull[slot], phase);
       }
       if (i8) {
@@ -755,6 +813,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       } else {
         fallback_tile(c, j0);
       }
+#if WGI8_VOTE
+      if (PRE && lane == 0) mbar_arrive(&kempty[slot]);
+#endif
       if (PRE && ++slot == WGI8_RING) {
         slot = 0;
         phase ^= 1u;
