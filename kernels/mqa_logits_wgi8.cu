@@ -210,13 +210,13 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const int j = 4 * r + a;
+#if WGI8_SVM2
 #if WGI8_SVM4
       const float4 &vv = a < 2 ? v01 : v23;
       const float2 cv = (a & 1) ? make_float2(vv.z, vv.w) : make_float2(vv.x, vv.y);
-      const float4 c =
-          make_float4(cv.x, cv.y, __fmul_rn(cv.x, -I8_MAGIC), __fmul_rn(cv.y, -I8_MAGIC));
-#elif WGI8_SVM2
+#else
       const float2 cv = reinterpret_cast<const float2 *>(svm)[4 * (4 * r0 + j) + tig];
+#endif
       const float4 c =
           make_float4(cv.x, cv.y, __fmul_rn(cv.x, -I8_MAGIC), __fmul_rn(cv.y, -I8_MAGIC));
 #else
