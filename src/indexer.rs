@@ -19,6 +19,9 @@ pub struct RowFootprint {
     pub workers: usize,
     /// Operand bytes per worker.
     pub worker_bytes: usize,
+    /// Tiles whose logits the backend keeps at once ([`Footprint::logits_slots`]; 0 is
+    /// taken as 1).
+    pub logits_slots: usize,
 }
 
 impl Footprint for RowFootprint {
@@ -32,6 +35,9 @@ impl Footprint for RowFootprint {
     }
     fn worker_bytes(&self) -> usize {
         self.worker_bytes
+    }
+    fn logits_slots(&self) -> usize {
+        self.logits_slots.max(1)
     }
 }
 
@@ -231,6 +237,7 @@ impl Backend for CpuBackend {
             // The engine's buffers, plus the worker record itself (kept in a Vec).
             worker_bytes: crate::cpu::Engine::bytes(p.heads, p.dim, p.class())
                 + std::mem::size_of::<Worker>(),
+            logits_slots: 1,
         }
     }
     fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {

@@ -4,7 +4,7 @@
 //! Peak transient of a run (bytes above inputs and outputs):
 //!
 //! ```text
-//! peak = logits_tile                      max over tiles of sum_rows footprint(n)   <= budget*
+//! peak = logits_tile                      slots * max over tiles of sum_rows footprint(n)   <= budget*
 //!      + block_scores                     max over tiles of sum_publishing_rows ceil(n/B) * 4
 //!      + candidate_ids                    workers * NB * 8        (source layers)
 //!      + topk_scratch                     workers * K * 8
@@ -16,6 +16,12 @@
 //! the plan says so. Only the first two terms depend on the context length, and both are
 //! capped by the tile, hence by the budget: block scores are at most `1/B` of the
 //! tile's logits. The others depend on `K`, `NB` and the worker count only.
+//!
+//! A backend that keeps two tiles' logits in flight (the CUDA backend selecting one
+//! tile while it computes the next: [`Footprint::logits_slots`]) gets tiles of half the
+//! budget each, so that both slots together stay within it; it keeps one slot when the
+//! halves would leave a single tile or a row alone over its half ([`Plan::logits_slots`]
+//! says which). `slots` above is that figure.
 
 use std::ops::Range;
 
@@ -31,6 +37,11 @@ pub trait Footprint {
     /// Bytes of operand buffers each worker holds (decoded rows and keys).
     fn worker_bytes(&self) -> usize {
         0
+    }
+    /// Tiles whose logits the backend keeps at once (1 or 2): with 2, tile `t + 1`'s
+    /// logits are computed while tile `t` is selected from, each tile in its own slot.
+    fn logits_slots(&self) -> usize {
+        1
     }
 }
 
@@ -88,7 +99,7 @@ pub struct Tile {
 /// Peak transient, term by term (bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Peak {
-    /// The logits tile buffer.
+    /// The logits tile buffer: [`Plan::logits_slots`] slots of the largest tile.
     pub logits_tile: usize,
     /// Block scores of the tile's publishing rows.
     pub block_scores: usize,
@@ -119,6 +130,11 @@ impl Peak {
 pub struct Plan {
     /// Tiles covering every row once, in order.
     pub tiles: Vec<Tile>,
+    /// Tiles whose logits are held at once: 1, or 2 when the backend asks for two
+    /// ([`Footprint::logits_slots`]), the tiles are planned to half the budget each and
+    /// there are at least two of them with no row alone over its half. Tile `t` uses
+    /// slot `t % logits_slots`.
+    pub logits_slots: usize,
     /// Peak transient.
     pub peak: Peak,
     /// Workers the scratch terms were sized for.
@@ -170,46 +186,25 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
         None => false,
         Some(t) => crate::batch::publishes(&batch.rows()[i], batch.requests(), t),
     };
-    let mut tiles: Vec<Tile> = Vec::new();
-    let mut cur = Tile {
-        rows: 0..0,
-        published: 0..0,
-        logits_bytes: 0,
-        block_score_bytes: 0,
-        oversized: false,
-    };
-    for (i, row) in batch.rows().iter().enumerate() {
-        let rb = fp.row_bytes(row.n);
-        if !cur.rows.is_empty() && cur.logits_bytes.saturating_add(rb) > params.budget {
-            let next = Tile {
-                rows: i..i,
-                published: cur.published.end..cur.published.end,
-                logits_bytes: 0,
-                block_score_bytes: 0,
-                oversized: false,
-            };
-            tiles.push(std::mem::replace(&mut cur, next));
-        }
-        cur.rows.end = i + 1;
-        cur.logits_bytes = cur.logits_bytes.saturating_add(rb);
-        cur.oversized = cur.logits_bytes > params.budget;
-        if publishes(i) {
-            cur.published.end += 1;
-            cur.block_score_bytes = cur
-                .block_score_bytes
-                .saturating_add(row.n.div_ceil(params.block_size).saturating_mul(4));
-        }
-    }
-    let pub_n = cur.published.end;
-    if !cur.rows.is_empty() {
-        tiles.push(cur);
+    let slots = fp.logits_slots().clamp(1, 2);
+    let b = params.block_size;
+    let (mut tiles, mut pub_n) = tiles(batch, params.budget / slots, fp, &publishes, b);
+    let mut slots_used = slots;
+    if slots > 1 && (tiles.len() < 2 || tiles.iter().any(|t| t.oversized)) {
+        (tiles, pub_n) = self::tiles(batch, params.budget, fp, &publishes, b);
+        slots_used = 1;
     }
     let max_tile_rows = tiles.iter().map(|t| t.rows.len()).max().unwrap_or(0);
     // No rows, no workers: an empty batch has no transient at all.
     let workers = fp.workers().max(1).min(max_tile_rows);
     let source = matches!(params.role, PlanRole::Source { .. });
     let peak = Peak {
-        logits_tile: tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0),
+        logits_tile: tiles
+            .iter()
+            .map(|t| t.logits_bytes)
+            .max()
+            .unwrap_or(0)
+            .saturating_mul(slots_used),
         block_scores: tiles.iter().map(|t| t.block_score_bytes).max().unwrap_or(0),
         candidate_ids: if source {
             workers.saturating_mul(params.num_blocks).saturating_mul(8)
@@ -222,10 +217,58 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
     };
     Ok(Plan {
         tiles,
+        logits_slots: slots_used,
         peak,
         workers,
         max_tile_rows,
         published_rows: pub_n,
         unbounded_bytes: unbounded_bytes(batch),
     })
+}
+
+/// The greedy tiles of `batch`'s rows, each at most `budget` bytes of logits unless a row
+/// alone exceeds it, and the number of publishing rows (`publishes`; blocks of
+/// `block_size` keys).
+fn tiles(
+    batch: &Batch,
+    budget: usize,
+    fp: &dyn Footprint,
+    publishes: &dyn Fn(usize) -> bool,
+    block_size: usize,
+) -> (Vec<Tile>, usize) {
+    let mut tiles: Vec<Tile> = Vec::new();
+    let mut cur = Tile {
+        rows: 0..0,
+        published: 0..0,
+        logits_bytes: 0,
+        block_score_bytes: 0,
+        oversized: false,
+    };
+    for (i, row) in batch.rows().iter().enumerate() {
+        let rb = fp.row_bytes(row.n);
+        if !cur.rows.is_empty() && cur.logits_bytes.saturating_add(rb) > budget {
+            let next = Tile {
+                rows: i..i,
+                published: cur.published.end..cur.published.end,
+                logits_bytes: 0,
+                block_score_bytes: 0,
+                oversized: false,
+            };
+            tiles.push(std::mem::replace(&mut cur, next));
+        }
+        cur.rows.end = i + 1;
+        cur.logits_bytes = cur.logits_bytes.saturating_add(rb);
+        cur.oversized = cur.logits_bytes > budget;
+        if publishes(i) {
+            cur.published.end += 1;
+            cur.block_score_bytes = cur
+                .block_score_bytes
+                .saturating_add(row.n.div_ceil(block_size).saturating_mul(4));
+        }
+    }
+    let pub_n = cur.published.end;
+    if !cur.rows.is_empty() {
+        tiles.push(cur);
+    }
+    (tiles, pub_n)
 }

@@ -44,7 +44,7 @@ proptest! {
         let seq: Vec<usize> = reqs.iter().map(|r| r.0).collect();
         let q0: Vec<usize> = reqs.iter().map(|r| r.1).collect();
         let batch = Batch::contiguous(&seq, &q0, ratio).unwrap();
-        let fp = RowFootprint { align, workers, worker_bytes: 1000 };
+        let fp = RowFootprint { align, workers, worker_bytes: 1000, logits_slots: 1 };
         let pl = plan(&batch, &params(budget, role), &fp).unwrap();
         // Coverage, in order.
         let mut next = 0;
@@ -80,6 +80,43 @@ proptest! {
         prop_assert_eq!(pk.block_scores == 0, !source || pl.tiles.iter().all(|t| t.block_score_bytes == 0));
         prop_assert!(pk.block_scores <= pk.logits_tile / 8 + pl.max_tile_rows * 4 + 4, "block scores are capped by the tile");
         prop_assert!(pl.workers <= workers.max(1));
+        prop_assert_eq!(pl.logits_slots, 1);
+    }
+
+    /// A backend that asks for two logits slots gets the one-slot plan of half the
+    /// budget when that has at least two tiles and no row over its half (both slots
+    /// then fit the budget), else the one-slot plan of the whole budget.
+    #[test]
+    fn two_slots_are_two_half_budget_tiles_or_one_slot(
+        reqs in common::strategies::requests(3000),
+        ratio in prop::sample::select(vec![1usize, 2, 4]),
+        budget in 1usize..200_000,
+        align in prop::sample::select(vec![1usize, 4, 64]),
+        role in role(),
+    ) {
+        let seq: Vec<usize> = reqs.iter().map(|r| r.0).collect();
+        let q0: Vec<usize> = reqs.iter().map(|r| r.1).collect();
+        let batch = Batch::contiguous(&seq, &q0, ratio).unwrap();
+        let one = RowFootprint { align, workers: 3, worker_bytes: 1000, logits_slots: 1 };
+        let two = RowFootprint { logits_slots: 2, ..one };
+        let pl = plan(&batch, &params(budget, role), &two).unwrap();
+        let half = plan(&batch, &params(budget / 2, role), &one);
+        let whole = plan(&batch, &params(budget, role), &one).unwrap();
+        let max_tile = pl.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0);
+        prop_assert_eq!(pl.peak.logits_tile, pl.logits_slots * max_tile);
+        match half {
+            Ok(h) if h.tiles.len() >= 2 && !h.has_oversized_row() => {
+                prop_assert_eq!(pl.logits_slots, 2);
+                prop_assert_eq!(&pl.tiles, &h.tiles);
+                prop_assert_eq!(pl.peak.logits_tile, 2 * h.peak.logits_tile);
+                prop_assert!(pl.peak.logits_tile <= budget);
+                prop_assert_eq!(pl.peak.total() - pl.peak.logits_tile, h.peak.total() - h.peak.logits_tile);
+            }
+            _ => {
+                prop_assert_eq!(pl.logits_slots, 1);
+                prop_assert_eq!(&pl, &whole);
+            }
+        }
     }
 }
 
@@ -90,6 +127,7 @@ fn budget_zero_and_bad_parameters_are_errors() {
         align: 4,
         workers: 1,
         worker_bytes: 0,
+        logits_slots: 1,
     };
     let e = plan(&batch, &params(0, PlanRole::Plain), &fp).unwrap_err();
     assert_eq!(e.to_string(), "budget = 0: budget > 0 bytes");
@@ -104,6 +142,7 @@ fn single_rows_over_budget_are_tiles_of_their_own() {
         align: 4,
         workers: 2,
         worker_bytes: 0,
+        logits_slots: 1,
     };
     let pl = plan(&batch, &params(100, PlanRole::Plain), &fp).unwrap();
     assert_eq!(pl.tiles.len(), 10);
@@ -125,6 +164,7 @@ fn seed_engine_figures() {
         align: 4,
         workers: 64,
         worker_bytes: 1 << 20,
+        logits_slots: 1,
     };
     for role in [
         PlanRole::Plain,

@@ -192,6 +192,7 @@ fuzz_target!(|data: &[u8]| {
         align: 1 + (mode as usize >> 1) % 8,
         workers: 1 + (mode as usize >> 4),
         worker_bytes: 0,
+        logits_slots: 1 + (mode as usize >> 6) % 2,
     };
     let params = PlanParams {
         heads: 8,
@@ -224,6 +225,20 @@ fuzz_target!(|data: &[u8]| {
         );
     }
     assert_eq!(next, batch.num_rows(), "tiles cover the rows");
+    // Two slots: both in flight within the budget, or one slot as the planner's rule says.
+    let max_tile = p.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0);
+    assert_eq!(
+        p.peak.logits_tile,
+        max_tile.saturating_mul(p.logits_slots),
+        "slots x the largest tile"
+    );
+    if p.logits_slots == 2 {
+        assert_eq!(fp.logits_slots, 2, "two slots asked for");
+        assert!(p.tiles.len() >= 2, "two slots for one tile");
+        assert!(p.peak.logits_tile <= budget, "two slots over budget");
+    } else {
+        assert_eq!(p.logits_slots, 1, "slots");
+    }
     let bad = PlanParams {
         budget: 0,
         ..params
