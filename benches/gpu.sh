@@ -4,7 +4,7 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage --features tuning                                   # here
-#   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [alt] [torch] [ncu] [ncutk] [sanitize]
+#   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
 #        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
@@ -67,7 +67,9 @@
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),
 #   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
-#   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour).
+#   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour),
+#   SELECT_STREAM (1 or 2: each tile's selection on a stream of its own, at the default or
+#   the greatest priority, beside the next tile's logits in two slots of half the budget).
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -244,6 +246,33 @@ if has alt; then
   alt_round 60 v41-chunk
   alt_round 120 v41-chunk-wide v41-1m v41-decode-b64-64k
   grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/alt.txt" \
+    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
+fi
+
+if has select; then
+  # Each tile's selection on a stream of its own beside the next tile's logits, two
+  # logits slots of half the budget (SELECT_STREAM=1: the stream at the default priority,
+  # 2: at the device's greatest; host side, docs/cuda.md "The selection beside the next
+  # tile's logits") against the default, in alternating processes: each form's tests of
+  # runs of many tiles first (every budget, the plan's peak, random batches of both
+  # classes, the golden vectors, paged keys, the engine entry, decode), then rounds on the
+  # workloads of several tiles (select.txt, and the summary).
+  log "selection stream A/B"
+  for defs in "SELECT_STREAM=1" "SELECT_STREAM=2"; do
+    knob_tests "$defs" same_bits plan_and_measured_peak random_batches golden paged engine_api decode
+  done
+  sel_round() {  # sel_round SECONDS PRECISION WORKLOAD...: the default, then each form
+    local secs="$1" prec="$2"; shift 2
+    for defs in "" "SELECT_STREAM=1" "SELECT_STREAM=2"; do
+      DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json \
+        --precision "$prec" "$@" --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/select.txt"
+    done
+  }
+  sel_round 60 full v41-chunk v41-chunk-source
+  sel_round 60 full v41-chunk
+  sel_round 120 fast v32-64k v32-16k
+  sel_round 120 full v32-64k v41-1m
+  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"logits_slots":[0-9]+|"(median|logits|select)_ms":[0-9.]+' "$OUT/select.txt" \
     | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
 

@@ -109,6 +109,7 @@ impl CudaBackend {
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
             run.tile(&self.dev, t)?;
+            let mut off = run.logits_slot_base(t);
             let Some(l) = run.logits.as_ref().and_then(Buf::owned) else {
                 continue;
             };
@@ -117,7 +118,6 @@ impl CudaBackend {
                 .stream
                 .clone_dtoh(l)
                 .map_err(drv("copy logits back"))?;
-            let mut off = 0usize;
             for i in plan.tiles[t].rows.clone() {
                 let n = p.batch.rows()[i].n;
                 out.extend_from_slice(&all[off..off + n]);
@@ -147,9 +147,9 @@ impl CudaBackend {
         let mut src = 0usize;
         for t in 0..plan.tiles.len() {
             let run = self.run.as_mut().ok_or_else(|| backend_err("no run"))?;
+            let mut off = run.logits_slot_base(t);
             if let Some(l) = run.logits.as_mut().and_then(Buf::owned_mut) {
                 let mut host = vec![0f32; l.len()];
-                let mut off = 0usize;
                 for i in plan.tiles[t].rows.clone() {
                     let n = p.batch.rows()[i].n;
                     host[off..off + n].copy_from_slice(&scores[src..src + n]);

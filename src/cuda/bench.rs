@@ -228,6 +228,9 @@ pub struct BenchResult {
     pub valid_pairs: u64,
     /// Tiles of the plan.
     pub tiles: usize,
+    /// Tiles whose logits were held at once ([`crate::plan::Plan::logits_slots`]): 2 when
+    /// each tile's selection ran beside the next tile's logits.
+    pub logits_slots: usize,
     /// Budget (bytes).
     pub budget: usize,
     /// Median end-to-end time of all tiles (ms).
@@ -343,7 +346,8 @@ impl BenchResult {
     pub fn to_json(&self) -> String {
         let mut v = serde_json::json!({
             "name": self.name, "device": self.device, "precision": self.precision, "rows": self.rows,
-            "valid_pairs": self.valid_pairs, "tiles": self.tiles, "budget": self.budget,
+            "valid_pairs": self.valid_pairs, "tiles": self.tiles,
+            "logits_slots": self.logits_slots, "budget": self.budget,
             "median_ms": self.median_ms, "min_ms": self.min_ms, "logits_ms": self.logits_ms,
             "select_ms": self.select_ms, "tflops": self.tflops, "logits_tflops": self.logits_tflops,
             "topk_gbs": self.topk_gbs, "rows_per_s": self.rows_per_s,
@@ -581,6 +585,7 @@ pub fn run_workload(
         rows: t,
         valid_pairs: pairs as u64,
         tiles: plan.tiles.len(),
+        logits_slots: plan.logits_slots,
         budget: w.budget,
         median_ms: med,
         min_ms,
@@ -659,6 +664,7 @@ mod tests {
             rows: 1,
             valid_pairs: 1,
             tiles: 1,
+            logits_slots: 1,
             budget: 1,
             median_ms: 1.0,
             min_ms: 1.0,

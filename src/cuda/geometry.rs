@@ -179,6 +179,7 @@ pub(super) fn footprint(rows: usize, longest: usize, topk: usize, sms: usize) ->
             .saturating_mul(META_BYTES_PER_ROW)
             .saturating_add(split_scratch_bytes(longest, topk, sms))
             .saturating_add(PATHS_BYTES),
+        logits_slots: 1,
     }
 }
 
@@ -223,7 +224,9 @@ pub(super) fn predecoded_keys(batch: &Batch, shape: &Shape, hooks: Hooks) -> usi
 }
 
 /// The footprint of a run of `shape` over `batch` on a GPU of `sms` SMs under `hooks`:
-/// [`footprint`]'s, its per-run bytes with the pre-decoded keys ([`predecoded_keys`]).
+/// [`footprint`]'s, its per-run bytes with the pre-decoded keys ([`predecoded_keys`]), and
+/// two logits slots when the selection runs on a stream of its own
+/// ([`kernels::select_stream`]).
 pub(super) fn run_footprint(
     batch: &Batch,
     shape: &Shape,
@@ -235,6 +238,9 @@ pub(super) fn run_footprint(
         predecoded_keys(batch, shape, hooks)
             .saturating_mul(kernels::predecoded_key_bytes(shape.dim)),
     );
+    if kernels::select_stream().is_some() {
+        fp.logits_slots = 2;
+    }
     fp
 }
 

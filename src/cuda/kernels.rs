@@ -390,6 +390,30 @@ pub fn w8_tma() -> bool {
         .is_none_or(|(_, v)| v.trim() != "0")
 }
 
+/// The priority of the stream a run's selection takes when it has one of its own
+/// ([`select_stream`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SelectStream {
+    /// The default priority, as the run's stream's.
+    Default,
+    /// The device's greatest: a block of a tile's selection is scheduled before the
+    /// next tile's logits blocks wherever both wait.
+    Greatest,
+}
+
+/// Whether a run of more than one tile selects from each tile's logits on a stream of
+/// its own while its stream computes the next tile's logits, each tile in one of two
+/// logits slots of half the budget ([`crate::plan::Plan::logits_slots`]): the
+/// `SELECT_STREAM` tuning define, `1` at the default priority, `2` at the greatest.
+/// Absent or `0` (the default): one stream, each tile's selection after its logits.
+pub fn select_stream() -> Option<SelectStream> {
+    match define_in("SELECT_STREAM", 0..=2) {
+        Some(1) => Some(SelectStream::Default),
+        Some(2) => Some(SelectStream::Greatest),
+        _ => None,
+    }
+}
+
 /// The first value of define `name` in [`defines`] that is a number in `range`.
 fn define_in(name: &str, range: std::ops::RangeInclusive<usize>) -> Option<usize> {
     defines()

@@ -3,10 +3,12 @@
 //! tile, block keys, split top-k scratch) allocated once and reused by every tile, and
 //! the outputs, which stay on the device.
 
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 
 use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
-use super::device::{ptr, Device};
+use super::device::{drv, ptr, Device};
 use super::geometry::{
     batch_footprint, long_rows_launch, short_launch_smem, RowMeta, RowTopk, Shape, TileGeom,
     PATHS_BYTES, SPLIT_BYTES_PER_ID,
@@ -47,8 +49,71 @@ struct Predecoded {
     map: Option<launch::TensorMap>,
 }
 
+/// The stream a run of two logits slots selects on ([`kernels::select_stream`]): tile
+/// `t`'s selection waits for its logits on the run's stream, and the logits of the tile
+/// after next, which reuse its slot, wait for that selection (`slot_free[t % 2]`). The
+/// run's stream waits for the last selection after the last tile, and when the run is
+/// dropped, before the run's buffers are freed in its order.
+struct SelectSide {
+    stream: Arc<CudaStream>,
+    /// The run's stream.
+    main: Arc<CudaStream>,
+    /// Per slot: the end of the last selection queued from it.
+    slot_free: [Option<CudaEvent>; 2],
+    /// The slot of the last selection queued.
+    last: Option<usize>,
+}
+
+impl SelectSide {
+    /// A stream of `priority` in the context of `dev`'s stream.
+    fn new(dev: &Device, priority: kernels::SelectStream) -> Result<SelectSide> {
+        let ctx = dev.stream.context();
+        let stream = match priority {
+            kernels::SelectStream::Default => ctx.new_stream(),
+            kernels::SelectStream::Greatest => {
+                let (_, greatest) = cudarc::driver::result::stream::get_priority_range()
+                    .map_err(drv("stream priority range"))?;
+                ctx.new_stream_with_priority(greatest)
+            }
+        }
+        .map_err(drv("create the selection stream"))?;
+        Ok(SelectSide {
+            stream,
+            main: dev.stream.clone(),
+            slot_free: [None, None],
+            last: None,
+        })
+    }
+
+    /// The run's stream waits for every selection queued so far.
+    fn join(&self) -> Result<()> {
+        if let Some(e) = self.last.and_then(|s| self.slot_free[s].as_ref()) {
+            self.main
+                .wait(e)
+                .map_err(drv("join the selection stream"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for SelectSide {
+    fn drop(&mut self) {
+        // Declared first in Run, so dropped before its buffers: their frees, queued on
+        // the run's stream, then follow every selection that reads them.
+        let _ = self.join();
+    }
+}
+
 /// One run's device state.
 pub(super) struct Run {
+    /// The selection's own stream, in a run of two logits slots that has one. First, so
+    /// that it is dropped before the buffers its selections read.
+    side: Option<SelectSide>,
+    /// Tiles whose logits are held at once ([`Plan::logits_slots`]), and the f32
+    /// elements of each slot: tile `t`'s logits start `(t % slots) * slot_elems` into
+    /// the buffer.
+    slots: usize,
+    slot_elems: u64,
     shape: Shape,
     ptrs: Ptrs,
     /// Per-row metadata (transient, counted).
@@ -373,7 +438,17 @@ impl Run {
             _ => space.used() - before.1,
         };
         let out = OutputBufs::alloc(dev, out, space.measuring(), t, &shape, meta.npub)?;
+        let slots = plan.logits_slots.max(1);
+        let side = match kernels::select_stream() {
+            Some(priority) if slots == 2 && !space.measuring() => {
+                Some(SelectSide::new(dev, priority)?)
+            }
+            _ => None,
+        };
         Ok(Run {
+            side,
+            slots,
+            slot_elems: (plan.peak.logits_tile / slots / 4) as u64,
             shape,
             ptrs,
             meta: md,
@@ -402,9 +477,60 @@ impl Run {
     }
 
     /// Launch tile `t`: logits, (source) block keys and kept blocks, top-k + assembly.
+    /// With a selection stream, the selection is queued there after the logits, and the
+    /// logits wait for the selection that last read the tile's slot; after the last
+    /// tile the run's stream waits for every selection.
     pub(super) fn tile(&mut self, dev: &Device, t: usize) -> Result<()> {
+        let Some(mut side) = self.side.take() else {
+            self.logits_step(dev, t)?;
+            return self.select_step(dev, t);
+        };
+        let r = self.tile_beside(dev, &mut side, t);
+        self.side = Some(side);
+        r
+    }
+
+    /// [`Run::tile`] with the selection on `side`'s stream.
+    fn tile_beside(&mut self, dev: &Device, side: &mut SelectSide, t: usize) -> Result<()> {
+        let slot = t % self.slots;
+        if let Some(e) = side.slot_free[slot].as_ref() {
+            dev.stream
+                .wait(e)
+                .map_err(drv("wait for the slot's selection"))?;
+        }
         self.logits_step(dev, t)?;
-        self.select_step(dev, t)
+        let done = dev
+            .stream
+            .record_event(None)
+            .map_err(drv("record the tile's logits"))?;
+        side.stream
+            .wait(&done)
+            .map_err(drv("wait for the tile's logits"))?;
+        self.select_on(dev, &side.stream, t)?;
+        side.slot_free[slot] = Some(
+            side.stream
+                .record_event(None)
+                .map_err(drv("record the tile's selection"))?,
+        );
+        side.last = Some(slot);
+        if t + 1 == self.geom.len() {
+            side.join()?;
+        }
+        Ok(())
+    }
+
+    /// The f32 element at which tile `t`'s logits start in the logits buffer.
+    pub(super) fn logits_slot_base(&self, t: usize) -> usize {
+        (t % self.slots) * self.slot_elems as usize
+    }
+
+    /// [`Run::addrs`] on stream `s`, the logits address at tile `t`'s slot.
+    fn tile_addrs(&self, s: &CudaStream, t: usize) -> RunAddrs {
+        let mut a = self.addrs(s);
+        if a.logits != 0 {
+            a.logits += 4 * self.logits_slot_base(t) as u64;
+        }
+        a
     }
 
     /// The logits kernel of tile `t`.
@@ -416,7 +542,7 @@ impl Run {
         let s = &dev.stream;
         let sh = self.shape;
         let p = self.ptrs;
-        let a = self.addrs(s);
+        let a = self.tile_addrs(s, t);
         // 1. Logits.
         if g.chunks > 0 && a.logits != 0 {
             let (entry, threads) = g.logits;
@@ -492,30 +618,42 @@ impl Run {
         Ok((at.1, map))
     }
 
-    /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer.
+    /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer, on
+    /// the run's stream.
     pub(super) fn select_step(&mut self, dev: &Device, t: usize) -> Result<()> {
-        let g = self.geom[t].clone();
+        let s = dev.stream.clone();
+        self.select_on(dev, &s, t)
+    }
+
+    /// [`Run::select_step`] on stream `s`.
+    fn select_on(&self, dev: &Device, s: &CudaStream, t: usize) -> Result<()> {
+        let g = &self.geom[t];
         if g.rows.is_empty() {
             return Ok(());
         }
-        let s = &dev.stream;
-        let a = self.addrs(s);
+        let a = self.tile_addrs(s, t);
         // 2. Source: block keys, then kept blocks.
         if a.published != 0 && self.shape.tail.is_some() {
-            self.candidate_blocks_step(dev, &g, &a)?;
+            self.candidate_blocks_step(dev, s, g, &a)?;
         }
         // 3. Top-k and index assembly (over paged keys, page from raw after the top-k).
         if g.segments > 1 && a.split != 0 {
-            self.split_topk_step(dev, &g, &a)?;
+            self.split_topk_step(dev, s, g, &a)?;
         } else {
-            self.row_topk_step(dev, &g, &a)?;
+            self.row_topk_step(dev, s, g, &a)?;
         }
-        self.paged_slots_step(dev, &g, &a)
+        self.paged_slots_step(dev, s, g, &a)
     }
 
     /// Over paged keys, `page` of tile geometry `g`'s rows from their `raw` through the
     /// page table (the top-k kernels wrote `raw` only); nothing over flat keys.
-    fn paged_slots_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
+    fn paged_slots_step(
+        &self,
+        dev: &Device,
+        s: &CudaStream,
+        g: &TileGeom,
+        a: &RunAddrs,
+    ) -> Result<()> {
         let Some(pg) = self.shape.paged else {
             return Ok(());
         };
@@ -530,7 +668,7 @@ impl Run {
             page_table: self.ptrs.page_table,
             page_log2: pg.page_log2,
         };
-        launch::paged_slots(&dev.stream, &f, &args, g.rows.len() as u32)
+        launch::paged_slots(s, &f, &args, g.rows.len() as u32)
     }
 
     /// The `page` output and its columns as the top-k kernels take them: none over
@@ -544,8 +682,13 @@ impl Run {
     }
 
     /// A source layer's block keys and kept blocks of tile geometry `g`'s rows.
-    fn candidate_blocks_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
-        let s = &dev.stream;
+    fn candidate_blocks_step(
+        &self,
+        dev: &Device,
+        s: &CudaStream,
+        g: &TileGeom,
+        a: &RunAddrs,
+    ) -> Result<()> {
         let sh = self.shape;
         let rows = g.rows.len() as u32;
         let row0 = g.rows.start as u32;
@@ -592,8 +735,13 @@ impl Run {
 
     /// The top-k of tile geometry `g`'s rows split into segments (tiles of few rows):
     /// each segment's K best into the scratch, then the merge and index assembly.
-    fn split_topk_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
-        let s = &dev.stream;
+    fn split_topk_step(
+        &self,
+        dev: &Device,
+        s: &CudaStream,
+        g: &TileGeom,
+        a: &RunAddrs,
+    ) -> Result<()> {
         let sh = self.shape;
         let p = self.ptrs;
         let rows = g.rows.len() as u32;
@@ -635,8 +783,13 @@ impl Run {
     }
 
     /// The top-k and index assembly of tile geometry `g`'s rows, one block per row.
-    fn row_topk_step(&self, dev: &Device, g: &TileGeom, a: &RunAddrs) -> Result<()> {
-        let s = &dev.stream;
+    fn row_topk_step(
+        &self,
+        dev: &Device,
+        s: &CudaStream,
+        g: &TileGeom,
+        a: &RunAddrs,
+    ) -> Result<()> {
         let sh = self.shape;
         let p = self.ptrs;
         let bw = self.bitmap_words;
