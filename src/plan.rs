@@ -18,10 +18,11 @@
 //! tile's logits. The others depend on `K`, `NB` and the worker count only.
 //!
 //! A backend that keeps two tiles' logits in flight (the CUDA backend selecting one
-//! tile while it computes the next: [`Footprint::logits_slots`]) gets tiles of half the
-//! budget each, so that both slots together stay within it; it keeps one slot when the
-//! halves would leave a single tile or a row alone over its half ([`Plan::logits_slots`]
-//! says which). `slots` above is that figure.
+//! tile while it computes the next: [`Footprint::logits_slots`]) gets tiles of at most
+//! half the budget each, so that both slots together stay within it, and of at most a
+//! [`PIPELINE_TILES`]th of the batch's logits, so that a batch that fits one tile still
+//! overlaps. It keeps one slot when that would leave a single tile or a row alone over
+//! half the budget ([`Plan::logits_slots`] says which). `slots` above is that figure.
 
 use std::ops::Range;
 
@@ -78,6 +79,11 @@ pub struct PlanParams {
     pub budget: usize,
 }
 
+/// Tiles a two-slot plan aims for at least ([`Footprint::logits_slots`]): with each
+/// tile's selection beside the next tile's logits, the first tile's logits and the last
+/// tile's selection are what stay exposed, about a quarter of either at four tiles.
+pub const PIPELINE_TILES: usize = 4;
+
 /// Default logits budget: 2 GiB.
 pub const DEFAULT_BUDGET: usize = 2 << 30;
 
@@ -131,9 +137,9 @@ pub struct Plan {
     /// Tiles covering every row once, in order.
     pub tiles: Vec<Tile>,
     /// Tiles whose logits are held at once: 1, or 2 when the backend asks for two
-    /// ([`Footprint::logits_slots`]), the tiles are planned to half the budget each and
-    /// there are at least two of them with no row alone over its half. Tile `t` uses
-    /// slot `t % logits_slots`.
+    /// ([`Footprint::logits_slots`]) and the tiles planned to at most half the budget
+    /// and a [`PIPELINE_TILES`]th of the batch's logits are at least two, none over half
+    /// the budget. Tile `t` uses slot `t % logits_slots`.
     pub logits_slots: usize,
     /// Peak transient.
     pub peak: Peak,
@@ -186,13 +192,29 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
         None => false,
         Some(t) => crate::batch::publishes(&batch.rows()[i], batch.requests(), t),
     };
-    let slots = fp.logits_slots().clamp(1, 2);
     let b = params.block_size;
-    let (mut tiles, mut pub_n) = tiles(batch, params.budget / slots, fp, &publishes, b);
-    let mut slots_used = slots;
-    if slots > 1 && (tiles.len() < 2 || tiles.iter().any(|t| t.oversized)) {
-        (tiles, pub_n) = self::tiles(batch, params.budget, fp, &publishes, b);
-        slots_used = 1;
+    let (mut tiles, mut pub_n) = tiles(batch, params.budget, fp, &publishes, b);
+    let mut slots = 1;
+    if fp.logits_slots() >= 2 {
+        let half = params.budget / 2;
+        let total = batch
+            .rows()
+            .iter()
+            .fold(0usize, |a, r| a.saturating_add(fp.row_bytes(r.n)));
+        let cap = half.min(total.div_ceil(PIPELINE_TILES)).max(1);
+        let (two, two_pub) = self::tiles(batch, cap, fp, &publishes, b);
+        if two.len() >= 2 && two.iter().all(|t| t.logits_bytes <= half) {
+            // Every row fits half the budget: none is over the whole.
+            tiles = two
+                .into_iter()
+                .map(|t| Tile {
+                    oversized: false,
+                    ..t
+                })
+                .collect();
+            pub_n = two_pub;
+            slots = 2;
+        }
     }
     let max_tile_rows = tiles.iter().map(|t| t.rows.len()).max().unwrap_or(0);
     // No rows, no workers: an empty batch has no transient at all.
@@ -204,7 +226,7 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
             .map(|t| t.logits_bytes)
             .max()
             .unwrap_or(0)
-            .saturating_mul(slots_used),
+            .saturating_mul(slots),
         block_scores: tiles.iter().map(|t| t.block_score_bytes).max().unwrap_or(0),
         candidate_ids: if source {
             workers.saturating_mul(params.num_blocks).saturating_mul(8)
@@ -217,7 +239,7 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
     };
     Ok(Plan {
         tiles,
-        logits_slots: slots_used,
+        logits_slots: slots,
         peak,
         workers,
         max_tile_rows,

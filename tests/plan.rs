@@ -6,7 +6,9 @@ mod common;
 use approx::assert_relative_eq;
 use dsa_indexer::batch::Batch;
 use dsa_indexer::indexer::RowFootprint;
-use dsa_indexer::plan::{plan, unbounded_bytes, Footprint, PlanParams, PlanRole, DEFAULT_BUDGET};
+use dsa_indexer::plan::{
+    plan, unbounded_bytes, Footprint, PlanParams, PlanRole, DEFAULT_BUDGET, PIPELINE_TILES,
+};
 use proptest::prelude::*;
 
 fn params(budget: usize, role: PlanRole) -> PlanParams {
@@ -83,9 +85,10 @@ proptest! {
         prop_assert_eq!(pl.logits_slots, 1);
     }
 
-    /// A backend that asks for two logits slots gets the one-slot plan of half the
-    /// budget when that has at least two tiles and no row over its half (both slots
-    /// then fit the budget), else the one-slot plan of the whole budget.
+    /// A backend that asks for two logits slots gets the one-slot tiles of at most half
+    /// the budget and a PIPELINE_TILES-th of the batch's logits when they are at least two
+    /// and none is over half the budget (both slots then fit the budget), else the
+    /// one-slot plan of the whole budget.
     #[test]
     fn two_slots_are_two_half_budget_tiles_or_one_slot(
         reqs in common::strategies::requests(3000),
@@ -100,22 +103,25 @@ proptest! {
         let one = RowFootprint { align, workers: 3, worker_bytes: 1000, logits_slots: 1 };
         let two = RowFootprint { logits_slots: 2, ..one };
         let pl = plan(&batch, &params(budget, role), &two).unwrap();
-        let half = plan(&batch, &params(budget / 2, role), &one);
         let whole = plan(&batch, &params(budget, role), &one).unwrap();
+        let total: usize = batch.rows().iter().map(|r| one.row_bytes(r.n)).sum();
+        let cap = (budget / 2).min(total.div_ceil(PIPELINE_TILES)).max(1);
+        let split = plan(&batch, &params(cap, role), &one).unwrap();
         let max_tile = pl.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0);
         prop_assert_eq!(pl.peak.logits_tile, pl.logits_slots * max_tile);
-        match half {
-            Ok(h) if h.tiles.len() >= 2 && !h.has_oversized_row() => {
-                prop_assert_eq!(pl.logits_slots, 2);
-                prop_assert_eq!(&pl.tiles, &h.tiles);
-                prop_assert_eq!(pl.peak.logits_tile, 2 * h.peak.logits_tile);
-                prop_assert!(pl.peak.logits_tile <= budget);
-                prop_assert_eq!(pl.peak.total() - pl.peak.logits_tile, h.peak.total() - h.peak.logits_tile);
-            }
-            _ => {
-                prop_assert_eq!(pl.logits_slots, 1);
-                prop_assert_eq!(&pl, &whole);
-            }
+        if split.tiles.len() >= 2 && split.tiles.iter().all(|t| t.logits_bytes <= budget / 2) {
+            prop_assert_eq!(pl.logits_slots, 2);
+            let rows = |p: &dsa_indexer::plan::Plan| -> Vec<_> {
+                p.tiles.iter().map(|t| (t.rows.clone(), t.published.clone(), t.logits_bytes, t.block_score_bytes)).collect()
+            };
+            prop_assert_eq!(rows(&pl), rows(&split));
+            prop_assert!(pl.tiles.iter().all(|t| !t.oversized));
+            prop_assert!(pl.peak.logits_tile <= budget);
+            prop_assert_eq!(pl.published_rows, whole.published_rows);
+            prop_assert_eq!(pl.peak.total() - pl.peak.logits_tile, split.peak.total() - split.peak.logits_tile);
+        } else {
+            prop_assert_eq!(pl.logits_slots, 1);
+            prop_assert_eq!(&pl, &whole);
         }
     }
 }
