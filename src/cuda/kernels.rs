@@ -403,7 +403,7 @@ pub enum SelectStream {
 
 /// Whether a run of more than one tile selects from each tile's logits on a stream of
 /// its own while its stream computes the next tile's logits, each tile in one of two
-/// logits slots of half the budget ([`crate::plan::Plan::logits_slots`]): the
+/// logits slots of at most half the budget ([`crate::plan::Plan::logits_slots`]): the
 /// `SELECT_STREAM` tuning define, `1` at the default priority, `2` at the greatest.
 /// Absent or `0` (the default): one stream, each tile's selection after its logits.
 pub fn select_stream() -> Option<SelectStream> {
