@@ -259,7 +259,7 @@ if has select; then
   # workloads of several tiles (select.txt, and the summary).
   log "selection stream A/B"
   for defs in "SELECT_STREAM=1" "SELECT_STREAM=2"; do
-    knob_tests "$defs" same_bits plan_and_measured_peak random_batches golden paged engine_api decode
+    knob_tests "$defs" same_bits selection_stream plan_and_measured_peak random_batches golden paged engine_api decode
   done
   sel_round() {  # sel_round SECONDS PRECISION WORKLOAD...: the default, then each form
     local secs="$1" prec="$2"; shift 2

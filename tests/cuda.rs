@@ -2602,6 +2602,81 @@ fn same_bits_for_every_budget_and_every_run() {
     check_outputs("reference", &first, &reference::run(&p));
 }
 
+/// Each tile's selection on a stream of its own beside the next tile's logits, in two
+/// logits slots (`CudaBackend::with_select_stream`, at both priorities): the bits of one
+/// stream, logits and outputs, at every budget, in the exact class (a source layer) and
+/// the tolerance class (E4M3 x E4M3 at H = 64), and the run's device bytes within the
+/// plan, whose two slots stay within the budget.
+#[test]
+fn selection_stream_gives_the_bits_of_one_stream_at_every_budget() {
+    let Some(one) = gpu() else { return };
+    let one = one.with_select_stream(None);
+    let exact = Case::random(
+        Batch::contiguous(&[300, 77, 150], &[200, 0, 140], 1).unwrap(),
+        32,
+        128,
+        12,
+    );
+    let params = Params {
+        topk: 16,
+        page_cols: None,
+        block_size: 4,
+        num_blocks: 8,
+    };
+    let tolerance = EngineCase::random(
+        Batch::contiguous(&[260, 90], &[100, 10], 1).unwrap(),
+        64,
+        128,
+        false,
+        false,
+        13,
+    );
+    let problems = [
+        (
+            "exact, source",
+            exact.problem(params, Role::Source { tail: Some(5) }),
+        ),
+        ("tolerance", tolerance.problem().unwrap()),
+    ];
+    for (what, p) in &problems {
+        let mut b1 = CudaBackend::on(one.device().clone()).with_select_stream(None);
+        let want = run_backend(&mut b1, p, usize::MAX).unwrap().0;
+        let want_logits = b1.logits(p, usize::MAX).unwrap();
+        let one_row = p.batch.longest_row() * 4;
+        for priority in [cuda::SelectStream::Default, cuda::SelectStream::Greatest] {
+            let mut b = CudaBackend::on(one.device().clone()).with_select_stream(Some(priority));
+            let mut two_slots = 0;
+            for budget in [1usize, one_row, 3 * one_row, 1 << 16, 1 << 20, usize::MAX] {
+                let tag = format!("{what}, {priority:?}, budget {budget}");
+                let (out, plan) = run_backend(&mut b, p, budget).unwrap();
+                check_outputs(&format!("{tag} ({} tiles)", plan.tiles.len()), &out, &want);
+                let m = b.device_peak().unwrap();
+                assert!(
+                    m <= plan.peak.total(),
+                    "{tag}: measured {m} > planned {}",
+                    plan.peak.total()
+                );
+                if plan.logits_slots == 2 {
+                    two_slots += 1;
+                    assert!(plan.tiles.len() >= 2, "{tag}: two slots for one tile");
+                    assert!(
+                        plan.peak.logits_tile <= budget,
+                        "{tag}: two slots over the budget"
+                    );
+                }
+                let l = b.logits(p, budget).unwrap();
+                check_eq(&tag, "logits (bits)", &bits(&l), &bits(&want_logits));
+            }
+            // The budgets above take both plans: one slot where a row is over half the
+            // budget (budget 1), two where the batch's logits are cut in quarters.
+            assert!(
+                (2..6).contains(&two_slots),
+                "{what}, {priority:?}: {two_slots} of 6 budgets planned two slots"
+            );
+        }
+    }
+}
+
 #[test]
 fn engine_api_takes_device_inputs_on_the_callers_stream() {
     let Some(b) = gpu() else { return };

@@ -9,7 +9,7 @@ use cudarc::driver::CudaSlice;
 use super::alloc::{Buf, Fill, Space};
 use super::device::{backend_err, drv, Device};
 use super::geometry::{batch_footprint, check_shape, run_footprint, Paging, Shape, MAX_TOPK};
-use super::kernels::{self, Precision};
+use super::kernels::{self, Precision, SelectStream};
 use super::paths::{FoldCounts, TopkPaths};
 use super::run::{OutPlace, Run, Uploads};
 use crate::error::{Error, Result};
@@ -27,6 +27,7 @@ pub struct CudaBackend {
     paths: TopkPaths,
     folds: FoldCounts,
     precision: Precision,
+    select: Option<SelectStream>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -60,6 +61,7 @@ impl CudaBackend {
             paths: TopkPaths::default(),
             folds: FoldCounts::default(),
             precision: Precision::Full,
+            select: kernels::select_stream(),
         }
     }
 
@@ -74,6 +76,21 @@ impl CudaBackend {
     /// The precision the tolerance class's logits run under.
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// This backend with each tile's selection on a stream of its own, at `priority`,
+    /// beside the next tile's logits (`None`: one stream). The plan then holds two logits
+    /// slots of tiles of at most half the budget ([`crate::plan::Plan::logits_slots`]);
+    /// the outputs are the same bits. Opt-in and experimental: the default is `None`, or
+    /// with the `tuning` feature the `SELECT_STREAM` define ([`kernels::select_stream`]).
+    pub fn with_select_stream(mut self, priority: Option<SelectStream>) -> Self {
+        self.select = priority;
+        self
+    }
+
+    /// The selection's own stream's priority, if it has one.
+    pub fn select_stream(&self) -> Option<SelectStream> {
+        self.select
     }
 
     /// The device.
@@ -174,7 +191,7 @@ impl CudaBackend {
     fn begin_inputs(&mut self, p: &Problem, plan: &Plan, paging: Option<Paging>) -> Result<()> {
         let shape = Shape {
             paged: paging,
-            ..shape_of(p, self.precision)
+            ..shape_of(p, self.precision, self.select)
         };
         check_shape(&shape, p.batch)?;
         self.run = None;
@@ -254,7 +271,7 @@ fn upload<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy
     dev.allocate(Fill::Host(&host)).map_err(drv(what))
 }
 
-fn shape_of(p: &Problem, precision: Precision) -> Shape {
+fn shape_of(p: &Problem, precision: Precision, select: Option<SelectStream>) -> Shape {
     Shape {
         heads: p.heads,
         dim: p.dim,
@@ -271,6 +288,7 @@ fn shape_of(p: &Problem, precision: Precision) -> Shape {
         consumer: matches!(p.role, Role::Consumer(_)),
         paged: None,
         precision,
+        select,
     }
 }
 
@@ -301,7 +319,7 @@ impl Backend for CudaBackend {
         // The shape begin runs (paged keys the kernels cannot read run flat).
         let shape = Shape {
             paged: paging_of(p),
-            ..shape_of(p, self.precision)
+            ..shape_of(p, self.precision, self.select)
         };
         run_footprint(p.batch, &shape, self.dev.sm_count(), self.dev.hooks())
     }

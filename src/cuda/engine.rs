@@ -223,6 +223,7 @@ impl Engine {
             consumer: candidates.is_some(),
             paged,
             precision: self.precision,
+            select: kernels::select_stream(),
         };
         check_shape(&shape, batch)?;
         let plan = plan_run(batch, &shape, budget, self.dev.sm_count(), self.dev.hooks())?;

@@ -46,6 +46,9 @@ pub(super) struct Shape {
     pub(super) paged: Option<Paging>,
     /// The tolerance class's arithmetic.
     pub(super) precision: Precision,
+    /// Each tile's selection on a stream of its own beside the next tile's logits, in
+    /// two logits slots (none: one stream, one slot).
+    pub(super) select: Option<kernels::SelectStream>,
 }
 
 /// Paged keys as the kernels see them.
@@ -225,8 +228,7 @@ pub(super) fn predecoded_keys(batch: &Batch, shape: &Shape, hooks: Hooks) -> usi
 
 /// The footprint of a run of `shape` over `batch` on a GPU of `sms` SMs under `hooks`:
 /// [`footprint`]'s, its per-run bytes with the pre-decoded keys ([`predecoded_keys`]), and
-/// two logits slots when the selection runs on a stream of its own
-/// ([`kernels::select_stream`]).
+/// two logits slots when the selection runs on a stream of its own (`shape.select`).
 pub(super) fn run_footprint(
     batch: &Batch,
     shape: &Shape,
@@ -238,7 +240,7 @@ pub(super) fn run_footprint(
         predecoded_keys(batch, shape, hooks)
             .saturating_mul(kernels::predecoded_key_bytes(shape.dim)),
     );
-    if kernels::select_stream().is_some() {
+    if shape.select.is_some() {
         fp.logits_slots = 2;
     }
     fp
@@ -645,6 +647,7 @@ mod tests {
             consumer: false,
             paged,
             precision: Precision::Full,
+            select: None,
         }
     }
 

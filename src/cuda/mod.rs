@@ -77,7 +77,7 @@ pub use engine::{
     INPUT_ALIGN,
 };
 pub use geometry::{row_groups, tile_logits_kernel, MAX_TOPK, ROW_ALIGN};
-pub use kernels::{Hooks, Precision, Variant};
+pub use kernels::{Hooks, Precision, SelectStream, Variant};
 pub use paths::{FoldCounts, TopkPaths};
 pub use tolerance::{
     e4m3_align_exp, fast_logit_bound, fp8_chain_error, fp8_wgmma_step, is_bitwise, logit_bound,

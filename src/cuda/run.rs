@@ -49,7 +49,7 @@ struct Predecoded {
     map: Option<launch::TensorMap>,
 }
 
-/// The stream a run of two logits slots selects on ([`kernels::select_stream`]): tile
+/// The stream a run of two logits slots selects on (`Shape::select`): tile
 /// `t`'s selection waits for its logits on the run's stream, and the logits of the tile
 /// after next, which reuse its slot, wait for that selection (`slot_free[t % 2]`). The
 /// run's stream waits for the last selection after the last tile, and when the run is
@@ -439,7 +439,7 @@ impl Run {
         };
         let out = OutputBufs::alloc(dev, out, space.measuring(), t, &shape, meta.npub)?;
         let slots = plan.logits_slots.max(1);
-        let side = match kernels::select_stream() {
+        let side = match shape.select {
             Some(priority) if slots == 2 && !space.measuring() => {
                 Some(SelectSide::new(dev, priority)?)
             }
