@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtrMut}
 use super::alloc::{Buf, Fill, Space, WORKSPACE_ALIGN};
 use super::device::{backend_err, drv, libraries_present, vptr, Device};
 use super::geometry::{check_shape, run_footprint, Paging, Shape};
-use super::kernels::{self, Hooks, Precision};
+use super::kernels::{self, Hooks, Precision, SelectStream};
 use super::run::{OutPlace, Ptrs, Run, Uploads};
 use super::validate::{validate, validate_paged, Checked, PagedView};
 use crate::batch::Batch;
@@ -111,6 +111,7 @@ pub struct DeviceOutput {
 pub struct Engine {
     pub(super) dev: Arc<Device>,
     pub(super) precision: Precision,
+    select: Option<SelectStream>,
 }
 
 impl Engine {
@@ -124,6 +125,7 @@ impl Engine {
         Engine {
             dev,
             precision: Precision::Full,
+            select: kernels::select_stream(),
         }
     }
 
@@ -137,6 +139,15 @@ impl Engine {
     /// The precision the tolerance class's logits run under.
     pub fn precision(&self) -> Precision {
         self.precision
+    }
+
+    /// This engine with each tile of its layer entry's runs selected on a stream of its
+    /// own, at `priority`, beside the next tile's logits (`None`: one stream; the decode
+    /// step is one tile). As [`crate::cuda::CudaBackend::with_select_stream`]: opt-in,
+    /// the same bits, the default `None` or the `SELECT_STREAM` define of a `tuning` build.
+    pub fn with_select_stream(mut self, priority: Option<SelectStream>) -> Engine {
+        self.select = priority;
+        self
     }
 
     /// [`Engine::on_stream`] with the kernels compiled and chosen under test hooks
@@ -223,7 +234,7 @@ impl Engine {
             consumer: candidates.is_some(),
             paged,
             precision: self.precision,
-            select: kernels::select_stream(),
+            select: self.select,
         };
         check_shape(&shape, batch)?;
         let plan = plan_run(batch, &shape, budget, self.dev.sm_count(), self.dev.hooks())?;

@@ -405,8 +405,8 @@ pub enum SelectStream {
 /// its own while its stream computes the next tile's logits, each tile in one of two
 /// logits slots of at most half the budget ([`crate::plan::Plan::logits_slots`]): the
 /// `SELECT_STREAM` tuning define, `1` at the default priority, `2` at the greatest: the
-/// default of [`crate::cuda::CudaBackend`] (which
-/// [`crate::cuda::CudaBackend::with_select_stream`] overrides) and of the engine entries.
+/// default of [`crate::cuda::CudaBackend`] and [`crate::cuda::Engine`] (which their
+/// `with_select_stream` overrides).
 /// Absent or `0` (the default): one stream, each tile's selection after its logits.
 pub fn select_stream() -> Option<SelectStream> {
     match define_in("SELECT_STREAM", 0..=2) {
