@@ -271,7 +271,7 @@ if has select; then
   sel_round 60 full v41-chunk v41-chunk-source
   sel_round 60 full v41-chunk
   sel_round 120 fast v32-64k v32-16k
-  sel_round 120 full v32-64k v41-1m
+  sel_round 120 full v32-64k v41-1m v41-1m-256m
   grep -oE '^\[[^]]*\]|"name":"[^"]*"|"logits_slots":[0-9]+|"(median|logits|select)_ms":[0-9.]+' "$OUT/select.txt" \
     | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
