@@ -1070,4 +1070,50 @@ mod tests {
             ));
         }
     }
+
+    /// With the selection on its own stream, v41-chunk's batch (its last 4,096 rows of
+    /// 262,144 keys, 4.26 GB of logits) plans two slots: four tiles of at most a quarter
+    /// of its logits and one of the last 3 rows, both slots within the 2 GiB budget; on one
+    /// stream, two tiles of up to 2 GiB. The rows' logits offsets restart at each tile.
+    #[test]
+    fn selection_stream_plans_v41_chunk_in_two_slots_within_the_budget() {
+        let h = Hooks::default();
+        let batch = Batch::contiguous(&[262_144], &[262_144 - 4096], 1).unwrap();
+        let one = exact_shape(None);
+        let two = Shape {
+            select: Some(kernels::SelectStream::Greatest),
+            ..one
+        };
+        let plan = |shape: &Shape| {
+            crate::plan::plan(
+                &batch,
+                &crate::plan::PlanParams {
+                    heads: 32,
+                    dim: 128,
+                    topk: 512,
+                    block_size: 8,
+                    num_blocks: 2048,
+                    role: crate::plan::PlanRole::Plain,
+                    budget: 2 << 30,
+                },
+                &run_footprint(&batch, shape, H200_SMS, h),
+            )
+            .unwrap()
+        };
+        let rows = |p: &crate::plan::Plan| p.tiles.iter().map(|t| t.rows.len()).collect::<Vec<_>>();
+        let p1 = plan(&one);
+        assert_eq!((p1.logits_slots, rows(&p1)), (1, vec![2072, 2024]));
+        let p2 = plan(&two);
+        assert_eq!(
+            (p2.logits_slots, rows(&p2)),
+            (2, vec![1030, 1025, 1021, 1017, 3])
+        );
+        assert_eq!(p2.peak.logits_tile, 2 * 1_065_312_640);
+        assert!(p2.peak.logits_tile <= 2 << 30);
+        let fp = batch_footprint(&batch, 512, H200_SMS);
+        let m = RowMeta::new(&batch, &two, &p2, &fp, H200_SMS, h);
+        for t in &p2.tiles {
+            assert_eq!(m.row_off[t.rows.start], 0, "tile {:?}", t.rows);
+        }
+    }
 }
