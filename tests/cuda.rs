@@ -2609,8 +2609,8 @@ fn same_bits_for_every_budget_and_every_run() {
 /// plan, whose two slots stay within the budget.
 #[test]
 fn selection_stream_gives_the_bits_of_one_stream_at_every_budget() {
-    let Some(one) = gpu() else { return };
-    let one = one.with_select_stream(None);
+    let Some(b) = gpu() else { return };
+    let dev = b.device().clone();
     let exact = Case::random(
         Batch::contiguous(&[300, 77, 150], &[200, 0, 140], 1).unwrap(),
         32,
@@ -2639,12 +2639,12 @@ fn selection_stream_gives_the_bits_of_one_stream_at_every_budget() {
         ("tolerance", tolerance.problem().unwrap()),
     ];
     for (what, p) in &problems {
-        let mut b1 = CudaBackend::on(one.device().clone()).with_select_stream(None);
+        let mut b1 = CudaBackend::on(dev.clone()).with_select_stream(None);
         let want = run_backend(&mut b1, p, usize::MAX).unwrap().0;
         let want_logits = b1.logits(p, usize::MAX).unwrap();
         let one_row = p.batch.longest_row() * 4;
         for priority in [cuda::SelectStream::Default, cuda::SelectStream::Greatest] {
-            let mut b = CudaBackend::on(one.device().clone()).with_select_stream(Some(priority));
+            let mut b = CudaBackend::on(dev.clone()).with_select_stream(Some(priority));
             let mut two_slots = 0;
             for budget in [1usize, one_row, 3 * one_row, 1 << 16, 1 << 20, usize::MAX] {
                 let tag = format!("{what}, {priority:?}, budget {budget}");
