@@ -150,6 +150,11 @@ impl Engine {
         self
     }
 
+    /// The selection's own stream's priority, if its layer entry's runs have one.
+    pub fn select_stream(&self) -> Option<SelectStream> {
+        self.select
+    }
+
     /// [`Engine::on_stream`] with the kernels compiled and chosen under test hooks
     /// `hooks` ([`Device::with_stream_and_hooks`]).
     pub fn on_stream_with_hooks(stream: Arc<CudaStream>, hooks: Hooks) -> Result<Engine> {
