@@ -193,29 +193,36 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
         Some(t) => crate::batch::publishes(&batch.rows()[i], batch.requests(), t),
     };
     let b = params.block_size;
-    let (mut tiles, mut pub_n) = tiles(batch, params.budget, fp, &publishes, b);
-    let mut slots = 1;
-    if fp.logits_slots() >= 2 {
-        let half = params.budget / 2;
-        let total = batch
-            .rows()
-            .iter()
-            .fold(0usize, |a, r| a.saturating_add(fp.row_bytes(r.n)));
-        let cap = half.min(total.div_ceil(PIPELINE_TILES)).max(1);
-        let (two, two_pub) = self::tiles(batch, cap, fp, &publishes, b);
-        if two.len() >= 2 && two.iter().all(|t| t.logits_bytes <= half) {
-            // Every row fits half the budget: none is over the whole.
-            tiles = two
+    let half = params.budget / 2;
+    // Two slots: tiles of at most half the budget and a PIPELINE_TILES-th of the logits,
+    // kept when there are two or more and every one fits half the budget (then none is
+    // over the whole).
+    let two = (fp.logits_slots() >= 2)
+        .then(|| {
+            let total = batch
+                .rows()
+                .iter()
+                .fold(0usize, |a, r| a.saturating_add(fp.row_bytes(r.n)));
+            let cap = half.min(total.div_ceil(PIPELINE_TILES)).max(1);
+            tiles(batch, cap, fp, &publishes, b)
+        })
+        .filter(|(t, _)| t.len() >= 2 && t.iter().all(|t| t.logits_bytes <= half));
+    let (tiles, pub_n, slots) = match two {
+        Some((t, p)) => {
+            let t = t
                 .into_iter()
                 .map(|t| Tile {
                     oversized: false,
                     ..t
                 })
-                .collect();
-            pub_n = two_pub;
-            slots = 2;
+                .collect::<Vec<_>>();
+            (t, p, 2)
         }
-    }
+        None => {
+            let (t, p) = tiles(batch, params.budget, fp, &publishes, b);
+            (t, p, 1)
+        }
+    };
     let max_tile_rows = tiles.iter().map(|t| t.rows.len()).max().unwrap_or(0);
     // No rows, no workers: an empty batch has no transient at all.
     let workers = fp.workers().max(1).min(max_tile_rows);

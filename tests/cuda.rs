@@ -2705,55 +2705,36 @@ fn engine_api_takes_device_inputs_on_the_callers_stream() {
         weights: w.as_view(),
         k_slots: None,
     };
-    let out = run_device_both_ways(
-        &stream,
-        &engine,
-        &c.batch,
-        &inputs,
-        Params::new(8),
-        None,
-        None,
-        1 << 12,
-    )
-    .unwrap();
-    assert!(out.plan.tiles.len() > 1, "several tiles");
-    assert!(out.measured_peak <= out.plan.peak.total());
-    let raw = stream.clone_dtoh(&out.raw).unwrap();
-    let page = stream.clone_dtoh(&out.page).unwrap();
-    check_eq("engine", "raw", &raw, want.raw.as_slice().unwrap());
-    check_eq("engine", "page", &page, want.page.as_slice().unwrap());
-    // Each tile's selection on a stream of its own (Engine::with_select_stream): two
-    // logits slots in the run's own buffers and in the caller's workspace, the same
-    // outputs.
+    // The second engine runs each tile's selection on a stream of its own
+    // (Engine::with_select_stream): two logits slots in the run's own buffers and in the
+    // caller's workspace, the same outputs.
     let side = cuda::Engine::on_device(b.device().on_stream(stream.clone()).unwrap())
         .with_select_stream(Some(cuda::SelectStream::Greatest));
-    let out = run_device_both_ways(
-        &stream,
-        &side,
-        &c.batch,
-        &inputs,
-        Params::new(8),
-        None,
-        None,
-        1 << 12,
-    )
-    .unwrap();
-    assert_eq!(out.plan.logits_slots, 2, "two logits slots");
-    assert!(out.measured_peak <= out.plan.peak.total());
-    let raw = stream.clone_dtoh(&out.raw).unwrap();
-    let page = stream.clone_dtoh(&out.page).unwrap();
-    check_eq(
-        "engine, selection stream",
-        "raw",
-        &raw,
-        want.raw.as_slice().unwrap(),
-    );
-    check_eq(
-        "engine, selection stream",
-        "page",
-        &page,
-        want.page.as_slice().unwrap(),
-    );
+    for (tag, e, slots) in [
+        ("engine", &engine, None),
+        ("engine, selection stream", &side, Some(2)),
+    ] {
+        let out = run_device_both_ways(
+            &stream,
+            e,
+            &c.batch,
+            &inputs,
+            Params::new(8),
+            None,
+            None,
+            1 << 12,
+        )
+        .unwrap();
+        assert!(out.plan.tiles.len() > 1, "{tag}: several tiles");
+        if let Some(n) = slots {
+            assert_eq!(out.plan.logits_slots, n, "{tag}: logits slots");
+        }
+        assert!(out.measured_peak <= out.plan.peak.total());
+        let raw = stream.clone_dtoh(&out.raw).unwrap();
+        let page = stream.clone_dtoh(&out.page).unwrap();
+        check_eq(tag, "raw", &raw, want.raw.as_slice().unwrap());
+        check_eq(tag, "page", &page, want.page.as_slice().unwrap());
+    }
     // A shape mismatch is a typed error.
     let bad = cuda::DeviceInputs {
         heads: 32,

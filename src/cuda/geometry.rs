@@ -632,6 +632,19 @@ mod tests {
     /// SMs of an H100 PCIe.
     const H100_PCIE_SMS: usize = 114;
 
+    /// The plan parameters of [`exact_shape`]'s plain layer under `budget`.
+    fn exact_plan_params(budget: usize) -> crate::plan::PlanParams {
+        crate::plan::PlanParams {
+            heads: 32,
+            dim: 128,
+            topk: 512,
+            block_size: 8,
+            num_blocks: 2048,
+            role: crate::plan::PlanRole::Plain,
+            budget,
+        }
+    }
+
     /// A layer shape of the exact class (`H = 32`, `D = 128`, K = 512), flat keys or pages.
     fn exact_shape(paged: Option<Paging>) -> Shape {
         Shape {
@@ -689,15 +702,7 @@ mod tests {
         let entries = |b: &Batch, shape: &Shape| {
             let plan = crate::plan::plan(
                 b,
-                &crate::plan::PlanParams {
-                    heads: 32,
-                    dim: 128,
-                    topk: 512,
-                    block_size: 8,
-                    num_blocks: 2048,
-                    role: crate::plan::PlanRole::Plain,
-                    budget: 1 << 30,
-                },
+                &exact_plan_params(1 << 30),
                 &run_footprint(b, shape, H200_SMS, h),
             )
             .unwrap();
@@ -1087,15 +1092,7 @@ mod tests {
         let plan = |shape: &Shape| {
             crate::plan::plan(
                 &batch,
-                &crate::plan::PlanParams {
-                    heads: 32,
-                    dim: 128,
-                    topk: 512,
-                    block_size: 8,
-                    num_blocks: 2048,
-                    role: crate::plan::PlanRole::Plain,
-                    budget: 2 << 30,
-                },
+                &exact_plan_params(2 << 30),
                 &run_footprint(&batch, shape, H200_SMS, h),
             )
             .unwrap()

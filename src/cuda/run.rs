@@ -621,8 +621,7 @@ impl Run {
     /// Candidate blocks, top-k and index assembly of tile `t` from its logits buffer, on
     /// the run's stream.
     pub(super) fn select_step(&mut self, dev: &Device, t: usize) -> Result<()> {
-        let s = dev.stream.clone();
-        self.select_on(dev, &s, t)
+        self.select_on(dev, &dev.stream, t)
     }
 
     /// [`Run::select_step`] on stream `s`.
