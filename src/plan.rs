@@ -20,8 +20,8 @@
 //! A backend that keeps two tiles' logits in flight (the CUDA backend selecting one
 //! tile while it computes the next: [`Footprint::logits_slots`]) gets tiles of at most
 //! half the budget each, so that both slots together stay within it, and of at most a
-//! [`PIPELINE_TILES`]th of the batch's logits, so that a batch that fits one tile still
-//! overlaps. It keeps one slot when that would leave a single tile or a row alone over
+//! [`PIPELINE_TILES`]th of the batch's logits plus its widest row, so that a batch that
+//! fits one tile still overlaps, in at most that many tiles. It keeps one slot when that would leave a single tile or a row alone over
 //! half the budget ([`Plan::logits_slots`] says which). `slots` above is that figure.
 
 use std::ops::Range;
@@ -79,9 +79,10 @@ pub struct PlanParams {
     pub budget: usize,
 }
 
-/// Tiles a two-slot plan aims for at least ([`Footprint::logits_slots`]): with each
-/// tile's selection beside the next tile's logits, the first tile's logits and the last
-/// tile's selection are what stay exposed, about a quarter of either at four tiles.
+/// Tiles a two-slot plan cuts a batch into when half the budget does not bind
+/// ([`Footprint::logits_slots`]): with each tile's selection beside the next tile's
+/// logits, the first tile's logits and the last tile's selection are what stay exposed,
+/// about a quarter of either at four tiles.
 pub const PIPELINE_TILES: usize = 4;
 
 /// Default logits budget: 2 GiB.
@@ -138,8 +139,8 @@ pub struct Plan {
     pub tiles: Vec<Tile>,
     /// Tiles whose logits are held at once: 1, or 2 when the backend asks for two
     /// ([`Footprint::logits_slots`]) and the tiles planned to at most half the budget
-    /// and a [`PIPELINE_TILES`]th of the batch's logits are at least two, none over half
-    /// the budget. Tile `t` uses slot `t % logits_slots`.
+    /// and a [`PIPELINE_TILES`]th of the batch's logits plus its widest row are at least
+    /// two, none over half the budget. Tile `t` uses slot `t % logits_slots`.
     pub logits_slots: usize,
     /// Peak transient.
     pub peak: Peak,
@@ -194,16 +195,22 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
     };
     let b = params.block_size;
     let half = params.budget / 2;
-    // Two slots: tiles of at most half the budget and a PIPELINE_TILES-th of the logits,
-    // kept when there are two or more and every one fits half the budget (then none is
+    // Two slots: tiles of at most half the budget and about a PIPELINE_TILES-th of the
+    // logits, kept when there are two or more and every one fits half the budget (then none is
     // over the whole).
     let two = (fp.logits_slots() >= 2)
         .then(|| {
-            let total = batch
-                .rows()
-                .iter()
-                .fold(0usize, |a, r| a.saturating_add(fp.row_bytes(r.n)));
-            let cap = half.min(total.div_ceil(PIPELINE_TILES)).max(1);
+            let (total, widest) = batch.rows().iter().fold((0usize, 0usize), |(t, w), r| {
+                let rb = fp.row_bytes(r.n);
+                (t.saturating_add(rb), w.max(rb))
+            });
+            // A greedy tile closes only when the next row would pass the cap, so every
+            // tile but the last holds more than `cap - widest`: with the widest row added
+            // to a PIPELINE_TILES-th, no batch gets more than PIPELINE_TILES tiles (no
+            // straggler tile of a few rows).
+            let cap = half
+                .min(total.div_ceil(PIPELINE_TILES).saturating_add(widest))
+                .max(1);
             tiles(batch, cap, fp, &publishes, b)
         })
         .filter(|(t, _)| t.len() >= 2 && t.iter().all(|t| t.logits_bytes <= half));

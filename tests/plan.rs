@@ -86,7 +86,8 @@ proptest! {
     }
 
     /// A backend that asks for two logits slots gets the one-slot tiles of at most half
-    /// the budget and a PIPELINE_TILES-th of the batch's logits when they are at least two
+    /// the budget and a PIPELINE_TILES-th of the batch's logits plus its widest row (so at
+    /// most PIPELINE_TILES tiles where half the budget does not bind) when they are at least two
     /// and none is over half the budget (both slots then fit the budget), else the
     /// one-slot plan of the whole budget.
     #[test]
@@ -105,8 +106,14 @@ proptest! {
         let pl = plan(&batch, &params(budget, role), &two).unwrap();
         let whole = plan(&batch, &params(budget, role), &one).unwrap();
         let total: usize = batch.rows().iter().map(|r| one.row_bytes(r.n)).sum();
-        let cap = (budget / 2).min(total.div_ceil(PIPELINE_TILES)).max(1);
+        let widest = batch.rows().iter().map(|r| one.row_bytes(r.n)).max().unwrap_or(0);
+        let quarter = total.div_ceil(PIPELINE_TILES) + widest;
+        let cap = (budget / 2).min(quarter).max(1);
         let split = plan(&batch, &params(cap, role), &one).unwrap();
+        // Half the budget aside, the cap leaves no straggler tile past PIPELINE_TILES.
+        if quarter <= budget / 2 {
+            prop_assert!(split.tiles.len() <= PIPELINE_TILES, "{} tiles", split.tiles.len());
+        }
         let max_tile = pl.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0);
         prop_assert_eq!(pl.peak.logits_tile, pl.logits_slots * max_tile);
         if split.tiles.len() >= 2 && split.tiles.iter().all(|t| t.logits_bytes <= budget / 2) {

@@ -1078,8 +1078,8 @@ mod tests {
 
     /// With the selection on its own stream, v41-chunk's batch (its last 4,096 rows of
     /// 262,144 keys, 4.26 GB of logits) plans two slots: four tiles of at most a quarter
-    /// of its logits and one of the last 3 rows, both slots within the 2 GiB budget; on one
-    /// stream, two tiles of up to 2 GiB. The rows' logits offsets restart at each tile.
+    /// of its logits plus one row, both slots within the 2 GiB budget; on one stream, two
+    /// tiles of up to 2 GiB. The rows' logits offsets restart at each tile.
     #[test]
     fn selection_stream_plans_v41_chunk_in_two_slots_within_the_budget() {
         let h = Hooks::default();
@@ -1103,9 +1103,9 @@ mod tests {
         let p2 = plan(&two);
         assert_eq!(
             (p2.logits_slots, rows(&p2)),
-            (2, vec![1030, 1025, 1021, 1017, 3])
+            (2, vec![1031, 1026, 1022, 1017])
         );
-        assert_eq!(p2.peak.logits_tile, 2 * 1_065_312_640);
+        assert_eq!(p2.peak.logits_tile, 2 * 1_066_348_992);
         assert!(p2.peak.logits_tile <= 2 << 30);
         let fp = batch_footprint(&batch, 512, H200_SMS);
         let m = RowMeta::new(&batch, &two, &p2, &fp, H200_SMS, h);
