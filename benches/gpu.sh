@@ -257,10 +257,13 @@ if has select; then
   # runs of many tiles first (every budget, the plan's peak, random batches of both
   # classes, the golden vectors, paged keys, the engine entry, decode), then rounds on the
   # workloads of several tiles (select.txt, and the summary).
+  # SEL_TESTS=0: the rounds alone, the forms' tests left to another call.
   log "selection stream A/B"
-  for defs in "SELECT_STREAM=1" "SELECT_STREAM=2"; do
-    knob_tests "$defs" same_bits selection_stream plan_and_measured_peak random_batches golden paged engine_api decode
-  done
+  if [ "${SEL_TESTS:-1}" != 0 ]; then
+    for defs in "SELECT_STREAM=1" "SELECT_STREAM=2"; do
+      knob_tests "$defs" same_bits selection_stream plan_and_measured_peak random_batches golden paged engine_api decode
+    done
+  fi
   sel_round() {  # sel_round SECONDS PRECISION WORKLOAD...: the default, then each form
     local secs="$1" prec="$2"; shift 2
     for defs in "" "SELECT_STREAM=1" "SELECT_STREAM=2"; do
