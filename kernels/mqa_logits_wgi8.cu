@@ -155,39 +155,10 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 #ifndef WGI8_SVM2
 #define WGI8_SVM2 1
 #endif
-// WGI8_SVM4=1 (tuning, with WGI8_SVM2): svm's float2 16 r + 4 t + a holds the v of row
-// r's columns 8 a + 2 t + e, so that a thread's eight columns of a row are two 16-byte
-// loads instead of four 8-byte ones.
-#ifndef WGI8_SVM4
-#define WGI8_SVM4 0
-#endif
-static_assert(!WGI8_SVM4 || WGI8_SVM2, "WGI8_SVM4 needs WGI8_SVM2");
 // 2^23 as an f32, and its bits: the epilogue reads max(Y + 0x4B000000, 0x4B000000) (one
 // VIADDMNMX) as the f32 2^23 + max(Y, 0).
 #define I8_MAGIC 8388608.0f
 #define I8_MAGIC_BITS 0x4B000000
-
-// WGI8_N256=1 (tuning): the eight-row entry over pre-decoded keys runs each key tile's
-// G k32 steps as one m64n256k32 chain over all eight rows (B's 256 columns, the two
-// four-row accumulators side by side) instead of two m64n128k32 chains: the keys (A) are
-// read from shared memory once per step, not twice, and half the MMA instructions are
-// issued; both epilogues then follow the one wait.
-#ifndef WGI8_N256
-#define WGI8_N256 0
-#endif
-#if WGI8_N256
-// D (+)= A(64x32 s8, smem descriptor) * B(32x256 s8, smem descriptor), s32 accumulate,
-// exact as wgmma_m64n128k32_s8_ss; columns 0..127 in d0, 128..255 in d1 (each in that
-// form's accumulator layout).
-__device__ __forceinline__ void wgmma_m64n256k32_s8_ss(int (&d0)[64], int (&d1)[64], u64 da,
-                                                       u64 db, u32 scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k32.s32.s8.s8 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p;\n}\n"
-      : "+r"(d0[0]), "+r"(d0[1]), "+r"(d0[2]), "+r"(d0[3]), "+r"(d0[4]), "+r"(d0[5]), "+r"(d0[6]), "+r"(d0[7]), "+r"(d0[8]), "+r"(d0[9]), "+r"(d0[10]), "+r"(d0[11]), "+r"(d0[12]), "+r"(d0[13]), "+r"(d0[14]), "+r"(d0[15]), "+r"(d0[16]), "+r"(d0[17]), "+r"(d0[18]), "+r"(d0[19]), "+r"(d0[20]), "+r"(d0[21]), "+r"(d0[22]), "+r"(d0[23]), "+r"(d0[24]), "+r"(d0[25]), "+r"(d0[26]), "+r"(d0[27]), "+r"(d0[28]), "+r"(d0[29]), "+r"(d0[30]), "+r"(d0[31]), "+r"(d0[32]), "+r"(d0[33]), "+r"(d0[34]), "+r"(d0[35]), "+r"(d0[36]), "+r"(d0[37]), "+r"(d0[38]), "+r"(d0[39]), "+r"(d0[40]), "+r"(d0[41]), "+r"(d0[42]), "+r"(d0[43]), "+r"(d0[44]), "+r"(d0[45]), "+r"(d0[46]), "+r"(d0[47]), "+r"(d0[48]), "+r"(d0[49]), "+r"(d0[50]), "+r"(d0[51]), "+r"(d0[52]), "+r"(d0[53]), "+r"(d0[54]), "+r"(d0[55]), "+r"(d0[56]), "+r"(d0[57]), "+r"(d0[58]), "+r"(d0[59]), "+r"(d0[60]), "+r"(d0[61]), "+r"(d0[62]), "+r"(d0[63]), "+r"(d1[0]), "+r"(d1[1]), "+r"(d1[2]), "+r"(d1[3]), "+r"(d1[4]), "+r"(d1[5]), "+r"(d1[6]), "+r"(d1[7]), "+r"(d1[8]), "+r"(d1[9]), "+r"(d1[10]), "+r"(d1[11]), "+r"(d1[12]), "+r"(d1[13]), "+r"(d1[14]), "+r"(d1[15]), "+r"(d1[16]), "+r"(d1[17]), "+r"(d1[18]), "+r"(d1[19]), "+r"(d1[20]), "+r"(d1[21]), "+r"(d1[22]), "+r"(d1[23]), "+r"(d1[24]), "+r"(d1[25]), "+r"(d1[26]), "+r"(d1[27]), "+r"(d1[28]), "+r"(d1[29]), "+r"(d1[30]), "+r"(d1[31]), "+r"(d1[32]), "+r"(d1[33]), "+r"(d1[34]), "+r"(d1[35]), "+r"(d1[36]), "+r"(d1[37]), "+r"(d1[38]), "+r"(d1[39]), "+r"(d1[40]), "+r"(d1[41]), "+r"(d1[42]), "+r"(d1[43]), "+r"(d1[44]), "+r"(d1[45]), "+r"(d1[46]), "+r"(d1[47]), "+r"(d1[48]), "+r"(d1[49]), "+r"(d1[50]), "+r"(d1[51]), "+r"(d1[52]), "+r"(d1[53]), "+r"(d1[54]), "+r"(d1[55]), "+r"(d1[56]), "+r"(d1[57]), "+r"(d1[58]), "+r"(d1[59]), "+r"(d1[60]), "+r"(d1[61]), "+r"(d1[62]), "+r"(d1[63])
-      : "l"(da), "l"(db), "r"(scale_d));
-}
-#endif
 
 // ==== one key tile, int8 ====
 
@@ -203,20 +174,11 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 #pragma unroll
   for (int r = 0; r < WGI8_MMA_ROWS; ++r) {
     float s1[2][4];
-#if WGI8_SVM4
-    // This thread's eight columns of the row: (a = 0, 1), then (a = 2, 3).
-    const float4 v01 = svm[8 * (r0 + r) + 2 * tig], v23 = svm[8 * (r0 + r) + 2 * tig + 1];
-#endif
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const int j = 4 * r + a;
 #if WGI8_SVM2
-#if WGI8_SVM4
-      const float4 &vv = a < 2 ? v01 : v23;
-      const float2 cv = (a & 1) ? make_float2(vv.z, vv.w) : make_float2(vv.x, vv.y);
-#else
       const float2 cv = reinterpret_cast<const float2 *>(svm)[4 * (4 * r0 + j) + tig];
-#endif
       const float4 c =
           make_float4(cv.x, cv.y, __fmul_rn(cv.x, -I8_MAGIC), __fmul_rn(cv.y, -I8_MAGIC));
 #else
@@ -292,34 +254,6 @@ __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], con
     out[2 * m + 1] = o[1];
   }
 }
-
-#if WGI8_N256
-// wgi8_tile_mma's tile at eight rows as one m64n256k32 chain (WGI8_N256), A the tile's
-// pre-decoded keys in shared memory (da).
-__device__ __forceinline__ void wgi8_tile_ss256(const u64 da, const int (&kmin)[2], const u64 db0,
-                                                const float4 *svm, const u32 neg, const int tig,
-                                                const bool odd, const bool hi, float (&out)[4]) {
-  constexpr u32 lbo = (8 * H / 8) * 128;
-  const float ck = ue8m0_pow2((u32)(odd ? kmin[1] : kmin[0]), 0);
-  int y0[64], y1[64];
-  wgmma_fence();
-#pragma unroll
-  for (int g = 0; g < G; ++g)
-    wgmma_m64n256k32_s8_ss(y0, y1, wgmma_desc_add(da, 32 * g), wgmma_desc_add(db0, 2 * g * lbo),
-                           g > 0 ? 1u : 0u);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_regs_s32(y0);
-  fence_regs_s32(y1);
-  float o[2];
-  wgi8_epilogue(y0, svm, 0, ck, neg, tig, odd, hi, o);
-  out[0] = o[0];
-  out[1] = o[1];
-  wgi8_epilogue(y1, svm, WGI8_MMA_ROWS, ck, neg, tig, odd, hi, o);
-  out[2] = o[0];
-  out[3] = o[1];
-}
-#endif
 
 // The same tile from this thread's s8 A fragments af (its two keys): then next() (the
 // next tile's prefetch), and the MMAs read A from af.
@@ -437,26 +371,6 @@ __device__ __forceinline__ void wgi8_prefetch_info(u32 (&kinf)[2], const u32 *ki
     kinf[kk] = j + 8 * kk >= nkeys ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 8 * kk];
 }
 
-// WGI8_VOTE=1 (tuning): the eight-row loop over pre-decoded keys takes each tile's guard
-// without a block barrier. Every warp judges the whole tile itself (each lane the windows
-// of keys lane and lane + 32, one vote), which gives every warp the same answer, as the
-// barrier's AND of the threads' own keys does. The ring then needs the order the barrier
-// gave: each warp arrives on the tile's `empty` mbarrier once its MMAs of the tile are
-// done (or it fell back), and thread 0 waits for that before it refills the ring tile.
-#ifndef WGI8_VOTE
-#define WGI8_VOTE 0
-#endif
-#if WGI8_VOTE
-// The windows of keys lane and lane + 32 of key tile c, as wgi8_prefetch_info's.
-__device__ __forceinline__ void wgi8_prefetch_vote(u32 (&vw)[2], const u32 *kinfo, const u32 ks,
-                                                   const u32 nkeys, const u32 c, const int lane) {
-  const u32 j = c * WGR_KEYS + lane;
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-    vw[h] = j + 32 * h >= nkeys ? WGI8_NONE_INFO : kinfo[(u64)ks + j + 32 * h];
-}
-#endif
-
 // Thread 0: key tile c's 64 rows of k8 (from flat key ks + 64 c) into ring tile `tile`,
 // completing on `bar`.
 __device__ __forceinline__ void wgi8_tma_issue(u8 *tile, u64 *bar, const TmaDesc *k8map,
@@ -516,9 +430,6 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   constexpr bool PRE = R == 8 && WGI8_PRE;
   extern __shared__ __align__(16) u8 sdyn[];
   __shared__ __align__(8) u64 kfull[WGI8_RING];
-#if WGI8_VOTE
-  __shared__ __align__(8) u64 kempty[WGI8_RING];
-#endif
 
   const uint4 grp = groups[group0 + blockIdx.y];
   const u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
@@ -556,11 +467,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       }
       const float wv = sw[r][hh];
       const float v = __fmul_rn(wv, ue8m0_pow2(mn, 2));
-#if WGI8_SVM4
-      // float2 16 r + 4 t + a of column n = 32 r + 8 a + 2 t + e, component e.
-      const int p2 = 16 * (n >> 5) + 4 * ((n >> 1) & 3) + ((n >> 3) & 3);
-      reinterpret_cast<float *>(&reinterpret_cast<float2 *>(svm)[p2])[n & 1] = v;
-#elif WGI8_SVM2
+#if WGI8_SVM2
       reinterpret_cast<float *>(&reinterpret_cast<float2 *>(svm)[n >> 1])[n & 1] = v;
 #else
       float *vm = reinterpret_cast<float *>(&svm[n >> 1]);
@@ -589,10 +496,6 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   if (PRE && tid == 0) {
 #pragma unroll
     for (int i = 0; i < WGI8_RING; ++i) mbar_init(&kfull[i], 1);
-#if WGI8_VOTE
-#pragma unroll
-    for (int i = 0; i < WGI8_RING; ++i) mbar_init(&kempty[i], WGR_THREADS / 32);
-#endif
     fence_mbar_init();
   }
   __syncthreads();
@@ -665,9 +568,6 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   // Pre-decoded keys: this thread's keys' scale windows (kinf), the ring's first tile
   // (1024-byte aligned) and the ring tile and phase of the block's current key tile.
   u32 kinf[2];
-#if WGI8_VOTE
-  u32 vw[2];  // the vote's windows (WGI8_VOTE)
-#endif
   u8 *const ring = sdyn + ((1024u - (smem_u32(sdyn) & 1023u)) & 1023u);
   // The MMAs' descriptors, each step a fixed offset from these (wgmma_desc_add): B, the
   // queries' s8 operands in sQ; A over pre-decoded keys, the ring's first tile.
@@ -683,9 +583,6 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   // and thread 0 starts the ring's copies.
   if (PRE && q_i8) {
     wgi8_prefetch_info(kinf, kinfo, ks, grp.z, blockIdx.x, warp, gid);
-#if WGI8_VOTE
-    wgi8_prefetch_vote(vw, kinfo, ks, grp.z, blockIdx.x, lane);
-#endif
     if (tid == 0) {
 #pragma unroll
       for (int i = 0; i < WGI8_RING - 1; ++i) {
@@ -746,23 +643,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
         ok = ok && ((PRE ? kinf[kk] >= WGI8_NONE_INFO : none[kk]) ||
                     (mx - mn <= I8_MAX_SPAN && mn >= skb[0] && mx <= skb[1] && mn <= skb[2]));
       }
-#if WGI8_VOTE
-      bool i8;
-      if constexpr (PRE) {
-        bool okv = true;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int mn = (int)(vw[h] & 0xFFu), mx = (int)((vw[h] >> 8) & 0xFFu);
-          okv = okv && (vw[h] >= WGI8_NONE_INFO || (mx - mn <= I8_MAX_SPAN && mn >= skb[0] &&
-                                                    mx <= skb[1] && mn <= skb[2]));
-        }
-        i8 = __all_sync(FULL_MASK, okv);
-      } else {
-        i8 = __syncthreads_and(ok ? 1 : 0) != 0;
-      }
-#else
       const bool i8 = __syncthreads_and(ok ? 1 : 0) != 0;
-#endif
       if constexpr (PRE) {
         // Every thread's MMAs of the tiles before this one are done: thread 0 refills the
         // ring tile before this one's with the tile WGI8_RING - 1 ahead. Then the next
@@ -772,29 +653,15 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
           const u32 cn = c + (WGI8_RING - 1) * gridDim.x;
           const u32 prev = slot == 0 ? WGI8_RING - 1 : slot - 1;
           if (cn < nchunks) {
-#if WGI8_VOTE
-            // Every warp is done with the tile before this one, which used ring tile prev.
-            if (c != blockIdx.x) mbar_wait(&kempty[prev], slot == 0 ? phase ^ 1u : phase);
-#endif
             wgi8_tma_issue(ring + prev * WGI8_KTILE_BYTES, &kfull[prev], k8map, ks, cn);
           }
         }
-        if (c + gridDim.x < nchunks) {
+        if (c + gridDim.x < nchunks)
           wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
-#if WGI8_VOTE
-          wgi8_prefetch_vote(vw, kinfo, ks, grp.z, c + gridDim.x, lane);
-#endif
-        }
         mbar_wait(&kfull[slot], phase);
       }
       if (i8) {
         float out[R / 2];
-#if WGI8_N256
-        if constexpr (PRE) {
-          wgi8_tile_ss256(wgmma_desc_add(dring, slot * WGI8_KTILE_BYTES), kmin, dq, svm, neg,
-                          tig, odd, hi, out);
-        } else
-#endif
         if constexpr (PRE) {
           const u64 da = wgmma_desc_add(dring, slot * WGI8_KTILE_BYTES);
           wgi8_tile_mma<R>(
@@ -813,9 +680,6 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       } else {
         fallback_tile(c, j0);
       }
-#if WGI8_VOTE
-      if (PRE && lane == 0) mbar_arrive(&kempty[slot]);
-#endif
       if (PRE && ++slot == WGI8_RING) {
         slot = 0;
         phase ^= 1u;
