@@ -4,7 +4,7 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage --features tuning                                   # here
-#   run: bash benches/gpu.sh [tests] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
+#   run: bash benches/gpu.sh [quick] [tests] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
 #        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
@@ -88,15 +88,35 @@ knob_tests() {
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
 }
 
+# The whole GPU suite (about 3 to 4 minutes), then the library's CUDA unit tests,
+# nvrtc_compile (every module for sm_90a) and `run` on both devices (one checksum).
+gpu_suite() {
+  log "GPU tests"
+  DSA_REQUIRE_GPU=1 timeout 420 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
+  echo "rc=$?" >> "$OUT/tests.txt"
+  grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
+}
+unit_nvrtc_run() {
+  DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
+  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
+  DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
+  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/nvrtc_compile: /' | tee -a "$OUT/summary.txt"
+  for d in cpu cuda; do
+    timeout 120 $B/dsa-indexer run --device $d --json 2>&1 | grep checksum | sed "s/^/run --device $d: /" | tee -a "$OUT/summary.txt"
+  done
+}
+
+# `quick`: the suite and the checks after it, without the hook and knob filters: with
+# `bench`, one call of under 10 minutes that tests and measures a build.
+if has quick; then
+  gpu_suite
+  unit_nvrtc_run
+fi
+
 if has tests; then
   # GPU_SUITE=0: the hook, knob and unit parts only, for binaries whose whole suite has
-  # passed already (the whole suite alone takes about 4 minutes).
-  if [ "${GPU_SUITE:-1}" != 0 ]; then
-    log "GPU tests"
-    DSA_REQUIRE_GPU=1 timeout 420 $B/cuda --test-threads=1 > "$OUT/tests.txt" 2>&1
-    echo "rc=$?" >> "$OUT/tests.txt"
-    grep -E "test result|FAILED|panicked" "$OUT/tests.txt" | tee -a "$OUT/summary.txt"
-  fi
+  # passed already.
+  if [ "${GPU_SUITE:-1}" != 0 ]; then gpu_suite; fi
   # Test filters again on the other side of each forced fallback: the mma.sync kernel
   # where wgmma is the default, the exact class without scale folding, short rows
   # through the two-pass and general paths (the shared-memory row off), long rows
@@ -126,13 +146,7 @@ if has tests; then
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
-  DSA_REQUIRE_GPU=1 timeout 120 $B/dsa_indexer.unit cuda >> "$OUT/tests.txt" 2>&1
-  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/lib cuda unit tests: /' | tee -a "$OUT/summary.txt"
-  DSA_REQUIRE_NVRTC=1 timeout 120 $B/nvrtc_compile >> "$OUT/tests.txt" 2>&1
-  grep -E "test result" "$OUT/tests.txt" | tail -1 | sed 's/^/nvrtc_compile: /' | tee -a "$OUT/summary.txt"
-  for d in cpu cuda; do
-    timeout 120 $B/dsa-indexer run --device $d --json 2>&1 | grep checksum | sed "s/^/run --device $d: /" | tee -a "$OUT/summary.txt"
-  done
+  unit_nvrtc_run
 fi
 
 if has knobs; then
