@@ -21,8 +21,9 @@
 //! tile while it computes the next: [`Footprint::logits_slots`]) gets tiles of at most
 //! half the budget each, so that both slots together stay within it, and of at most a
 //! [`PIPELINE_TILES`]th of the batch's logits plus its widest row, so that a batch that
-//! fits one tile still overlaps, in at most that many tiles. It keeps one slot when that would leave a single tile or a row alone over
-//! half the budget ([`Plan::logits_slots`] says which). `slots` above is that figure.
+//! fits one tile still overlaps, in at most that many tiles. It keeps one slot when that
+//! would leave a single tile or a row alone over half the budget ([`Plan::logits_slots`]
+//! says which). `slots` above is that figure.
 
 use std::ops::Range;
 
@@ -196,8 +197,8 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
     let b = params.block_size;
     let half = params.budget / 2;
     // Two slots: tiles of at most half the budget and about a PIPELINE_TILES-th of the
-    // logits, kept when there are two or more and every one fits half the budget (then none is
-    // over the whole).
+    // logits, kept when there are two or more and every one fits half the budget (then
+    // none is over the whole).
     let two = (fp.logits_slots() >= 2)
         .then(|| {
             let (total, widest) = batch.rows().iter().fold((0usize, 0usize), |(t, w), r| {

@@ -87,9 +87,9 @@ proptest! {
 
     /// A backend that asks for two logits slots gets the one-slot tiles of at most half
     /// the budget and a PIPELINE_TILES-th of the batch's logits plus its widest row (so at
-    /// most PIPELINE_TILES tiles where half the budget does not bind) when they are at least two
-    /// and none is over half the budget (both slots then fit the budget), else the
-    /// one-slot plan of the whole budget.
+    /// most PIPELINE_TILES tiles where half the budget does not bind) when they are at
+    /// least two and none is over half the budget (both slots then fit the budget), else
+    /// the one-slot plan of the whole budget.
     #[test]
     fn two_slots_are_two_half_budget_tiles_or_one_slot(
         reqs in common::strategies::requests(3000),
