@@ -130,6 +130,19 @@ class DecodeTableTest(unittest.TestCase):
         self.assertEqual(r[2:], ["", "", ""])
         self.assertEqual(row(s, "DeepGEMM paged logits alone")[1:], ["0.597", "3710", "86.3 %", "0.96"])
 
+    def test_the_share_names_its_ceiling_off_the_h200(self):
+        self.assertNotIn("H200's measured copy ceiling", self.text)
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(DECODE, "bench.jsonl")) as f:
+                lines = f.read().replace('"NVIDIA H200"', '"NVIDIA H100 80GB HBM3"')
+            with open(os.path.join(d, "bench.jsonl"), "w") as f:
+                f.write(lines)
+            rc, text = render("--ours", os.path.join(d, "bench.jsonl"), "--peers", os.path.join(DECODE, "peers.jsonl"))
+        self.assertEqual(rc, 0)
+        self.assertIn("NVIDIA H100 80GB HBM3's is not measured here", text)
+        # The shares themselves stay against 4.3 TB/s.
+        self.assertEqual(row(section(text, "v32-decode-b64-32k"), "ours, end to end")[1:4], ["0.080", "3460", "80.5 %"])
+
     def test_a_decode_workload_without_peers_says_so(self):
         s = section(self.text, "v41-decode-b64-64k")
         # E2M1 pages: 68 B a token, 64 * 65536 * 68 = 285212672.
