@@ -215,17 +215,10 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
             tiles(batch, cap, fp, &publishes, b)
         })
         .filter(|(t, _)| t.len() >= 2 && t.iter().all(|t| t.logits_bytes <= half));
+    // A kept two-slot tile is never oversized: the cap is half the budget, which every
+    // kept tile fits, or at least the widest row.
     let (tiles, pub_n, slots) = match two {
-        Some((t, p)) => {
-            let t = t
-                .into_iter()
-                .map(|t| Tile {
-                    oversized: false,
-                    ..t
-                })
-                .collect::<Vec<_>>();
-            (t, p, 2)
-        }
+        Some((t, p)) => (t, p, 2),
         None => {
             let (t, p) = tiles(batch, params.budget, fp, &publishes, b);
             (t, p, 1)

@@ -107,12 +107,12 @@ proptest! {
         let whole = plan(&batch, &params(budget, role), &one).unwrap();
         let total: usize = batch.rows().iter().map(|r| one.row_bytes(r.n)).sum();
         let widest = batch.rows().iter().map(|r| one.row_bytes(r.n)).max().unwrap_or(0);
-        let quarter = total.div_ceil(PIPELINE_TILES) + widest;
-        let cap = (budget / 2).min(quarter).max(1);
+        let pipeline_cap = total.div_ceil(PIPELINE_TILES) + widest;
+        let cap = (budget / 2).min(pipeline_cap).max(1);
         let split = plan(&batch, &params(cap, role), &one).unwrap();
-        // Half the budget aside, the cap leaves no straggler tile past PIPELINE_TILES.
-        if quarter <= budget / 2 {
-            prop_assert!(split.tiles.len() <= PIPELINE_TILES, "{} tiles", split.tiles.len());
+        // Half the budget aside, the plan has no straggler tile past PIPELINE_TILES.
+        if pipeline_cap <= budget / 2 {
+            prop_assert!(pl.tiles.len() <= PIPELINE_TILES, "{} tiles", pl.tiles.len());
         }
         let max_tile = pl.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0);
         prop_assert_eq!(pl.peak.logits_tile, pl.logits_slots * max_tile);
