@@ -3,6 +3,7 @@
     python3 benches/ptx_equiv.py OLD.ptx NEW.ptx      # prints "same" or "DIFFERENT"
     python3 benches/ptx_equiv.py OLD_DIR NEW_DIR      # one line per kernel entry
     python3 benches/ptx_equiv.py OLD_DIR NEW_DIR --removed mqa_logits_wg
+    python3 benches/ptx_equiv.py OLD_DIR NEW_DIR --mangled
 
 Registers (%r, %rd, %f, %p, ...) are renamed in order of first use within each entry
 and the .reg declarations dropped; every other line must match. Used to show that a
@@ -17,8 +18,16 @@ same name and module on the other side, together with the module-scope declarati
 without the function's index in the module. Each line reads `same`, `DIFFERENT`, `removed`
 (only in OLD) or `added` (only in NEW). The exit status is 0 when no entry is
 DIFFERENT, none is added, and every removed one is named by `--removed`.
+
+`--mangled` (folders) also renames C++ mangled symbols (`_Z...`: device functions and
+the static shared variables of function templates) in order of first use within each
+entry and its declarations, so that an entry whose code is the same but whose helpers
+gained a template argument (which changes their mangled names) reads `same`; the
+declarations' sizes and alignments are still compared. `added` entries then do not fail.
 """
 import os, re, sys
+
+MANGLED = re.compile(r'\b_Z\w+')
 
 REG = re.compile(r'%(rd|rs|r|fd|f|p|h|hh)(\d+)\b')
 FUNC = re.compile(r'^(?:\.visible\s+|\.weak\s+|\.extern\s+)?\.(entry|func)\s+(?:\([^)]*\)\s*)?([A-Za-z_$][\w$]*)')
@@ -89,7 +98,18 @@ def entries(path):
     return out
 
 
-def folder(d):
+def rename_mangled(lines):
+    """lines with every mangled symbol renamed in order of first use."""
+    m = {}
+    def sub(mo):
+        k = mo.group(0)
+        if k not in m:
+            m[k] = '_Z%d' % len(m)
+        return m[k]
+    return [MANGLED.sub(sub, l) for l in lines]
+
+
+def folder(d, mangled=False):
     """{(module, entry): canonical lines} over every .ptx file of folder d."""
     out = {}
     for f in sorted(os.listdir(d)):
@@ -97,6 +117,8 @@ def folder(d):
             continue
         module = f[:-4].split('.')[0]
         for n, lines in entries(os.path.join(d, f)).items():
+            if mangled:
+                lines = rename_mangled(lines)
             key = (module, n)
             if key in out and out[key] != lines:
                 sys.exit('%s: entry %s differs between the files of module %s' % (d, n, module))
@@ -107,10 +129,13 @@ def folder(d):
 def main(argv):
     removed_ok = set()
     args = []
+    mangled = False
     i = 0
     while i < len(argv):
         if argv[i] == '--removed':
             removed_ok.add(argv[i + 1]); i += 2
+        elif argv[i] == '--mangled':
+            mangled = True; i += 1
         else:
             args.append(argv[i]); i += 1
     if len(args) != 2:
@@ -120,7 +145,7 @@ def main(argv):
         same = canon_file(old) == canon_file(new)
         print("same" if same else "DIFFERENT")
         return 0 if same else 1
-    a, b = folder(old), folder(new)
+    a, b = folder(old, mangled), folder(new, mangled)
     bad = 0
     counts = {}
     for key in sorted(set(a) | set(b)):
