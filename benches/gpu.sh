@@ -5,7 +5,7 @@
 #
 #   ../shared/gpu/stage --features tuning                                   # here
 #   run: bash benches/gpu.sh [quick] [tests] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
-#        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases]
+#        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases] [fused]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
@@ -51,8 +51,14 @@
 # its guard admits),
 # no_wide_topk (topk_ragged_f32 where tiles of few rows take topk_ragged_wide_f32),
 # no_cluster_topk (topk_ragged_wide_f32 where tiles of at most sms / 8 rows take
-# topk_cluster_f32). The GPU tests read it in any build (and
-# one test runs every hook in-process); the benchmark only with `tuning`.
+# topk_cluster_f32); and one opt-in form, fused_selection (the fused selection: a tile's
+# logits on mqa_logits_wgi8_r8_fused in two launches, the second marking each row's
+# candidates, and the top-k's marked entries; docs/cuda.md). The GPU tests read it in any
+# build (and one test runs every hook in-process); the benchmark only with `tuning`.
+#
+# `fused` measures the fused selection against the default in alternating processes on
+# the exact class's prefill workloads (fused.txt, and the summary), after its tests under
+# the hook (FUSED_TESTS=0 skips them).
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
 # #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, WGI8_R8_MIN_BLOCKS, W16_MIN_BLOCKS,
@@ -310,6 +316,28 @@ if has ncutk; then
     --section SpeedOfLight --section WarpStateStats --section InstructionStats \
     --section SchedulerStats --section Occupancy $B/dsa-indexer bench --device cuda --json v32-16k --reps 1 \
     > "$OUT/ncu-topk.txt" 2>&1
+fi
+
+if has fused; then
+  log "fused selection A/B"
+  if [ "${FUSED_TESTS:-1}" != 0 ]; then
+    DSA_CUDA_HOOKS=fused_selection DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 \
+      fused_selection int8_exact exact_class boundary golden same_bits plan_and_measured_peak engine_api \
+      >> "$OUT/tests.txt" 2>&1
+    grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/hooks fused_selection: /" | tee -a "$OUT/summary.txt"
+  fi
+  fused_round() {  # fused_round SECONDS WORKLOAD...: the default, then the fused selection
+    local secs="$1"; shift
+    for hooks in "" fused_selection; do
+      DSA_CUDA_HOOKS="$hooks" timeout "$secs" $B/dsa-indexer bench --device cuda --json "$@" \
+        --reps 5 2>&1 | sed "s/^/[${hooks:-default}] /" >> "$OUT/fused.txt"
+    done
+  }
+  fused_round 60 v41-chunk v41-chunk-source
+  fused_round 60 v41-chunk
+  fused_round 180 v41-chunk-wide v41-1m v41-1m-256m
+  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+|"fused":[0-9]+' "$OUT/fused.txt" \
+    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
 
 if has phases; then

@@ -22,13 +22,25 @@ pub struct RowFootprint {
     /// Tiles whose logits the backend keeps at once ([`Footprint::logits_slots`]; 0 is
     /// taken as 1).
     pub logits_slots: usize,
+    /// Whether the backend also keeps a bit per logit (the CUDA backend's fused
+    /// selection: candidate marks): a row's bytes then add a 32-bit word per 32 of its
+    /// padded floats.
+    pub marks: bool,
+}
+
+impl RowFootprint {
+    /// A row's logits in f32: `n` rounded up to a multiple of [`RowFootprint::align`].
+    pub fn row_floats(&self, n: usize) -> usize {
+        n.div_ceil(self.align.max(1))
+            .saturating_mul(self.align.max(1))
+    }
 }
 
 impl Footprint for RowFootprint {
     fn row_bytes(&self, n: usize) -> usize {
-        n.div_ceil(self.align.max(1))
-            .saturating_mul(self.align.max(1))
-            .saturating_mul(4)
+        let floats = self.row_floats(n);
+        let marks = if self.marks { floats.div_ceil(32) } else { 0 };
+        floats.saturating_add(marks).saturating_mul(4)
     }
     fn workers(&self) -> usize {
         self.workers
@@ -238,6 +250,7 @@ impl Backend for CpuBackend {
             worker_bytes: crate::cpu::Engine::bytes(p.heads, p.dim, p.class())
                 + std::mem::size_of::<Worker>(),
             logits_slots: 1,
+            marks: false,
         }
     }
     fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {

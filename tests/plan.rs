@@ -46,7 +46,7 @@ proptest! {
         let seq: Vec<usize> = reqs.iter().map(|r| r.0).collect();
         let q0: Vec<usize> = reqs.iter().map(|r| r.1).collect();
         let batch = Batch::contiguous(&seq, &q0, ratio).unwrap();
-        let fp = RowFootprint { align, workers, worker_bytes: 1000, logits_slots: 1 };
+        let fp = RowFootprint { align, workers, worker_bytes: 1000, logits_slots: 1, marks: false };
         let pl = plan(&batch, &params(budget, role), &fp).unwrap();
         // Coverage, in order.
         let mut next = 0;
@@ -101,7 +101,7 @@ proptest! {
         let seq: Vec<usize> = reqs.iter().map(|r| r.0).collect();
         let q0: Vec<usize> = reqs.iter().map(|r| r.1).collect();
         let batch = Batch::contiguous(&seq, &q0, ratio).unwrap();
-        let one = RowFootprint { align, workers: 3, worker_bytes: 1000, logits_slots: 1 };
+        let one = RowFootprint { align, workers: 3, worker_bytes: 1000, logits_slots: 1, marks: false };
         let two = RowFootprint { logits_slots: 2, ..one };
         let pl = plan(&batch, &params(budget, role), &two).unwrap();
         let whole = plan(&batch, &params(budget, role), &one).unwrap();
@@ -141,6 +141,7 @@ fn budget_zero_and_bad_parameters_are_errors() {
         workers: 1,
         worker_bytes: 0,
         logits_slots: 1,
+        marks: false,
     };
     let e = plan(&batch, &params(0, PlanRole::Plain), &fp).unwrap_err();
     assert_eq!(e.to_string(), "budget = 0: budget > 0 bytes");
@@ -156,6 +157,7 @@ fn single_rows_over_budget_are_tiles_of_their_own() {
         workers: 2,
         worker_bytes: 0,
         logits_slots: 1,
+        marks: false,
     };
     let pl = plan(&batch, &params(100, PlanRole::Plain), &fp).unwrap();
     assert_eq!(pl.tiles.len(), 10);
@@ -178,6 +180,7 @@ fn seed_engine_figures() {
         workers: 64,
         worker_bytes: 1 << 20,
         logits_slots: 1,
+        marks: false,
     };
     for role in [
         PlanRole::Plain,

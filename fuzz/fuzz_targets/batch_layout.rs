@@ -193,6 +193,7 @@ fuzz_target!(|data: &[u8]| {
         workers: 1 + (mode as usize >> 4),
         worker_bytes: 0,
         logits_slots: 1 + (mode as usize >> 6) % 2,
+        marks: false,
     };
     let params = PlanParams {
         heads: 8,

@@ -368,6 +368,7 @@ impl Engine {
                 Some(paging),
             )?,
             smem: 0,
+            fuse: None,
         };
         Ok(DecodeStep {
             engine: self.clone(),
@@ -624,6 +625,7 @@ impl DecodeStep<'_> {
                     bitmap_words: 0,
                     row_bound: bound,
                     paths: tk_paths,
+                    marks: None,
                 };
                 launch::topk_rows(s, f, entry, &args, rows, smem)?;
             }

@@ -9,7 +9,7 @@ use std::ops::Range;
 use crate::batch::{Batch, Request, Row};
 use crate::error::{Error, Result};
 use crate::indexer::RowFootprint;
-use crate::plan::{Footprint, Plan};
+use crate::plan::Plan;
 use crate::problem::Format;
 
 /// Logits row length on the device: `n` rounded up to 16 floats (64-byte rows).
@@ -143,6 +143,12 @@ pub(super) struct TileGeom {
     pub(super) max_n: usize,
     /// The tile's logits entry and threads per block ([`tile_logits_kernel`]).
     pub(super) logits: (LogitsEntry, usize),
+    /// The fused selection's sample stride ([`kernels::fuse_stride`]) when the tile
+    /// fuses, else 0: in a run that keeps marks ([`run_fuses`]), a tile whose logits
+    /// entry reads pre-decoded keys, whose rows stay whole and whose long rows take
+    /// `topk_ragged_f32` or `topk_ragged_wide_f32`, some of them long enough for the
+    /// sampled threshold.
+    pub(super) fuse: u32,
 }
 
 /// Rows x segments of a tile whose top-k is split across blocks on a GPU of `sms` SMs
@@ -183,6 +189,7 @@ pub(super) fn footprint(rows: usize, longest: usize, topk: usize, sms: usize) ->
             .saturating_add(split_scratch_bytes(longest, topk, sms))
             .saturating_add(PATHS_BYTES),
         logits_slots: 1,
+        marks: false,
     }
 }
 
@@ -226,9 +233,26 @@ pub(super) fn predecoded_keys(batch: &Batch, shape: &Shape, hooks: Hooks) -> usi
     }
 }
 
+/// Whether a run of `shape` over `batch` under `hooks` keeps candidate marks for the
+/// fused selection ([`Hooks::fused_selection`]): under the hook, in a run that
+/// pre-decodes its keys (its tiles' logits on `mqa_logits_wgi8_r8`), of one logits slot,
+/// not a consumer layer's (whose rows select within kept blocks), with `K` within the
+/// top-k's fast paths and a row long enough for the sampled threshold. Which of its
+/// tiles fuse is [`TileGeom::fuse`].
+pub(super) fn run_fuses(batch: &Batch, shape: &Shape, hooks: Hooks) -> bool {
+    hooks.fused_selection
+        && shape.select.is_none()
+        && !shape.consumer
+        && shape.topk <= kernels::TOPK_SEL_CAP
+        && batch.longest_row() >= kernels::TOPK_SAMPLE_MIN
+        && predecoded_keys(batch, shape, hooks) > 0
+}
+
 /// The footprint of a run of `shape` over `batch` on a GPU of `sms` SMs under `hooks`:
 /// [`footprint`]'s, its per-run bytes with the pre-decoded keys ([`predecoded_keys`]), and
-/// two logits slots when the selection runs on a stream of its own (`shape.select`).
+/// two logits slots when the selection runs on a stream of its own (`shape.select`). A
+/// run that fuses its selection ([`run_fuses`]) keeps a bit per logit (the candidate
+/// marks, in its rows' bytes) and a mark threshold per row.
 pub(super) fn run_footprint(
     batch: &Batch,
     shape: &Shape,
@@ -242,6 +266,12 @@ pub(super) fn run_footprint(
     );
     if shape.select.is_some() {
         fp.logits_slots = 2;
+    }
+    if run_fuses(batch, shape, hooks) {
+        fp.marks = true;
+        fp.worker_bytes = fp
+            .worker_bytes
+            .saturating_add(batch.num_rows().saturating_mul(4));
     }
     fp
 }
@@ -317,6 +347,17 @@ impl RowTopk {
             RowTopk::Ragged => "topk_ragged_f32",
             RowTopk::Wide => "topk_ragged_wide_f32",
             RowTopk::Cluster => "topk_cluster_f32",
+        }
+    }
+
+    /// The entry of the fused selection that takes this entry's rows with their
+    /// candidate marks ([`kernels::Hooks::fused_selection`]): `topk_ragged_marked_f32`,
+    /// `topk_ragged_wide_marked_f32`; none for the others.
+    pub(super) fn marked_name(self) -> Option<&'static str> {
+        match self {
+            RowTopk::Ragged => Some("topk_ragged_marked_f32"),
+            RowTopk::Wide => Some("topk_ragged_wide_marked_f32"),
+            _ => None,
         }
     }
 
@@ -433,6 +474,9 @@ pub(super) struct RowMeta {
     pub(super) bitmap_words: u32,
     /// Flat keys the run pre-decodes for its logits ([`predecoded_keys`]; 0: none).
     pub(super) predecoded_keys: usize,
+    /// The most floats of logits any tile takes: in a run with candidate marks
+    /// ([`RowFootprint::marks`]) the marks start there in the logits buffer.
+    pub(super) logits_floats: u64,
 }
 
 /// What every tile's geometry is computed from.
@@ -451,12 +495,14 @@ struct Layout<'a> {
     short_cap: usize,
     /// Whether the run pre-decodes its keys ([`predecoded_keys`]).
     predecoded: bool,
+    /// Whether the run keeps candidate marks ([`run_fuses`]).
+    marks: bool,
 }
 
 impl RowMeta {
     /// The metadata of `batch`'s rows for a layer of shape `shape` run in `plan`'s
     /// tiles on a GPU of `sms` SMs whose kernels run under `hooks`, each row taking
-    /// `fp.row_bytes(n)` of its tile's logits buffer; the rows [`Shape::publishes`]
+    /// `fp.row_floats(n)` floats of its tile's logits buffer; the rows [`Shape::publishes`]
     /// names publish their kept blocks.
     pub(super) fn new(
         batch: &Batch,
@@ -479,6 +525,7 @@ impl RowMeta {
             npub: 0,
             bitmap_words: 0,
             predecoded_keys: predecoded_keys(batch, shape, hooks),
+            logits_floats: 0,
         };
         for r in rows {
             m.row_n.push(r.n as u32);
@@ -504,6 +551,7 @@ impl RowMeta {
             sms,
             short_cap: kernels::topk_short_cap(hooks),
             predecoded: m.predecoded_keys > 0,
+            marks: fp.marks,
         };
         for tile in &plan.tiles {
             m.push_tile(&layout, tile.rows.clone());
@@ -529,7 +577,7 @@ impl RowMeta {
         );
         for i in tile.clone() {
             self.row_off[i] = off;
-            off += (l.fp.row_bytes(rows[i].n) / 4) as u64;
+            off += l.fp.row_floats(rows[i].n) as u64;
             if shape.publishes(&rows[i], l.requests) {
                 self.row_pub[i] = self.npub;
                 self.npub += 1;
@@ -539,15 +587,29 @@ impl RowMeta {
                 max_blocks = max_blocks.max(nb);
             }
         }
+        self.logits_floats = self.logits_floats.max(off);
+        let segments = split_segments(tile.len(), max_n, shape.topk, l.sms);
+        let long = long_rows_launch(tile.len(), self.bitmap_words, l.sms, l.hooks).0;
+        let fuse = l.marks
+            && kernels::logits_predecodes(l.variant, lg_entry)
+            && segments == 1
+            && long.marked_name().is_some()
+            && max_n >= kernels::TOPK_SAMPLE_MIN
+            && max_n > short_cap as usize;
         self.geom.push(TileGeom {
             groups: g0..self.groups.len() / 4,
             chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
             max_blocks,
             rows: tile.clone(),
-            segments: split_segments(tile.len(), max_n, shape.topk, l.sms),
+            segments,
             short_cap,
             max_n,
             logits: (lg_entry, lg_threads),
+            fuse: if fuse {
+                kernels::fuse_stride(max_n) as u32
+            } else {
+                0
+            },
         });
     }
 }
@@ -626,6 +688,7 @@ fn push_row_groups(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::Footprint;
 
     /// SMs of an H200 (and an H100 SXM).
     const H200_SMS: usize = 132;
@@ -662,6 +725,110 @@ mod tests {
             precision: Precision::Full,
             select: None,
         }
+    }
+
+    /// The fused selection's footprint and tiles ([`Hooks::fused_selection`]): a run that
+    /// fuses keeps a bit per logit (a 32-bit word per 32 padded floats of each row) and a
+    /// threshold per row, its marks fit after the largest tile's logits, and its tiles of
+    /// long rows whose top-k takes `topk_ragged_f32` (many rows) or
+    /// `topk_ragged_wide_f32` (at most three per SM) fuse at the sample's stride; tiles
+    /// whose rows split into segments do not, nor does any tile of a run without the hook,
+    /// over paged keys, of a consumer layer, with two logits slots, or of short rows only.
+    #[test]
+    fn fused_selection_plans_its_marks_and_fuses_the_tiles_it_serves() {
+        #[cfg(feature = "tuning")]
+        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
+            return; // WGI8_PREDECODE and TK_SPLIT_ROWS change the choices on purpose
+        }
+        let h = Hooks {
+            fused_selection: true,
+            ..Hooks::default()
+        };
+        let flat = exact_shape(None);
+        let marks = RowFootprint {
+            marks: true,
+            ..footprint(1, 1, 512, H200_SMS)
+        };
+        assert_eq!(marks.row_bytes(17), (32 + 1) * 4);
+        assert_eq!(marks.row_bytes(100_000), (100_000 + 3_125) * 4);
+        // 600 rows of about 100,000 keys (K = 512: rows past 32,768 keys split in small
+        // tiles).
+        let batch = Batch::contiguous(&[100_000], &[99_400], 1).unwrap();
+        let fp = run_footprint(&batch, &flat, H200_SMS, h);
+        let base = run_footprint(&batch, &flat, H200_SMS, Hooks::default());
+        assert!(fp.marks && !base.marks);
+        assert_eq!(fp.worker_bytes, base.worker_bytes + 600 * 4);
+        let geom = |budget: usize| {
+            let plan = crate::plan::plan(&batch, &exact_plan_params(budget), &fp).unwrap();
+            let m = RowMeta::new(&batch, &flat, &plan, &fp, H200_SMS, h);
+            let floats = m.logits_floats as usize;
+            assert!(
+                4 * floats + floats.div_ceil(8) <= plan.peak.logits_tile,
+                "budget {budget}: marks past the logits tile"
+            );
+            m.geom
+                .iter()
+                .map(|g| {
+                    let long = long_rows_launch(g.rows.len(), 0, H200_SMS, h).0;
+                    (g.rows.len(), g.segments, long, g.fuse)
+                })
+                .collect::<Vec<_>>()
+        };
+        // One tile of 600 rows: topk_ragged_f32, the stride 16 (1,563 key tiles).
+        assert_eq!(geom(1 << 30), vec![(600, 1, RowTopk::Ragged, 16)]);
+        // Tiles of 132 to 396 rows: topk_ragged_wide_f32.
+        let wide = geom(90 << 20);
+        assert!(wide.len() > 1, "{wide:?}");
+        for &(rows, segments, long, fuse) in &wide {
+            if rows >= split_rows(H200_SMS) {
+                assert_eq!((segments, long, fuse), (1, RowTopk::Wide, 16), "{wide:?}");
+            } else {
+                assert_eq!(fuse, 0, "{wide:?}");
+            }
+        }
+        // Tiles of fewer rows than SMs split their rows: none fuses.
+        let small = geom(20 << 20);
+        assert!(
+            small.iter().all(|&(_, s, _, f)| s > 1 && f == 0),
+            "{small:?}"
+        );
+        // The sample's stride keeps it within 256 key tiles.
+        assert_eq!(kernels::fuse_stride(1 << 20), 64);
+        assert_eq!(kernels::fuse_stride(16_384), 16);
+        // No marks: paged keys, a consumer, two slots, short rows only, no pre-decoded keys.
+        let paged = exact_shape(Some(Paging::new(Format::E2m1, 128, 64, 8).unwrap()));
+        let consumer = Shape {
+            consumer: true,
+            ..flat
+        };
+        let two_slots = Shape {
+            select: Some(kernels::SelectStream::Default),
+            ..flat
+        };
+        for (what, b, shape, hooks) in [
+            ("paged", &batch, &paged, h),
+            ("consumer", &batch, &consumer, h),
+            ("two slots", &batch, &two_slots, h),
+            (
+                "short rows",
+                &Batch::contiguous(&[16_000], &[15_000], 1).unwrap(),
+                &flat,
+                h,
+            ),
+            (
+                "no int8",
+                &batch,
+                &flat,
+                Hooks {
+                    no_int8_exact: true,
+                    ..h
+                },
+            ),
+        ] {
+            assert!(!run_fuses(b, shape, hooks), "{what}");
+            assert!(!run_footprint(b, shape, H200_SMS, hooks).marks, "{what}");
+        }
+        assert!(run_fuses(&batch, &flat, h));
     }
 
     /// A prefill run of the exact class over flat keys pre-decodes every key of the batch
@@ -735,6 +902,7 @@ mod tests {
             sms: H200_SMS,
             short_cap: kernels::topk_short_cap(h),
             predecoded: false,
+            marks: false,
         };
         assert_eq!(
             tile_logits_kernel(mixed.rows(), 0..9, l.variant, h, true).0,
@@ -755,6 +923,7 @@ mod tests {
             npub: 0,
             bitmap_words: 0,
             predecoded_keys: 0,
+            logits_floats: 0,
         };
         m.push_tile(&l, 0..9);
         assert_eq!(m.geom[0].logits.0, LogitsEntry::Wgi8);
