@@ -143,6 +143,9 @@ pub(super) struct TileGeom {
     pub(super) max_n: usize,
     /// The tile's logits entry and threads per block ([`tile_logits_kernel`]).
     pub(super) logits: (LogitsEntry, usize),
+    /// The top-k entry of the tile's long rows and its dynamic shared memory
+    /// ([`long_rows_launch`] for the tile's rows), when they stay whole.
+    pub(super) long_topk: (RowTopk, u32),
     /// The fused selection's sample stride ([`kernels::fuse_stride`]) when the tile
     /// fuses, else 0: in a run that keeps marks ([`run_fuses`]), a tile whose logits
     /// entry reads pre-decoded keys, whose rows stay whole and whose long rows take
@@ -589,11 +592,11 @@ impl RowMeta {
         }
         self.logits_floats = self.logits_floats.max(off);
         let segments = split_segments(tile.len(), max_n, shape.topk, l.sms);
-        let long = long_rows_launch(tile.len(), self.bitmap_words, l.sms, l.hooks).0;
+        let long_topk = long_rows_launch(tile.len(), self.bitmap_words, l.sms, l.hooks);
         let fuse = l.marks
             && kernels::logits_predecodes(l.variant, lg_entry)
             && segments == 1
-            && long.marked_name().is_some()
+            && long_topk.0.marked_name().is_some()
             && max_n >= kernels::TOPK_SAMPLE_MIN
             && max_n > short_cap as usize;
         self.geom.push(TileGeom {
@@ -605,6 +608,7 @@ impl RowMeta {
             short_cap,
             max_n,
             logits: (lg_entry, lg_threads),
+            long_topk,
             fuse: if fuse {
                 kernels::fuse_stride(max_n) as u32
             } else {
@@ -769,8 +773,8 @@ mod tests {
             m.geom
                 .iter()
                 .map(|g| {
-                    let long = long_rows_launch(g.rows.len(), 0, H200_SMS, h).0;
-                    (g.rows.len(), g.segments, long, g.fuse)
+                    assert_eq!(g.long_topk, long_rows_launch(g.rows.len(), 0, H200_SMS, h));
+                    (g.rows.len(), g.segments, g.long_topk.0, g.fuse)
                 })
                 .collect::<Vec<_>>()
         };

@@ -10,8 +10,8 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBi
 use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
 use super::device::{drv, ptr, Device};
 use super::geometry::{
-    long_rows_launch, run_footprint, short_launch_smem, RowMeta, RowTopk, Shape, TileGeom,
-    PATHS_BYTES, SPLIT_BYTES_PER_ID,
+    run_footprint, short_launch_smem, RowMeta, RowTopk, Shape, TileGeom, PATHS_BYTES,
+    SPLIT_BYTES_PER_ID,
 };
 use super::kernels::{self, Variant};
 use super::launch::{
@@ -677,9 +677,7 @@ impl Run {
         tiles(kernels::FUSE_SAMPLE, sample)?;
         // The rows the marked top-k takes, and its candidate slots.
         let n_min = if g.short_cap > 0 { g.short_cap + 1 } else { 0 };
-        let (long, _) =
-            long_rows_launch(g.rows.len(), self.bitmap_words, dev.sm_count(), dev.hooks());
-        let cap = if long == RowTopk::Wide {
+        let cap = if g.long_topk.0 == RowTopk::Wide {
             kernels::TOPK_WIDE_CAP
         } else {
             kernels::TOPK_CAND_CAP
@@ -912,7 +910,7 @@ impl Run {
             (RowTopk::Short, row_cap, bytes)
         });
         let long = (g.max_n >= n_min as usize).then(|| {
-            let (entry, bytes) = long_rows_launch(g.rows.len(), bw, dev.sm_count(), dev.hooks());
+            let (entry, bytes) = g.long_topk;
             (entry, n_min, bytes)
         });
         let page = self.topk_page(a);
