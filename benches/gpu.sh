@@ -72,7 +72,9 @@
 #   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),
-#   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
+#   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k),
+#   FUSE_MIN_STRIDE (the fused selection's sample: every Nth key tile at least, 16),
+#   FUSE_MARK_X (its marks: about X times the top-k's candidate target per row, 2), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour),
 #   SELECT_STREAM (1 or 2: each tile's selection on a stream of its own, at the default or
 #   the greatest priority, beside the next tile's logits in two slots of half the budget).
@@ -326,11 +328,16 @@ if has fused; then
       >> "$OUT/tests.txt" 2>&1
     grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/hooks fused_selection: /" | tee -a "$OUT/summary.txt"
   fi
-  fused_round() {  # fused_round SECONDS WORKLOAD...: the default, then the fused selection
+  # FUSE_FORMS: ';'-separated define sets of the fused selection's host-side numbers, each
+  # a further form in the rounds (e.g. "FUSE_MIN_STRIDE=32;FUSE_MARK_X=4").
+  fused_round() {  # fused_round SECONDS WORKLOAD...: the default, then each fused form
     local secs="$1"; shift
-    for hooks in "" fused_selection; do
-      DSA_CUDA_HOOKS="$hooks" timeout "$secs" $B/dsa-indexer bench --device cuda --json "$@" \
-        --reps 5 2>&1 | sed "s/^/[${hooks:-default}] /" >> "$OUT/fused.txt"
+    IFS=';' read -ra fforms <<< "${FUSE_FORMS:-}"
+    for form in default fused ${fforms[@]+"${fforms[@]}"}; do
+      local hooks=fused_selection defs=""
+      case $form in default) hooks="" ;; fused) ;; *) defs="$form" ;; esac
+      DSA_CUDA_HOOKS="$hooks" DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench \
+        --device cuda --json "$@" --reps 5 2>&1 | sed "s/^/[$form] /" >> "$OUT/fused.txt"
     done
   }
   fused_round 60 v41-chunk v41-chunk-source

@@ -225,24 +225,26 @@ pub const FUSE_MIN_STRIDE: usize = 16;
 pub const FUSE_SAMPLE_TILES: usize = 256;
 
 /// The sample stride of a fused tile whose longest row has `max_n` keys
-/// ([`FUSE_MIN_STRIDE`]).
+/// ([`FUSE_MIN_STRIDE`], or a `FUSE_MIN_STRIDE=` define from 2 to 1024 in
+/// `$DSA_CUDA_DEFINES` under `tuning`: a host-side number).
 pub fn fuse_stride(max_n: usize) -> usize {
     max_n
         .div_ceil(LOGITS_KEYS)
         .div_ceil(FUSE_SAMPLE_TILES)
-        .max(FUSE_MIN_STRIDE)
+        .max(define_in("FUSE_MIN_STRIDE", 2..=1024).unwrap_or(FUSE_MIN_STRIDE))
 }
 
-/// How many of a row's keys the fused selection marks, about: twice the candidates the
-/// top-k's sampled threshold aims at for `K = topk` among `cap` slots (`sampled_candidates`'
-/// `target`), so that the sample's threshold is at least the marks' on almost every row.
+/// How many of a row's keys the fused selection marks, about: twice (or a `FUSE_MARK_X=`
+/// define's 1 to 16 times, under `tuning`) the candidates the top-k's sampled threshold
+/// aims at for `K = topk` among `cap` slots (`sampled_candidates`' `target`), so that the
+/// sample's threshold is at least the marks' on almost every row.
 pub fn fuse_mark_keys(topk: usize, cap: usize) -> usize {
     let target = if 3 * topk <= cap {
         cap / 2
     } else {
         (topk + cap) / 2
     };
-    2 * target
+    define_in("FUSE_MARK_X", 1..=16).unwrap_or(2) * target
 }
 
 /// The entries of the module that holds logits kernel `kernel` and that the host
