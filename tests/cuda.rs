@@ -2691,7 +2691,11 @@ fn selection_stream_gives_the_bits_of_one_stream_at_every_budget() {
 #[test]
 fn fused_selection_gives_the_bits_of_a_run_without_it() {
     use rand::{Rng, SeedableRng};
-    let base = hooks();
+    // This process's hooks, the fused selection off (it is the side under test).
+    let base = Hooks {
+        fused_selection: false,
+        ..hooks()
+    };
     let Some(_) = gpu_with(base) else { return };
     // Tiles fuse over mqa_logits_wgi8_r8's pre-decoded keys, where rows take the sampled
     // threshold.
