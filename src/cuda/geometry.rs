@@ -835,6 +835,67 @@ mod tests {
         assert!(run_fuses(&batch, &flat, h));
     }
 
+    /// Under the fused selection's footprint, every plan's logits tile holds its largest
+    /// tile's logits and, after them, that tile's marks (what `Run::begin` checks before a
+    /// fused run): random batches of several requests (ragged rows, some past the sampled
+    /// threshold's 16,384 keys) at budgets from one longest row to the whole batch, with
+    /// every tile's rows inside the floats counted.
+    #[test]
+    fn fused_marks_fit_after_the_largest_tiles_logits() {
+        use rand::{Rng, SeedableRng};
+        let h = Hooks {
+            fused_selection: true,
+            ..Hooks::default()
+        };
+        let flat = exact_shape(None);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
+        let mut checked = 0;
+        for _ in 0..60 {
+            let requests = rng.gen_range(1..5);
+            let seq: Vec<usize> = (0..requests).map(|_| rng.gen_range(1..70_000)).collect();
+            let q0: Vec<usize> = seq
+                .iter()
+                .map(|&s| s - rng.gen_range(1..=s.min(300)))
+                .collect();
+            let batch = Batch::contiguous(&seq, &q0, 1).unwrap();
+            let fp = run_footprint(&batch, &flat, H200_SMS, h);
+            assert_eq!(fp.marks, run_fuses(&batch, &flat, h));
+            if !fp.marks {
+                continue;
+            }
+            let widest = fp.row_bytes(batch.longest_row()) + fp.worker_bytes;
+            let all: usize = batch.rows().iter().map(|r| fp.row_bytes(r.n)).sum();
+            for budget in [
+                widest,
+                2 * widest + 7,
+                all / 3 + widest,
+                all + fp.worker_bytes,
+            ] {
+                let Ok(plan) = crate::plan::plan(&batch, &exact_plan_params(budget), &fp) else {
+                    continue;
+                };
+                let m = RowMeta::new(&batch, &flat, &plan, &fp, H200_SMS, h);
+                let floats = m.logits_floats as usize;
+                assert!(
+                    4 * floats + floats.div_ceil(8) <= plan.peak.logits_tile,
+                    "seq {seq:?}, q0 {q0:?}, budget {budget}: {floats} floats and their marks \
+                     past {} bytes",
+                    plan.peak.logits_tile
+                );
+                for t in &plan.tiles {
+                    let end = t
+                        .rows
+                        .clone()
+                        .map(|i| fp.row_floats(batch.rows()[i].n))
+                        .sum::<usize>();
+                    assert!(end <= floats, "a tile past the counted floats");
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked > 20, "{checked} plans checked");
+    }
+
     /// A prefill run of the exact class over flat keys pre-decodes every key of the batch
     /// (the footprint counts `D + 4` bytes each) and its tiles take the eight-row entry; a
     /// decode batch (one row per request) or paged keys pre-decode nothing, and a tile
