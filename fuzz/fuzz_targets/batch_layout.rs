@@ -193,7 +193,7 @@ fuzz_target!(|data: &[u8]| {
         workers: 1 + (mode as usize >> 4),
         worker_bytes: 0,
         logits_slots: 1 + (mode as usize >> 6) % 2,
-        marks: false,
+        marks: mode >> 7 == 1,
     };
     let params = PlanParams {
         heads: 8,
@@ -226,6 +226,25 @@ fuzz_target!(|data: &[u8]| {
         );
     }
     assert_eq!(next, batch.num_rows(), "tiles cover the rows");
+    // Candidate marks (a bit per padded float, counted in whole words per row): each
+    // slot holds its tile's logits and, after the largest tile's, that tile's marks.
+    if fp.marks {
+        let floats = p
+            .tiles
+            .iter()
+            .map(|t| {
+                t.rows.clone().fold(0usize, |a, i| {
+                    a.saturating_add(fp.row_floats(batch.rows()[i].n))
+                })
+            })
+            .max()
+            .unwrap_or(0);
+        let need = floats.saturating_mul(4).saturating_add(floats.div_ceil(8));
+        assert!(
+            need <= p.peak.logits_tile / p.logits_slots.max(1),
+            "marks past the slot"
+        );
+    }
     // Two slots: both in flight within the budget, or one slot as the planner's rule says.
     let max_tile = p.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0);
     assert_eq!(
