@@ -410,21 +410,24 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
 // The fused selection (mqa_logits_wgi8_r8_fused): a tile's logits in two launches, the
 // sample's key tiles (every `stride`-th from tile 0, FUSE_SAMPLE), from which
 // fused_threshold_f32 (topk.cu) takes each row's mark threshold thr[row], then the
-// others (FUSE_REST), whose stores also mark each key whose ranking key is at least its
-// row's threshold in the bitmap at marks (topk.cu, "candidate marks").
+// others (FUSE_REST), whose stores also mark each group of 16 keys that holds a key
+// whose ranking key is at least its row's threshold (topk.cu, "candidate marks").
 #define FUSE_SAMPLE 1u
 #define FUSE_REST 2u
 struct FuseArgs {
   u32 mode;
   u32 stride;
   const u32 *thr;
-  u16 *marks;
+  u8 *marks;
 };
-// A row's output record under FUSE: RowOut's, and the row's mark threshold.
+// A row's output record under FUSE: RowOut's, and the row's mark threshold as the f32
+// value whose ranking key it is (NaN: no marks; no logit compares >= NaN). Thresholds
+// are above rank_key(-inf) (fused_threshold_f32), where rank_key(x) >= thr is x >= thrf
+// in f32 order for every x (a NaN logit, ranked as -inf, is below both).
 struct RowOutF {
   float *out;
   u32 n;
-  u32 thr;
+  float thrf;
 };
 template <bool FUSE>
 struct RowSlot {
@@ -435,22 +438,20 @@ struct RowSlot<true> {
   using type = RowOutF;
 };
 
-// FUSE_REST: marks the logit v of key jg (+ 8 on odd lanes) of the lane's row o when its
-// ranking key is at least the row's threshold. Every lane of the warp calls it for the
-// same 16 keys, jg - gid + [0, 16), of two rows (lanes with !hi: the first, hi: the
-// second): two OR-reductions give each row's 16 bits, which lanes 0 and 2 store as one
-// halfword (rows start at multiples of 16 floats).
-__device__ __forceinline__ void mark_logit(const RowOutF o, const float *logits, u16 *marks,
+// FUSE_REST: marks the group of 16 keys jg - gid + [0, 16) of the lane's row o when the
+// logit v of key jg (+ 8 on odd lanes), or another lane's of that group, is at least the
+// row's threshold. Every lane of the warp calls it for the same 16 keys of two rows
+// (lanes with !hi: the first, hi: the second; lane 4 gid + tig holds key gid + 8 odd):
+// one ballot, and lanes 0 and 2 store their row's byte (rows start at multiples of 16
+// floats: a row's group g is byte row_off / 16 + g).
+__device__ __forceinline__ void mark_logit(const RowOutF o, const float *logits, u8 *marks,
                                            const u32 jg, const bool odd, const bool hi,
                                            const int lane, const float v) {
-  const u32 j = jg + (odd ? 8u : 0u);
-  const bool hit = o.thr != 0u && j < o.n && rank_key(v) >= o.thr;
-  const u32 bit = hit ? 1u << ((lane >> 2) + (odd ? 8 : 0)) : 0u;
-  const u32 m0 = __reduce_or_sync(FULL_MASK, hi ? 0u : bit);
-  const u32 m1 = __reduce_or_sync(FULL_MASK, hi ? bit : 0u);
+  const bool hit = jg + (odd ? 8u : 0u) < o.n && v >= o.thrf;
+  const u32 m = __ballot_sync(FULL_MASK, hit) >> (hi ? 2 : 0);
   const u32 j16 = jg - (u32)(lane >> 2);
   if ((lane & ~2) == 0 && j16 < o.n)
-    marks[(u64)(o.out - logits) / 16u + j16 / 16u] = (u16)(hi ? m1 : m0);
+    marks[(u64)(o.out - logits) / 16u + j16 / 16u] = (m & 0x33333333u) != 0u ? 1 : 0;
 }
 
 // block: rows grp.x + [0, R) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
@@ -553,8 +554,11 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   if constexpr (FUSE) {
     if (tid < R) {
       const RowOut o = row_out(logits, row_off, row_n, grp, (u32)tid);
-      srow[tid] = RowOutF{o.out, o.n,
-                          fa.mode == FUSE_REST && (u32)tid < grp.y ? fa.thr[grp.x + tid] : 0u};
+      const u32 t = fa.mode == FUSE_REST && (u32)tid < grp.y ? fa.thr[grp.x + tid] : 0u;
+      // The key's f32 value (rank_key inverted), or NaN for no marks.
+      const float f = t == 0u ? __uint_as_float(0x7FC00000u)
+                              : __uint_as_float((t & 0x80000000u) ? (t & 0x7FFFFFFFu) : ~t);
+      srow[tid] = RowOutF{o.out, o.n, f};
     }
   } else {
     if (tid < R) srow[tid] = row_out(logits, row_off, row_n, grp, (u32)tid);
@@ -795,6 +799,6 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS) mq
 // over flat keys only): fuse_mode FUSE_SAMPLE or FUSE_REST.
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS)
     mqa_logits_wgi8_r8_fused(WGI8_PARAMS WGI8_PRE_PARAMS, u32 fuse_mode, u32 fuse_stride,
-                             const u32 *__restrict__ fuse_thr, u16 *__restrict__ marks) {
+                             const u32 *__restrict__ fuse_thr, u8 *__restrict__ marks) {
   wgi8_block<8, true>(WGI8_ARGS WGI8_PRE_ARGS, FuseArgs{fuse_mode, fuse_stride, fuse_thr, marks});
 }

@@ -209,18 +209,18 @@ __device__ __forceinline__ void load_keys(u32 (&key)[U], const RowSrc &src, cons
 
 // ==== candidate marks (the fused selection) ====
 
-// The fused selection: the logits launch that writes a tile's long rows also marks, in a
-// bitmap of one bit per logit, every key whose ranking key is at least its row's mark
+// The fused selection: the logits launch that writes a tile's long rows also marks each
+// group of 16 keys that holds a key whose ranking key is at least its row's mark
 // threshold (fused_threshold_f32 takes the threshold from a sample of the row's logits,
-// written by an earlier launch, and marks the sample's keys itself). A row's marks are
-// u16 halfwords from marks + row_off / 16 (rows start at multiples of 16 floats): bit b
-// of halfword h marks key 16 h + b. A threshold of 0: the row has no marks.
-// topk_ragged_marked_f32 and topk_ragged_wide_marked_f32 collect a sampled row's
-// candidates from the marked keys alone when the sample's threshold t is at least the
-// marks' (then every key >= t is marked): the same candidates as the pass over the whole
-// row, in another order, which no output depends on.
+// written by an earlier launch, and marks the sample's groups itself). A row's marks are
+// bytes from marks + row_off / 16 (rows start at multiples of 16 floats): byte g is
+// nonzero when group g (keys 16 g .. 16 g + 15) holds such a key. A threshold of 0: the
+// row has no marks. topk_ragged_marked_f32 and topk_ragged_wide_marked_f32 collect a
+// sampled row's candidates from the marked groups alone when the sample's threshold t is
+// at least the marks' (then every key >= t lies in a marked group): the same candidates
+// as the pass over the whole row, in another order, which no output depends on.
 struct RowMarks {
-  const u16 *bits;
+  const u8 *groups;
   u32 thr;
 };
 // The block's row's marks (thread 0 writes them before the row's first barrier).
@@ -499,38 +499,48 @@ __device__ __forceinline__ bool sampled_count_fits(Sm &sm, const u32 K) {
 // its id) to ckey / cid, the first CAP of them, and counts them all in misc[4]
 // (which the caller has zeroed). t >= 1: key 0 ("not a candidate") is never collected.
 // Ids are written as id0 + j (a cluster's segment at id0 of its row).
-// MARKS: from the row's marked keys alone (tk_marks; the caller has checked that every
-// key >= t is marked): each thread reads halfwords of the marks and loads the logit of
-// each marked key.
+// MARKS: from the row's marked groups alone (tk_marks; the caller has checked that every
+// key >= t lies in one): each thread reads group bytes of the marks and, for each marked
+// group, its 16 logits as four 16-byte loads (rows start at multiples of 16 floats; a
+// row's last group is inside its footprint, the keys past n masked).
 template <int MODE, bool MARKS = false, class Sm>
 __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, const u32 n,
                                                  const u32 t, const u32 id0 = 0u) {
   const int tid = threadIdx.x, lane = tid & 31;
   if constexpr (MARKS) {
     static_assert(MODE == 0, "marks over f32 logits");
-    const u16 *bits = tk_marks.bits;
-    const float *row = reinterpret_cast<const float *>(src.scores) + src.lo;
-    const u32 nh = (n + 15u) / 16u;
-    constexpr int V = TK_UNROLL;  // halfword loads in flight per thread
-    for (u32 base = 0; base < nh; base += V * TK_THREADS) {
-      u32 w[V];
+    const u8 *groups = tk_marks.groups;
+    const float4 *row4 =
+        reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(src.scores) + src.lo);
+    const u32 ng = (n + 15u) / 16u;
+    constexpr int V = TK_UNROLL;  // group bytes in flight per thread
+    for (u32 base = 0; base < ng; base += V * TK_THREADS) {
+      u32 mk[V];
 #pragma unroll
       for (int u = 0; u < V; ++u) {
-        const u32 h = base + u * TK_THREADS + tid;
-        w[u] = h < nh ? (u32)bits[h] : 0u;
+        const u32 g = base + u * TK_THREADS + tid;
+        mk[u] = g < ng ? (u32)groups[g] : 0u;
       }
-#pragma unroll
+#pragma unroll 1
       for (int u = 0; u < V; ++u) {
-        const u32 j0 = 16u * (base + u * TK_THREADS + tid);
-        for (u32 b = w[u]; b != 0u; b &= b - 1u) {
-          const u32 j = j0 + (u32)(__ffs(b) - 1);
-          if (j >= n) break;  // no key past n is marked; ascending bits
-          const u32 key = rank_key(row[j]);
-          if (key >= t) {
-            const u32 at = atomicAdd(&sm.misc[4], 1u);
-            if (at < Sm::cap) {
-              sm.ckey[at] = key;
-              sm.cid[at] = id0 + j;
+        if (mk[u] == 0u) continue;
+        const u32 g = base + u * TK_THREADS + tid;
+        float4 v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = row4[4u * g + q];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float x[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const u32 j = 16u * g + 4u * q + e;
+            const u32 key = rank_key(x[e]);
+            if (j < n && key >= t) {
+              const u32 at = atomicAdd(&sm.misc[4], 1u);
+              if (at < Sm::cap) {
+                sm.ckey[at] = key;
+                sm.cid[at] = id0 + j;
+              }
             }
           }
         }
@@ -1225,7 +1235,7 @@ __device__ __forceinline__ void topk_tile_row(
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
     const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
     u32 block_size, u32 bitmap_words, u32 n_min, u32 row_cap, u32 *__restrict__ paths,
-    u32 *smem, const u16 *__restrict__ marks = nullptr, const u32 *__restrict__ thr = nullptr) {
+    u32 *smem, const u8 *__restrict__ marks = nullptr, const u32 *__restrict__ thr = nullptr) {
   const u32 row = row0 + (CL > 1 ? blockIdx.y : blockIdx.x);
   const u32 n = row_n[row];
   if (TK_STOP == 9 || (SHORT ? n > row_cap : n < n_min)) return;
@@ -1282,7 +1292,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_RAGGED_MIN_BLOCKS)
                            u32 page_cols, const i32 *__restrict__ k_slots,
                            const i32 *__restrict__ cblocks, u32 num_blocks, u32 block_size,
                            u32 bitmap_words, u32 n_min, u32 *__restrict__ paths,
-                           const u16 *__restrict__ marks, const u32 *__restrict__ thr) {
+                           const u8 *__restrict__ marks, const u32 *__restrict__ thr) {
   extern __shared__ __align__(16) u32 dsmem[];
   topk_tile_row<false, false, 1, true>(logits, row_off, row_n, row_ks, row0, K, raw, page,
                                        page_cols, k_slots, nullptr, num_blocks, block_size,
@@ -1297,7 +1307,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_WIDE_MIN_BLOCKS)
                                 const i32 *__restrict__ k_slots,
                                 const i32 *__restrict__ cblocks, u32 num_blocks,
                                 u32 block_size, u32 bitmap_words, u32 n_min,
-                                u32 *__restrict__ paths, const u16 *__restrict__ marks,
+                                u32 *__restrict__ paths, const u8 *__restrict__ marks,
                                 const u32 *__restrict__ thr) {
   extern __shared__ __align__(16) u32 dsmem[];
   topk_tile_row<false, true, 1, true>(logits, row_off, row_n, row_ks, row0, K, raw, page,
@@ -1309,15 +1319,17 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_WIDE_MIN_BLOCKS)
 // tiles (every `stride`-th tile of 64 keys from tile 0: `ns` = ceil(tiles / stride) of
 // them) has run. Its threshold thr[row] is the rank-r key of the sample's m keys,
 // r = ceil(mark_keys * m / n) (about mark_keys of the row's keys are at least it), and
-// its sample keys at or above it are marked here (the later launch of the other tiles
-// marks theirs). Rows of fewer than n_min keys, which the marked top-k does not take,
-// get threshold 0 (no marks). Dynamic shared memory: 64 ns keys (the host sizes it for
-// the tile's longest row).
-// block: row row0 + blockIdx.x -> thr[row], its sample keys' marks
+// its sample tiles' groups of 16 keys that hold a key at or above it are marked here (the
+// later launch of the other tiles marks theirs). Rows of fewer than n_min keys, which
+// the marked top-k does not take, and rows whose rank-r key ranks -inf (or NaN), get
+// threshold 0 (no marks): a threshold above rank_key(-inf) is what lets the logits kernel
+// compare f32 values. Dynamic shared memory: 64 ns keys (the host sizes it for the tile's
+// longest row).
+// block: row row0 + blockIdx.x -> thr[row], its sample tiles' marks
 extern "C" __global__ void __launch_bounds__(TK_THREADS) fused_threshold_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, u32 row0, u32 n_min, u32 stride, u32 mark_keys,
-    u32 *__restrict__ thr, u16 *__restrict__ marks) {
+    u32 *__restrict__ thr, u8 *__restrict__ marks) {
   extern __shared__ __align__(16) u32 dsmem[];
   __shared__ u32 h256[256];
   __shared__ u32 misc[8];
@@ -1341,16 +1353,18 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) fused_threshold_f32(
   u32 T, take;
   radix_select<false>(h256, misc, 64u * ns, r, [&](u32 i) { return dsmem[i]; }, T, take);
   (void)take;
+  if (T <= 0x007FFFFFu) T = 0u;  // -inf (or NaN) at rank r: no marks
   if (tid == 0) thr[row] = T;
-  // The sample tiles' marks: four halfwords a tile, a thread each (keys past n are 0,
-  // below T >= 1).
-  u16 *mk = marks + row_off[row] / 16u;
+  if (T == 0u) return;
+  // The sample tiles' marks: four groups a tile, a thread each (keys past n are 0,
+  // below T).
+  u8 *mk = marks + row_off[row] / 16u;
   for (u32 i = tid; i < 4u * ns; i += TK_THREADS) {
     const u32 *kk = dsmem + 16u * i;
-    u32 b = 0u;
+    bool any = false;
 #pragma unroll
-    for (int e = 0; e < 16; ++e) b |= (kk[e] >= T ? 1u : 0u) << e;
-    mk[(i / 4u) * stride * 4u + (i & 3u)] = (u16)b;
+    for (int e = 0; e < 16; ++e) any = any || kk[e] >= T;
+    mk[(i / 4u) * stride * 4u + (i & 3u)] = any ? 1 : 0;
   }
 }
 

@@ -22,8 +22,8 @@ pub struct RowFootprint {
     /// Tiles whose logits the backend keeps at once ([`Footprint::logits_slots`]; 0 is
     /// taken as 1).
     pub logits_slots: usize,
-    /// Whether the backend also keeps a bit per logit (the CUDA backend's fused
-    /// selection: candidate marks): a row's bytes then add a 32-bit word per 32 of its
+    /// Whether the backend also keeps a byte per 16 logits (the CUDA backend's fused
+    /// selection: candidate marks): a row's bytes then add a 32-bit word per 64 of its
     /// padded floats.
     pub marks: bool,
 }
@@ -39,7 +39,7 @@ impl RowFootprint {
 impl Footprint for RowFootprint {
     fn row_bytes(&self, n: usize) -> usize {
         let floats = self.row_floats(n);
-        let marks = if self.marks { floats.div_ceil(32) } else { 0 };
+        let marks = if self.marks { floats.div_ceil(64) } else { 0 };
         floats.saturating_add(marks).saturating_mul(4)
     }
     fn workers(&self) -> usize {

@@ -226,7 +226,7 @@ fuzz_target!(|data: &[u8]| {
         );
     }
     assert_eq!(next, batch.num_rows(), "tiles cover the rows");
-    // Candidate marks (a bit per padded float, counted in whole words per row): each
+    // Candidate marks (a byte per 16 padded floats, counted in whole words per row): each
     // slot holds its tile's logits and, after the largest tile's, that tile's marks.
     if fp.marks {
         let floats = p
@@ -239,7 +239,7 @@ fuzz_target!(|data: &[u8]| {
             })
             .max()
             .unwrap_or(0);
-        let need = floats.saturating_mul(4).saturating_add(floats.div_ceil(8));
+        let need = floats.saturating_mul(4).saturating_add(floats.div_ceil(16));
         assert!(
             need <= p.peak.logits_tile / p.logits_slots.max(1),
             "marks past the slot"

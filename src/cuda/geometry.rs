@@ -254,7 +254,7 @@ pub(super) fn run_fuses(batch: &Batch, shape: &Shape, hooks: Hooks) -> bool {
 /// The footprint of a run of `shape` over `batch` on a GPU of `sms` SMs under `hooks`:
 /// [`footprint`]'s, its per-run bytes with the pre-decoded keys ([`predecoded_keys`]), and
 /// two logits slots when the selection runs on a stream of its own (`shape.select`). A
-/// run that fuses its selection ([`run_fuses`]) keeps a bit per logit (the candidate
+/// run that fuses its selection ([`run_fuses`]) keeps a byte per 16 logits (the candidate
 /// marks, in its rows' bytes) and a mark threshold per row.
 pub(super) fn run_footprint(
     batch: &Batch,
@@ -732,7 +732,7 @@ mod tests {
     }
 
     /// The fused selection's footprint and tiles ([`Hooks::fused_selection`]): a run that
-    /// fuses keeps a bit per logit (a 32-bit word per 32 padded floats of each row) and a
+    /// fuses keeps a byte per 16 logits (a 32-bit word per 64 padded floats of each row) and a
     /// threshold per row, its marks fit after the largest tile's logits, and its tiles of
     /// long rows whose top-k takes `topk_ragged_f32` (many rows) or
     /// `topk_ragged_wide_f32` (at most three per SM) fuse at the sample's stride; tiles
@@ -754,7 +754,7 @@ mod tests {
             ..footprint(1, 1, 512, H200_SMS)
         };
         assert_eq!(marks.row_bytes(17), (32 + 1) * 4);
-        assert_eq!(marks.row_bytes(100_000), (100_000 + 3_125) * 4);
+        assert_eq!(marks.row_bytes(100_000), (100_000 + 1_563) * 4);
         // 600 rows of about 100,000 keys (K = 512: rows past 32,768 keys split in small
         // tiles).
         let batch = Batch::contiguous(&[100_000], &[99_400], 1).unwrap();
@@ -767,7 +767,7 @@ mod tests {
             let m = RowMeta::new(&batch, &flat, &plan, &fp, H200_SMS, h);
             let floats = m.logits_floats as usize;
             assert!(
-                4 * floats + floats.div_ceil(8) <= plan.peak.logits_tile,
+                4 * floats + floats.div_ceil(16) <= plan.peak.logits_tile,
                 "budget {budget}: marks past the logits tile"
             );
             m.geom
@@ -877,7 +877,7 @@ mod tests {
                 let m = RowMeta::new(&batch, &flat, &plan, &fp, H200_SMS, h);
                 let floats = m.logits_floats as usize;
                 assert!(
-                    4 * floats + floats.div_ceil(8) <= plan.peak.logits_tile,
+                    4 * floats + floats.div_ceil(16) <= plan.peak.logits_tile,
                     "seq {seq:?}, q0 {q0:?}, budget {budget}: {floats} floats and their marks \
                      past {} bytes",
                     plan.peak.logits_tile

@@ -308,10 +308,10 @@ pub struct Hooks {
     /// tile whose logits run `mqa_logits_wgi8_r8` over pre-decoded keys and whose long
     /// rows take `topk_ragged_f32` or `topk_ragged_wide_f32` runs its logits in two
     /// launches of [`WGI8_R8_FUSED`] (the sample's key tiles, then the others), between
-    /// them [`FUSED_THRESHOLD`]; the second launch marks each row's keys at or above its
-    /// threshold in a bitmap (a bit per logit, in the plan), and the top-k's marked
-    /// entries collect a sampled row's candidates from the marked keys alone. The same
-    /// outputs, bit for bit.
+    /// them [`FUSED_THRESHOLD`]; the second launch marks each group of 16 keys of a row
+    /// that holds a key at or above its threshold (a byte per group, in the plan), and the
+    /// top-k's marked entries collect a sampled row's candidates from the marked groups
+    /// alone. The same outputs, bit for bit.
     pub fused_selection: bool,
     /// `topk_ragged_f32` for every tile's long rows: no tile takes
     /// `topk_ragged_wide_f32`, which production launches for tiles of at most

@@ -88,7 +88,7 @@ pub(super) struct FuseLaunch {
     pub stride: u32,
     /// The rows' mark thresholds (`u32 [T]`, the run's rows).
     pub thr: u64,
-    /// The tile's candidate marks (a bit per logit, halfwords from each row's offset / 16).
+    /// The tile's candidate marks (a byte per 16 logits, from each row's offset / 16).
     pub marks: u64,
 }
 

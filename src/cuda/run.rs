@@ -438,11 +438,11 @@ impl Run {
         let t = batch.rows().len();
         let fp = run_footprint(batch, &shape, dev.sm_count(), dev.hooks());
         let meta = RowMeta::new(batch, &shape, plan, &fp, dev.sm_count(), dev.hooks());
-        // Candidate marks: a bit per float of the largest tile's logits, after them.
+        // Candidate marks: a byte per 16 floats of the largest tile's logits, after them.
         let marks_at = fp.marks.then_some(4 * meta.logits_floats);
         if let Some(at) = marks_at {
             if plan.logits_slots > 1
-                || at + meta.logits_floats.div_ceil(8) > plan.peak.logits_tile as u64
+                || at + meta.logits_floats.div_ceil(16) > plan.peak.logits_tile as u64
             {
                 return Err(super::backend_err(
                     "the plan's logits tile holds no candidate marks after the logits",
