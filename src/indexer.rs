@@ -22,9 +22,9 @@ pub struct RowFootprint {
     /// Tiles whose logits the backend keeps at once ([`Footprint::logits_slots`]; 0 is
     /// taken as 1).
     pub logits_slots: usize,
-    /// Whether the backend also keeps a byte per 16 logits (the CUDA backend's fused
-    /// selection: candidate marks): a row's bytes then add a 32-bit word per 64 of its
-    /// padded floats.
+    /// Whether the backend also keeps a byte per 16 of a row's padded floats (the CUDA
+    /// backend's fused selection: candidate marks, [`Footprint::mark_bytes`], outside the
+    /// logits budget).
     pub marks: bool,
 }
 
@@ -38,9 +38,14 @@ impl RowFootprint {
 
 impl Footprint for RowFootprint {
     fn row_bytes(&self, n: usize) -> usize {
-        let floats = self.row_floats(n);
-        let marks = if self.marks { floats.div_ceil(64) } else { 0 };
-        floats.saturating_add(marks).saturating_mul(4)
+        self.row_floats(n).saturating_mul(4)
+    }
+    fn mark_bytes(&self, n: usize) -> usize {
+        if self.marks {
+            self.row_floats(n).div_ceil(16)
+        } else {
+            0
+        }
     }
     fn workers(&self) -> usize {
         self.workers

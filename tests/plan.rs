@@ -76,7 +76,7 @@ proptest! {
         // Peak terms.
         let pk = pl.peak;
         prop_assert_eq!(pk.logits_tile, pl.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0));
-        prop_assert_eq!(pk.total(), pk.logits_tile + pk.block_scores + pk.candidate_ids + pk.topk_scratch + pk.index_assembly + pk.operands);
+        prop_assert_eq!(pk.total(), pk.logits_tile + pk.block_scores + pk.candidate_marks + pk.candidate_ids + pk.topk_scratch + pk.index_assembly + pk.operands);
         let source = matches!(role, PlanRole::Source { .. });
         prop_assert_eq!(pk.candidate_ids > 0, source && !pl.tiles.is_empty());
         prop_assert_eq!(pk.block_scores == 0, !source || pl.tiles.iter().all(|t| t.block_score_bytes == 0));

@@ -226,25 +226,26 @@ fuzz_target!(|data: &[u8]| {
         );
     }
     assert_eq!(next, batch.num_rows(), "tiles cover the rows");
-    // Candidate marks (a byte per 16 padded floats, counted in whole words per row): each
-    // slot holds its tile's logits and, after the largest tile's, that tile's marks.
-    if fp.marks {
-        let floats = p
-            .tiles
-            .iter()
-            .map(|t| {
-                t.rows.clone().fold(0usize, |a, i| {
-                    a.saturating_add(fp.row_floats(batch.rows()[i].n))
-                })
+    // Candidate marks (a byte per 16 padded floats of a row, when the footprint keeps
+    // them): each tile's are its rows', outside the logits budget, and the plan holds
+    // the largest tile's in each slot.
+    let mut most_marks = 0usize;
+    for t in &p.tiles {
+        let marks = t.rows.clone().fold(0usize, |a, i| {
+            a.saturating_add(if fp.marks {
+                fp.row_floats(batch.rows()[i].n).div_ceil(16)
+            } else {
+                0
             })
-            .max()
-            .unwrap_or(0);
-        let need = floats.saturating_mul(4).saturating_add(floats.div_ceil(16));
-        assert!(
-            need <= p.peak.logits_tile / p.logits_slots.max(1),
-            "marks past the slot"
-        );
+        });
+        assert_eq!(t.mark_bytes, marks, "tile marks");
+        most_marks = most_marks.max(marks);
     }
+    assert_eq!(
+        p.peak.candidate_marks,
+        most_marks.saturating_mul(p.logits_slots),
+        "slots x the largest tile's marks"
+    );
     // Two slots: both in flight within the budget, or one slot as the planner's rule says.
     let max_tile = p.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0);
     assert_eq!(

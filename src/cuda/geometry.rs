@@ -477,8 +477,8 @@ pub(super) struct RowMeta {
     pub(super) bitmap_words: u32,
     /// Flat keys the run pre-decodes for its logits ([`predecoded_keys`]; 0: none).
     pub(super) predecoded_keys: usize,
-    /// The most floats of logits any tile takes: in a run with candidate marks
-    /// ([`RowFootprint::marks`]) the marks start there in the logits buffer.
+    /// The most floats of logits any tile takes (in a run with candidate marks,
+    /// [`RowFootprint::marks`], they cover a byte per 16 of them).
     pub(super) logits_floats: u64,
 }
 
@@ -732,8 +732,8 @@ mod tests {
     }
 
     /// The fused selection's footprint and tiles ([`Hooks::fused_selection`]): a run that
-    /// fuses keeps a byte per 16 logits (a 32-bit word per 64 padded floats of each row) and a
-    /// threshold per row, its marks fit after the largest tile's logits, and its tiles of
+    /// fuses keeps a byte per 16 padded floats of each row (outside the logits budget) and
+    /// a threshold per row, its marks cover the largest tile's logits, and its tiles of
     /// long rows whose top-k takes `topk_ragged_f32` (many rows) or
     /// `topk_ragged_wide_f32` (at most three per SM) fuse at the sample's stride; tiles
     /// whose rows split into segments do not, nor does any tile of a run without the hook,
@@ -753,8 +753,12 @@ mod tests {
             marks: true,
             ..footprint(1, 1, 512, H200_SMS)
         };
-        assert_eq!(marks.row_bytes(17), (32 + 1) * 4);
-        assert_eq!(marks.row_bytes(100_000), (100_000 + 1_563) * 4);
+        assert_eq!((marks.row_bytes(17), marks.mark_bytes(17)), (32 * 4, 2));
+        assert_eq!(
+            (marks.row_bytes(100_000), marks.mark_bytes(100_000)),
+            (100_000 * 4, 6_250)
+        );
+        assert_eq!(footprint(1, 1, 512, H200_SMS).mark_bytes(100_000), 0);
         // 600 rows of about 100,000 keys (K = 512: rows past 32,768 keys split in small
         // tiles).
         let batch = Batch::contiguous(&[100_000], &[99_400], 1).unwrap();
@@ -767,8 +771,9 @@ mod tests {
             let m = RowMeta::new(&batch, &flat, &plan, &fp, H200_SMS, h);
             let floats = m.logits_floats as usize;
             assert!(
-                4 * floats + floats.div_ceil(16) <= plan.peak.logits_tile,
-                "budget {budget}: marks past the logits tile"
+                4 * floats <= plan.peak.logits_tile && floats / 16 == plan.peak.candidate_marks,
+                "budget {budget}: {floats} floats, {:?}",
+                plan.peak
             );
             m.geom
                 .iter()
@@ -835,11 +840,12 @@ mod tests {
         assert!(run_fuses(&batch, &flat, h));
     }
 
-    /// Under the fused selection's footprint, every plan's logits tile holds its largest
-    /// tile's logits and, after them, that tile's marks (what `Run::begin` checks before a
-    /// fused run): random batches of several requests (ragged rows, some past the sampled
-    /// threshold's 16,384 keys) at budgets from one longest row to the whole batch, with
-    /// every tile's rows inside the floats counted.
+    /// Under the fused selection's footprint, every plan's candidate marks cover its
+    /// largest tile's logits, a byte per 16 floats, in one logits slot (what `Run::begin`
+    /// checks before a fused run), and stay out of the logits budget: random batches of
+    /// several requests (ragged rows, some past the sampled threshold's 16,384 keys) at
+    /// budgets from one longest row to the whole batch, with every tile's rows inside the
+    /// floats counted.
     #[test]
     fn fused_marks_fit_after_the_largest_tiles_logits() {
         use rand::{Rng, SeedableRng};
@@ -876,11 +882,23 @@ mod tests {
                 };
                 let m = RowMeta::new(&batch, &flat, &plan, &fp, H200_SMS, h);
                 let floats = m.logits_floats as usize;
+                assert_eq!(plan.logits_slots, 1);
                 assert!(
-                    4 * floats + floats.div_ceil(16) <= plan.peak.logits_tile,
-                    "seq {seq:?}, q0 {q0:?}, budget {budget}: {floats} floats and their marks \
-                     past {} bytes",
-                    plan.peak.logits_tile
+                    floats.div_ceil(16) <= plan.peak.candidate_marks
+                        && 4 * floats == plan.peak.logits_tile,
+                    "seq {seq:?}, q0 {q0:?}, budget {budget}: {floats} floats, {:?}",
+                    plan.peak
+                );
+                let plain = crate::plan::plan(
+                    &batch,
+                    &exact_plan_params(budget),
+                    &RowFootprint { marks: false, ..fp },
+                )
+                .unwrap();
+                assert_eq!(
+                    plain.tiles.len(),
+                    plan.tiles.len(),
+                    "the marks move no tile"
                 );
                 for t in &plan.tiles {
                     let end = t

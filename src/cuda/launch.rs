@@ -330,7 +330,7 @@ pub(super) fn logits(
         // SAFETY: every pointer addresses a live device buffer of the shape the
         // kernel reads (validated problem); writes stay inside each row's
         // footprint in the logits tile, which the plan sized (a fused launch's marks
-        // inside the marks after the tile's logits, `RowFootprint::marks`).
+        // inside the candidate marks, which it sized too: `Footprint::mark_bytes`).
         unsafe {
             l.launch(LaunchConfig {
                 grid_dim: (gx, count as u32, 1),

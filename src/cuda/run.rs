@@ -137,10 +137,10 @@ pub(super) struct Run {
     /// as the caller's workspace holds them).
     pub(super) transient: usize,
     bitmap_words: u32,
-    /// The fused selection ([`kernels::Hooks::fused_selection`]): where the candidate
-    /// marks start in the logits buffer (bytes; after the largest tile's logits), the
-    /// rows' mark thresholds, and the tile whose logits launches last marked them.
-    marks_at: Option<u64>,
+    /// The fused selection ([`kernels::Hooks::fused_selection`]): the candidate marks (a
+    /// byte per 16 floats of a tile's logits), the rows' mark thresholds, and the tile
+    /// whose logits launches last marked them.
+    marks: Option<Buf<u8>>,
     thr: Option<Buf<u32>>,
     marked: Option<usize>,
 }
@@ -275,13 +275,14 @@ struct TransientBufs {
     bkeys: Option<Buf<u32>>,
     split: Option<Buf<i32>>,
     keys8: Option<Buf<u8>>,
+    marks: Option<Buf<u8>>,
     thr: Option<Buf<u32>>,
 }
 
 impl TransientBufs {
-    /// Allocate the plan's logits tile and block keys, the scratch of the tile of
-    /// `geom` that splits the most ids, `keys8` bytes of pre-decoded keys and `thr` mark
-    /// thresholds (the fused selection's), in `space`.
+    /// Allocate the plan's logits tile, block keys and candidate marks, the scratch of the
+    /// tile of `geom` that splits the most ids, `keys8` bytes of pre-decoded keys and `thr`
+    /// mark thresholds (the fused selection's), in `space`.
     fn alloc(
         dev: &Device,
         space: &mut Space,
@@ -334,6 +335,15 @@ impl TransientBufs {
         } else {
             None
         };
+        let marks = if plan.peak.candidate_marks > 0 {
+            Some(dev.buffer::<u8>(
+                space,
+                Fill::Zeros(plan.peak.candidate_marks),
+                "alloc candidate marks",
+            )?)
+        } else {
+            None
+        };
         let thr = if thr > 0 {
             Some(dev.buffer::<u32>(space, Fill::Zeros(thr), "alloc mark thresholds")?)
         } else {
@@ -344,6 +354,7 @@ impl TransientBufs {
             bkeys,
             split,
             keys8,
+            marks,
             thr,
         })
     }
@@ -438,16 +449,14 @@ impl Run {
         let t = batch.rows().len();
         let fp = run_footprint(batch, &shape, dev.sm_count(), dev.hooks());
         let meta = RowMeta::new(batch, &shape, plan, &fp, dev.sm_count(), dev.hooks());
-        // Candidate marks: a byte per 16 floats of the largest tile's logits, after them.
-        let marks_at = fp.marks.then_some(4 * meta.logits_floats);
-        if let Some(at) = marks_at {
-            if plan.logits_slots > 1
-                || at + meta.logits_floats.div_ceil(16) > plan.peak.logits_tile as u64
-            {
-                return Err(super::backend_err(
-                    "the plan's logits tile holds no candidate marks after the logits",
-                ));
-            }
+        // Candidate marks: a byte per 16 floats of the largest tile's logits, in one slot.
+        if fp.marks
+            && (plan.logits_slots > 1
+                || meta.logits_floats.div_ceil(16) > plan.peak.candidate_marks as u64)
+        {
+            return Err(super::backend_err(
+                "the plan's candidate marks do not cover its largest tile",
+            ));
         }
         // The transient buffers (metadata, logits tile, block keys, split scratch, path
         // counters), counted as Device::allocate allocates them on this thread, or as
@@ -495,7 +504,7 @@ impl Run {
             uploads,
             transient,
             bitmap_words: meta.bitmap_words,
-            marks_at,
+            marks: tr.marks,
             thr: tr.thr,
             marked: None,
         })
@@ -622,9 +631,9 @@ impl Run {
                 smem,
                 fuse: None,
             };
-            match (self.marks_at, self.thr.as_ref()) {
-                (Some(at), Some(thr)) if g.fuse > 0 && predecoded.is_some() => {
-                    let marks = (a.logits + at, thr.addr(s));
+            match (self.marks.as_ref(), self.thr.as_ref()) {
+                (Some(m), Some(thr)) if g.fuse > 0 && predecoded.is_some() => {
+                    let marks = (m.addr(s), thr.addr(s));
                     self.fused_logits(dev, &g, &a, &args, marks)?;
                     self.marked = Some(t);
                 }
@@ -915,9 +924,9 @@ impl Run {
         });
         let page = self.topk_page(a);
         for (entry, bound, dyn_smem) in [short, long].into_iter().flatten() {
-            let marks = match (entry.marked_name(), self.marks_at, self.thr.as_ref()) {
-                (Some(name), Some(at), Some(thr)) if marked => {
-                    Some((name, (a.logits + at, thr.addr(s))))
+            let marks = match (entry.marked_name(), self.marks.as_ref(), self.thr.as_ref()) {
+                (Some(name), Some(m), Some(thr)) if marked => {
+                    Some((name, (m.addr(s), thr.addr(s))))
                 }
                 _ => None,
             };
