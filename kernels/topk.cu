@@ -1357,14 +1357,17 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) fused_threshold_f32(
   if (tid == 0) thr[row] = T;
   if (T == 0u) return;
   // The sample tiles' marks: four groups a tile, a thread each (keys past n are 0,
-  // below T).
+  // below T). Only the row's own groups, those that start before n: the bytes after them
+  // are the next row's.
   u8 *mk = marks + row_off[row] / 16u;
   for (u32 i = tid; i < 4u * ns; i += TK_THREADS) {
+    const u32 g = (i / 4u) * stride * 4u + (i & 3u);
+    if (16u * g >= n) continue;
     const u32 *kk = dsmem + 16u * i;
     bool any = false;
 #pragma unroll
     for (int e = 0; e < 16; ++e) any = any || kk[e] >= T;
-    mk[(i / 4u) * stride * 4u + (i & 3u)] = any ? 1 : 0;
+    mk[g] = any ? 1 : 0;
   }
 }
 
