@@ -2679,9 +2679,10 @@ fn selection_stream_gives_the_bits_of_one_stream_at_every_budget() {
 
 /// The fused selection (`Hooks::fused_selection`, opt-in): each fused tile's logits in
 /// two launches of `mqa_logits_wgi8_r8_fused` (the sample's key tiles, then the others,
-/// which mark each row's keys at or above the threshold `fused_threshold_f32` took from
-/// the sample), and its long rows on the top-k's marked entries, which collect a sampled
-/// row's candidates from the marked keys alone. Against a run without it: the same bits
+/// which mark each group of 16 keys of a row holding one at or above the threshold
+/// `fused_threshold_f32` took from the sample), and its long rows on the top-k's marked
+/// entries, which collect a sampled row's candidates from the marked groups alone.
+/// Against a run without it: the same bits
 /// (logits, raw, page, published) at every budget, on engine-like fp4 inputs (their tiles
 /// on the int8 path) and on wide-ranged scales (on the fallback tile), K = 512 and 2048,
 /// a plain and a source layer, the long rows on `topk_ragged_wide_f32` and (under
