@@ -732,7 +732,7 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 #define TK_SAMPLE_SECOND 2
 #define TK_SAMPLE_STOP 3
 #define TK_SAMPLE_HELPER 4
-#define TK_SAMPLE_FUSED 5  // TK_SAMPLE_FIRST, its pass over the marked keys (MARKS)
+#define TK_SAMPLE_FUSED 5  // TK_SAMPLE_FIRST, its pass over the marked groups (MARKS)
 //
 // CL > 1 (topk_cluster_f32): every block of the cluster draws the same sample and finds
 // the same t; each then collects the keys >= t of its segment of the row (starts at
@@ -741,7 +741,7 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 // first has read their memory. Either every block of the cluster takes both cluster
 // barriers or none does: each block's decisions before them depend only on the row.
 //
-// MARKS (CL = 1): the first pass reads the row's marked keys alone when t is at least the
+// MARKS (CL = 1): the first pass reads the row's marked groups alone when t is at least the
 // marks' threshold (collect_at_least), and a count that fits returns TK_SAMPLE_FUSED.
 template <int MODE, int CL = 1, bool MARKS = false, class Sm>
 __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const u32 K) {
