@@ -1193,6 +1193,30 @@ fn engine_like_fp4(
     (packed, scale)
 }
 
+/// An exact-class case over `batch` whose queries and keys are [`engine_like_fp4`]
+/// vectors, per-channel spreads `2^u` with `u` uniform in [-2, 2] drawn from `rng`, and
+/// [`Case::random`]'s weights of seed `seed`.
+fn engine_like_case(
+    batch: Batch,
+    h: usize,
+    d: usize,
+    seed: u64,
+    rng: &mut rand_chacha::ChaCha8Rng,
+) -> Case {
+    use rand::Rng;
+    let (t, l, groups) = (batch.num_rows(), batch.num_keys(), d / 32);
+    let mut c = Case::random(batch, h, d, seed);
+    let qch: Vec<f32> = (0..h * d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
+    let kch: Vec<f32> = (0..d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
+    let (qp, qs) = engine_like_fp4(t * h, d, &qch, rng);
+    let (kp, ks) = engine_like_fp4(l, d, &kch, rng);
+    c.q = Array3::from_shape_vec((t, h, d / 2), qp).unwrap();
+    c.qs = Array3::from_shape_vec((t, h, groups), qs).unwrap();
+    c.k = Array2::from_shape_vec((l, d / 2), kp).unwrap();
+    c.ks = Array2::from_shape_vec((l, groups), ks).unwrap();
+    c
+}
+
 /// Which path `mqa_logits_wgi8`'s tiles of an int8 test case take.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Int8Side {
@@ -1453,16 +1477,7 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
     cases.push(("codes +-6, spans 3".into(), c, Int8Side::Int8));
     // Engine-like activations (normal times 2^u per channel, u in [-2, 2]) through SPEC
     // 2's quantizer: every vector spans at most 3 binades near byte 127.
-    let (t, l) = (batch.num_rows(), batch.num_keys());
-    let mut c = Case::random(batch.clone(), h, d, 6);
-    let qch: Vec<f32> = (0..h * d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
-    let kch: Vec<f32> = (0..d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
-    let (qp, qs) = engine_like_fp4(t * h, d, &qch, &mut rng);
-    let (kp, ks) = engine_like_fp4(l, d, &kch, &mut rng);
-    c.q = Array3::from_shape_vec((t, h, d / 2), qp).unwrap();
-    c.qs = Array3::from_shape_vec((t, h, groups), qs).unwrap();
-    c.k = Array2::from_shape_vec((l, d / 2), kp).unwrap();
-    c.ks = Array2::from_shape_vec((l, groups), ks).unwrap();
+    let c = engine_like_case(batch.clone(), h, d, 6, &mut rng);
     cases.push(("engine-like".into(), c, Int8Side::Int8));
     // The head epilogue's guard (docs/numerics.md 6.7) on engine-like scales (bytes near
     // 127, spans of 3): weights whose v = w 2^(eq_min - 129) leave the normal range
@@ -2691,7 +2706,7 @@ fn selection_stream_gives_the_bits_of_one_stream_at_every_budget() {
 /// the marks.
 #[test]
 fn fused_selection_gives_the_bits_of_a_run_without_it() {
-    use rand::{Rng, SeedableRng};
+    use rand::SeedableRng;
     // This process's hooks, the fused selection off (it is the side under test).
     let base = Hooks {
         fused_selection: false,
@@ -2705,17 +2720,8 @@ fn fused_selection_gives_the_bits_of_a_run_without_it() {
     // Long rows of two requests (the sampled threshold's), and short ones (the
     // shared-memory row's).
     let batch = Batch::contiguous(&[40_000, 20_000, 5_000], &[39_900, 19_970, 4_980], 1).unwrap();
-    let (t, l) = (batch.num_rows(), batch.num_keys());
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
-    let mut engine_like = Case::random(batch.clone(), h, d, 32);
-    let qch: Vec<f32> = (0..h * d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
-    let kch: Vec<f32> = (0..d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
-    let (qp, qs) = engine_like_fp4(t * h, d, &qch, &mut rng);
-    let (kp, ks) = engine_like_fp4(l, d, &kch, &mut rng);
-    engine_like.q = Array3::from_shape_vec((t, h, d / 2), qp).unwrap();
-    engine_like.qs = Array3::from_shape_vec((t, h, d / 32), qs).unwrap();
-    engine_like.k = Array2::from_shape_vec((l, d / 2), kp).unwrap();
-    engine_like.ks = Array2::from_shape_vec((l, d / 32), ks).unwrap();
+    let engine_like = engine_like_case(batch.clone(), h, d, 32, &mut rng);
     let wide = Case::random(batch.clone(), h, d, 33);
     let source = Params {
         topk: 512,
