@@ -5,7 +5,7 @@
 #
 #   ../shared/gpu/stage --features tuning                                   # here
 #   run: bash benches/gpu.sh [quick] [tests] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
-#        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases] [fused]
+#        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
@@ -51,14 +51,8 @@
 # its guard admits),
 # no_wide_topk (topk_ragged_f32 where tiles of few rows take topk_ragged_wide_f32),
 # no_cluster_topk (topk_ragged_wide_f32 where tiles of at most sms / 8 rows take
-# topk_cluster_f32); and one opt-in form, fused_selection (the fused selection: a tile's
-# logits on mqa_logits_wgi8_r8_fused in two launches, the second marking each row's
-# candidates, and the top-k's marked entries; docs/cuda.md). The GPU tests read it in any
-# build (and one test runs every hook in-process); the benchmark only with `tuning`.
-#
-# `fused` measures the fused selection against the default in alternating processes on
-# the exact class's prefill workloads (fused.txt, and the summary), after its tests under
-# the hook (FUSED_TESTS=0 skips them).
+# topk_cluster_f32). The GPU tests read it in any build (and
+# one test runs every hook in-process); the benchmark only with `tuning`.
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
 # #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, WGI8_R8_MIN_BLOCKS, W16_MIN_BLOCKS,
@@ -72,9 +66,7 @@
 #   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),
-#   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k),
-#   FUSE_MIN_STRIDE (the fused selection's sample: every Nth key tile at least, 16),
-#   FUSE_MARK_X (its marks: about X times the top-k's candidate target per row, 2), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
+#   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour),
 #   SELECT_STREAM (1 or 2: each tile's selection on a stream of its own, at the default or
 #   the greatest priority, beside the next tile's logits in two slots of half the budget).
@@ -318,33 +310,6 @@ if has ncutk; then
     --section SpeedOfLight --section WarpStateStats --section InstructionStats \
     --section SchedulerStats --section Occupancy $B/dsa-indexer bench --device cuda --json v32-16k --reps 1 \
     > "$OUT/ncu-topk.txt" 2>&1
-fi
-
-if has fused; then
-  log "fused selection A/B"
-  if [ "${FUSED_TESTS:-1}" != 0 ]; then
-    DSA_CUDA_HOOKS=fused_selection DSA_REQUIRE_GPU=1 timeout 300 $B/cuda --test-threads=1 \
-      fused_selection int8_exact exact_class boundary golden same_bits plan_and_measured_peak engine_api \
-      >> "$OUT/tests.txt" 2>&1
-    grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/hooks fused_selection: /" | tee -a "$OUT/summary.txt"
-  fi
-  # FUSE_FORMS: ';'-separated define sets of the fused selection's host-side numbers, each
-  # a further form in the rounds (e.g. "FUSE_MIN_STRIDE=32;FUSE_MARK_X=4").
-  fused_round() {  # fused_round SECONDS WORKLOAD...: the default, then each fused form
-    local secs="$1"; shift
-    IFS=';' read -ra fforms <<< "${FUSE_FORMS:-}"
-    for form in default fused ${fforms[@]+"${fforms[@]}"}; do
-      local hooks=fused_selection defs=""
-      case $form in default) hooks="" ;; fused) ;; *) defs="$form" ;; esac
-      DSA_CUDA_HOOKS="$hooks" DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench \
-        --device cuda --json "$@" --reps 5 2>&1 | sed "s/^/[$form] /" >> "$OUT/fused.txt"
-    done
-  }
-  fused_round 60 v41-chunk v41-chunk-source
-  fused_round 60 v41-chunk
-  fused_round 180 v41-chunk-wide v41-1m v41-1m-256m
-  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+|"fused":[0-9]+' "$OUT/fused.txt" \
-    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
 
 if has phases; then

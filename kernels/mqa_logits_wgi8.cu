@@ -407,59 +407,11 @@ __device__ __forceinline__ void count_int8_tiles(u32 *paths, const u32 n_i8, con
 #define WGI8_PRE_ARGS , nullptr, nullptr
 #endif
 
-// The fused selection (mqa_logits_wgi8_r8_fused): a tile's logits in two launches, the
-// sample's key tiles (every `stride`-th from tile 0, FUSE_SAMPLE), from which
-// fused_threshold_f32 (topk.cu) takes each row's mark threshold thr[row], then the
-// others (FUSE_REST), whose stores also mark each group of 16 keys that holds a key
-// whose ranking key is at least its row's threshold (topk.cu, "candidate marks").
-#define FUSE_SAMPLE 1u
-#define FUSE_REST 2u
-struct FuseArgs {
-  u32 mode;
-  u32 stride;
-  const u32 *thr;
-  u8 *marks;
-};
-// A row's output record under FUSE: RowOut's, and the row's mark threshold as the f32
-// value whose ranking key it is (NaN: no marks; no logit compares >= NaN). Thresholds
-// are above rank_key(-inf) (fused_threshold_f32), where rank_key(x) >= thr is x >= thrf
-// in f32 order for every x (a NaN logit, ranked as -inf, is below both).
-struct RowOutF {
-  float *out;
-  u32 n;
-  float thrf;
-};
-template <bool FUSE>
-struct RowSlot {
-  using type = RowOut;
-};
-template <>
-struct RowSlot<true> {
-  using type = RowOutF;
-};
-
-// FUSE_REST: marks the group of 16 keys jg - gid + [0, 16) of the lane's row o when the
-// logit v of key jg (+ 8 on odd lanes), or another lane's of that group, is at least the
-// row's threshold. Every lane of the warp calls it for the same 16 keys of two rows
-// (lanes with !hi: the first, hi: the second; lane 4 gid + tig holds key gid + 8 odd):
-// one ballot, and lanes 0 and 2 store their row's byte (rows start at multiples of 16
-// floats: a row's group g is byte row_off / 16 + g).
-__device__ __forceinline__ void mark_logit(const RowOutF o, const float *logits, u8 *marks,
-                                           const u32 jg, const bool odd, const bool hi,
-                                           const int lane, const float v) {
-  const bool hit = jg + (odd ? 8u : 0u) < o.n && v >= o.thrf;
-  const u32 m = __ballot_sync(FULL_MASK, hit) >> (hi ? 2 : 0);
-  const u32 j16 = jg - (u32)(lane >> 2);
-  if ((lane & ~2) == 0 && j16 < o.n)
-    marks[(u64)(o.out - logits) / 16u + j16 / 16u] = (m & 0x33333333u) != 0u ? 1 : 0;
-}
-
 // block: rows grp.x + [0, R) x 32 heads x keys 64 c + [0, 64) -> logits[row, key]
-// (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...;
-// FUSE: c runs over the launch's tiles, fa.mode's)
-template <int R, bool FUSE = false>
+// (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
+template <int R>
 __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ kinfo,
-                                           const TmaDesc *k8map, const FuseArgs fa = FuseArgs{}) {
+                                           const TmaDesc *k8map) {
   static_assert(R == 4 || R == 8, "mqa_logits_wgi8: 4 or 8 rows per block");
   constexpr int N = R * H;  // B's columns
   __shared__ __align__(128) u8 sQ[N * D];
@@ -472,7 +424,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   __shared__ u32 sqwin[WGR_THREADS / 32];
   __shared__ u32 svwin[WGR_THREADS / 32];
   __shared__ u32 sneg[R];
-  __shared__ __align__(16) typename RowSlot<FUSE>::type srow[R];
+  __shared__ __align__(16) RowOut srow[R];
   // The int8 path's keys: pre-decoded, by TMA into the ring (the dynamic shared memory),
   // in the eight-row entry over flat keys; else the fp4 keys, decoded per tile.
   constexpr bool PRE = R == 8 && WGI8_PRE;
@@ -480,18 +432,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   __shared__ __align__(8) u64 kfull[WGI8_RING];
 
   const uint4 grp = groups[group0 + blockIdx.y];
-  // The launch's key tiles: tile_of(c) for c < nchunks (FUSE: the sample's or the others).
-  u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
-  if constexpr (FUSE) {
-    const u32 ns = (nchunks + fa.stride - 1u) / fa.stride;
-    nchunks = fa.mode == FUSE_SAMPLE ? ns : nchunks - ns;
-  }
-  const auto tile_of = [&](const u32 c) -> u32 {
-    if constexpr (FUSE)
-      return fa.mode == FUSE_SAMPLE ? c * fa.stride : c + c / (fa.stride - 1u) + 1u;
-    else
-      return c;
-  };
+  const u32 nchunks = (grp.z + WGR_KEYS - 1) / WGR_KEYS;
   if (blockIdx.x >= nchunks) return;
   const u32 ks = row_ks[grp.x];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -551,27 +492,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
     }
   }
   // Each row's logits and visible keys (none past the group's rows), for the stores.
-  if constexpr (FUSE) {
-    if (tid < R) {
-      const RowOut o = row_out(logits, row_off, row_n, grp, (u32)tid);
-      const u32 t = fa.mode == FUSE_REST && (u32)tid < grp.y ? fa.thr[grp.x + tid] : 0u;
-      // The key's f32 value (rank_key inverted), or NaN for no marks.
-      const float f = t == 0u ? __uint_as_float(0x7FC00000u)
-                              : __uint_as_float((t & 0x80000000u) ? (t & 0x7FFFFFFFu) : ~t);
-      srow[tid] = RowOutF{o.out, o.n, f};
-    }
-  } else {
-    if (tid < R) srow[tid] = row_out(logits, row_off, row_n, grp, (u32)tid);
-  }
-  // Stores row r's logit v of key jg (+ 8 on odd lanes); FUSE_REST marks it too.
-  const auto emit = [&](const int r, const u32 jg, const float v) {
-    if constexpr (FUSE) {
-      store_row_logit(RowOut{srow[r].out, srow[r].n}, jg, odd, v);
-      if (fa.mode == FUSE_REST) mark_logit(srow[r], logits, fa.marks, jg, odd, hi, lane, v);
-    } else {
-      store_row_logit(srow[r], jg, odd, v);
-    }
-  };
+  if (tid < R) srow[tid] = row_out(logits, row_off, row_n, grp, (u32)tid);
   if (PRE && tid == 0) {
 #pragma unroll
     for (int i = 0; i < WGI8_RING; ++i) mbar_init(&kfull[i], 1);
@@ -656,19 +577,18 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
   auto prefetch_raw = [&](const u32 c) {
     if (c < nchunks)
-      wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, tile_of(c), sc_word, warp, gid,
-                   tig PG_PASS);
+      wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c, sc_word, warp, gid, tig PG_PASS);
   };
   // The first tile's keys (blockIdx.x < nchunks): over pre-decoded keys their windows,
   // and thread 0 starts the ring's copies.
   if (PRE && q_i8) {
-    wgi8_prefetch_info(kinf, kinfo, ks, grp.z, tile_of(blockIdx.x), warp, gid);
+    wgi8_prefetch_info(kinf, kinfo, ks, grp.z, blockIdx.x, warp, gid);
     if (tid == 0) {
 #pragma unroll
       for (int i = 0; i < WGI8_RING - 1; ++i) {
         const u32 ci = blockIdx.x + i * gridDim.x;
         if (ci < nchunks)
-          wgi8_tma_issue(ring + i * WGI8_KTILE_BYTES, &kfull[i], k8map, ks, tile_of(ci));
+          wgi8_tma_issue(ring + i * WGI8_KTILE_BYTES, &kfull[i], k8map, ks, ci);
       }
     }
   } else {
@@ -693,12 +613,12 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
                          stab, two_mul, tig, odd, hi, [&] {
                            if (!PRE && last) prefetch_raw(c + gridDim.x);
                          });
-      emit(WGR_ROWS * pr + (hi ? 1 : 0), j0 + 16 * warp + gid, logit);
+      store_row_logit(srow[WGR_ROWS * pr + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, logit);
     }
   };
   if (q_i8) {
     for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
-      const u32 j0 = tile_of(c) * WGR_KEYS;
+      const u32 j0 = c * WGR_KEYS;
       // The key side of the guard for this thread's keys (a key past the group's is never
       // stored: it admits), then over the block (the same answer in every thread).
       int kmin[2];
@@ -733,12 +653,11 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
           const u32 cn = c + (WGI8_RING - 1) * gridDim.x;
           const u32 prev = slot == 0 ? WGI8_RING - 1 : slot - 1;
           if (cn < nchunks) {
-            wgi8_tma_issue(ring + prev * WGI8_KTILE_BYTES, &kfull[prev], k8map, ks,
-                           tile_of(cn));
+            wgi8_tma_issue(ring + prev * WGI8_KTILE_BYTES, &kfull[prev], k8map, ks, cn);
           }
         }
         if (c + gridDim.x < nchunks)
-          wgi8_prefetch_info(kinf, kinfo, ks, grp.z, tile_of(c + gridDim.x), warp, gid);
+          wgi8_prefetch_info(kinf, kinfo, ks, grp.z, c + gridDim.x, warp, gid);
         mbar_wait(&kfull[slot], phase);
       }
       if (i8) {
@@ -756,7 +675,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
         }
 #pragma unroll
         for (int i = 0; i < R / 2; ++i)
-          emit(2 * i + (hi ? 1 : 0), j0 + 16 * warp + gid, out[i]);
+          store_row_logit(srow[2 * i + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, out[i]);
         ++n_i8;
       } else {
         fallback_tile(c, j0);
@@ -778,7 +697,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
             sw + WGR_ROWS * pr, stab, two_mul, tig, odd, hi, [&] {
               if (last) prefetch_raw(c + gridDim.x);
             });
-        emit(WGR_ROWS * pr + (hi ? 1 : 0), tile_of(c) * WGR_KEYS + 16 * warp + gid, logit);
+        store_row_logit(srow[WGR_ROWS * pr + (hi ? 1 : 0)], c * WGR_KEYS + 16 * warp + gid, odd,
+                        logit);
       }
     }
   }
@@ -794,11 +714,4 @@ extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_MIN_BLOCKS) mqa_l
 extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS) mqa_logits_wgi8_r8(
     WGI8_PARAMS WGI8_PRE_PARAMS) {
   wgi8_block<8>(WGI8_ARGS WGI8_PRE_ARGS);
-}
-// The eight-row entry's launches of the fused selection (FuseArgs; the host launches it
-// over flat keys only): fuse_mode FUSE_SAMPLE or FUSE_REST.
-extern "C" __global__ void __launch_bounds__(WGR_THREADS, WGI8_R8_MIN_BLOCKS)
-    mqa_logits_wgi8_r8_fused(WGI8_PARAMS WGI8_PRE_PARAMS, u32 fuse_mode, u32 fuse_stride,
-                             const u32 *__restrict__ fuse_thr, u8 *__restrict__ marks) {
-  wgi8_block<8, true>(WGI8_ARGS WGI8_PRE_ARGS, FuseArgs{fuse_mode, fuse_stride, fuse_thr, marks});
 }

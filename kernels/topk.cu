@@ -147,8 +147,7 @@ static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunk
 #define TK_PATH_TWO 3      // two passes, the threshold bin resolved in shared memory
 #define TK_PATH_GENERAL 4  // four digit passes over the row
 #define TK_PATH_RESAMPLED 5  // sampled threshold, a second pass at a corrected rank
-#define TK_PATH_FUSED 6    // sampled threshold, its pass over the candidate marks
-#define TK_PATHS 7
+#define TK_PATHS 6
 
 // ==== a row's keys ====
 
@@ -206,25 +205,6 @@ __device__ __forceinline__ void load_keys(u32 (&key)[U], const RowSrc &src, cons
     key[u] = j < n ? load_key<MODE>(src, j) : 0u;
   }
 }
-
-// ==== candidate marks (the fused selection) ====
-
-// The fused selection: the logits launch that writes a tile's long rows also marks each
-// group of 16 keys that holds a key whose ranking key is at least its row's mark
-// threshold (fused_threshold_f32 takes the threshold from a sample of the row's logits,
-// written by an earlier launch, and marks the sample's groups itself). A row's marks are
-// bytes from marks + row_off / 16 (rows start at multiples of 16 floats): byte g is
-// nonzero when group g (keys 16 g .. 16 g + 15) holds such a key. A threshold of 0: the
-// row has no marks. topk_ragged_marked_f32 and topk_ragged_wide_marked_f32 collect a
-// sampled row's candidates from the marked groups alone when the sample's threshold t is
-// at least the marks' (then every key >= t lies in a marked group): the same candidates
-// as the pass over the whole row, in another order, which no output depends on.
-struct RowMarks {
-  const u8 *groups;
-  u32 thr;
-};
-// The block's row's marks (thread 0 writes them before the row's first barrier).
-__shared__ RowMarks tk_marks;
 
 // ==== radix select ====
 
@@ -499,55 +479,10 @@ __device__ __forceinline__ bool sampled_count_fits(Sm &sm, const u32 K) {
 // its id) to ckey / cid, the first CAP of them, and counts them all in misc[4]
 // (which the caller has zeroed). t >= 1: key 0 ("not a candidate") is never collected.
 // Ids are written as id0 + j (a cluster's segment at id0 of its row).
-// MARKS: from the row's marked groups alone (tk_marks; the caller has checked that every
-// key >= t lies in one): each thread reads group bytes of the marks and, for each marked
-// group, its 16 logits as four 16-byte loads (rows start at multiples of 16 floats; a
-// row's last group is inside its footprint, the keys past n masked).
-template <int MODE, bool MARKS = false, class Sm>
+template <int MODE, class Sm>
 __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, const u32 n,
                                                  const u32 t, const u32 id0 = 0u) {
   const int tid = threadIdx.x, lane = tid & 31;
-  if constexpr (MARKS) {
-    static_assert(MODE == 0, "marks over f32 logits");
-    const u8 *groups = tk_marks.groups;
-    const float4 *row4 =
-        reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(src.scores) + src.lo);
-    const u32 ng = (n + 15u) / 16u;
-    constexpr int V = TK_UNROLL;  // group bytes in flight per thread
-    for (u32 base = 0; base < ng; base += V * TK_THREADS) {
-      u32 mk[V];
-#pragma unroll
-      for (int u = 0; u < V; ++u) {
-        const u32 g = base + u * TK_THREADS + tid;
-        mk[u] = g < ng ? (u32)groups[g] : 0u;
-      }
-#pragma unroll 1
-      for (int u = 0; u < V; ++u) {
-        if (mk[u] == 0u) continue;
-        const u32 g = base + u * TK_THREADS + tid;
-        float4 v[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) v[q] = row4[4u * g + q];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float x[4] = {v[q].x, v[q].y, v[q].z, v[q].w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const u32 j = 16u * g + 4u * q + e;
-            const u32 key = rank_key(x[e]);
-            if (j < n && key >= t) {
-              const u32 at = atomicAdd(&sm.misc[4], 1u);
-              if (at < Sm::cap) {
-                sm.ckey[at] = key;
-                sm.cid[at] = id0 + j;
-              }
-            }
-          }
-        }
-      }
-    }
-    return;
-  }
   if (MODE == 0 && src.bitmap == nullptr && (src.lo & 3u) == 0u &&
       t > 0x007FFFFFu) {
     // f32 logits, 16-byte aligned from the row's (or segment's) start, read as float4
@@ -732,7 +667,6 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 #define TK_SAMPLE_SECOND 2
 #define TK_SAMPLE_STOP 3
 #define TK_SAMPLE_HELPER 4
-#define TK_SAMPLE_FUSED 5  // TK_SAMPLE_FIRST, its pass over the marked groups (MARKS)
 //
 // CL > 1 (topk_cluster_f32): every block of the cluster draws the same sample and finds
 // the same t; each then collects the keys >= t of its segment of the row (starts at
@@ -740,14 +674,9 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 // (cluster_gather) and goes on alone. The other blocks return TK_SAMPLE_HELPER once the
 // first has read their memory. Either every block of the cluster takes both cluster
 // barriers or none does: each block's decisions before them depend only on the row.
-//
-// MARKS (CL = 1): the first pass reads the row's marked groups alone when t is at least the
-// marks' threshold (collect_at_least), and a count that fits returns TK_SAMPLE_FUSED.
-template <int MODE, int CL = 1, bool MARKS = false, class Sm>
+template <int MODE, int CL = 1, class Sm>
 __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const u32 K) {
-  static_assert(!MARKS || CL == 1, "marks serve one block per row");
   constexpr u32 CAP = Sm::cap;
-  bool marked = false;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr u32 S = TK_SEL_CAP, CH = S / 32, WARPS = TK_THREADS / 32, PER = CH / WARPS;
   static_assert(CH % WARPS == 0, "sample chunks per warp");
@@ -796,20 +725,12 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
     cluster_gather<CL>(sm);
     cluster_sync();
   } else {
-    if constexpr (MARKS) {
-      marked = tk_marks.thr != 0u && t >= tk_marks.thr;
-      if (marked)
-        collect_at_least<MODE, true>(sm, src, n, t);
-      else
-        collect_at_least<MODE>(sm, src, n, t);
-    } else {
-      collect_at_least<MODE>(sm, src, n, t);
-    }
+    collect_at_least<MODE>(sm, src, n, t);
     __syncthreads();
   }
   if (TK_STOP == 2) return TK_SAMPLE_STOP;
   const u32 c = sm.misc[4];
-  if (c >= K && c <= CAP) return marked ? TK_SAMPLE_FUSED : TK_SAMPLE_FIRST;
+  if (c >= K && c <= CAP) return TK_SAMPLE_FIRST;
   // The second threshold (radix_select starts and ends with barriers: every thread has
   // read c before misc[4] is reset, and ckey before the second pass overwrites it).
   u32 t2;
@@ -843,7 +764,7 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
 #define TK_DONE 1
 #define TK_THRESHOLD 2
 #define TK_HELPER 3  // a cluster's other block: its part is done, nothing written
-template <int MODE, int CL = 1, bool MARKS = false, class Sm>
+template <int MODE, int CL = 1, class Sm>
 __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K,
                              i32 *out_ids, const u32 out_cols, i32 *out_page,
                              const u32 page_cols, const i32 *k_slots, const u32 ks,
@@ -852,14 +773,13 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
   if (K > TK_SEL_CAP) return TK_FALLBACK;
   u32 need;
   const int sampled = sampled_row<MODE>(n, K, Sm::cap)
-                          ? sampled_candidates<MODE, CL, MARKS>(sm, src, n, K)
+                          ? sampled_candidates<MODE, CL>(sm, src, n, K)
                           : TK_SAMPLE_MISS;
   if (sampled == TK_SAMPLE_STOP) return TK_DONE;
   if (CL > 1 && sampled == TK_SAMPLE_HELPER) return TK_HELPER;
   if (sampled != TK_SAMPLE_MISS) {
     need = K;  // every candidate is a key >= the threshold; none selected yet
     *path = sampled == TK_SAMPLE_FIRST ? TK_PATH_SAMPLED : TK_PATH_RESAMPLED;
-    if (MARKS && sampled == TK_SAMPLE_FUSED) *path = TK_PATH_FUSED;
   } else {
   *path = TK_PATH_TWO;
   // Pass 1: histogram of the top 11 bits.
@@ -1042,16 +962,15 @@ __device__ __forceinline__ void buf_load8(u32 (&keys)[TK_ITEMS], const u32 *buf,
 // topk_row's fast paths over shared memory `fast` (skipped when `every`): true when they
 // wrote the outputs (and counted the row's path); otherwise T, take_eq and path for the
 // ordered pass, from the general path when the fast paths fall back. scan: fast's.
-template <int MODE, int CL = 1, bool MARKS = false, class Sm>
+template <int MODE, int CL = 1, class Sm>
 __device__ __forceinline__ bool topk_row_fast_paths(
     Sm &fast, const RowSrc &src, const u32 n, const u32 K, const bool every, i32 *out_ids,
     const u32 out_cols, i32 *out_page, const u32 page_cols, const i32 *k_slots, const u32 ks,
     u32 *paths, u32 &T, u32 &take_eq, int &path, u32 *&scan) {
   scan = fast.scan;
   if (every) return false;
-  const int status = topk_row_fast<MODE, CL, MARKS>(fast, src, n, K, out_ids, out_cols,
-                                                    out_page, page_cols, k_slots, ks, &T,
-                                                    &take_eq, &path);
+  const int status = topk_row_fast<MODE, CL>(fast, src, n, K, out_ids, out_cols, out_page,
+                                             page_cols, k_slots, ks, &T, &take_eq, &path);
   if (CL > 1 && status == TK_HELPER) return true;
   if (status == TK_DONE) {
     if (paths != nullptr && threadIdx.x == 0) atomicAdd(&paths[path], 1u);
@@ -1074,8 +993,8 @@ __device__ __forceinline__ bool topk_row_fast_paths(
 // of TK_WIDE_SMEM bytes (16-byte aligned) for the fast paths' TopkWideSmem. Else buf is
 // null and the fast paths use a static TopkSmem. paths: null, or the launch's path
 // counters (one count per row). CL > 1: a block of topk_cluster_f32's clusters of CL
-// (sampled_candidates), WIDE. MARKS: the block's row has candidate marks (tk_marks).
-template <int MODE, bool SHORT = false, bool WIDE = false, int CL = 1, bool MARKS = false>
+// (sampled_candidates), WIDE.
+template <int MODE, bool SHORT = false, bool WIDE = false, int CL = 1>
 __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_ids,
                          const u32 out_cols, i32 *out_page, const u32 page_cols,
                          const i32 *k_slots, const u32 ks, u32 *buf, u32 *paths) {
@@ -1100,15 +1019,13 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   } else {
     bool done;
     if constexpr (WIDE) {
-      done = topk_row_fast_paths<MODE, CL, MARKS>(*reinterpret_cast<TopkWideSmem *>(buf), src,
-                                                  n, K, every, out_ids, out_cols, out_page,
-                                                  page_cols, k_slots, ks, paths, T, take_eq,
-                                                  path, scan);
+      done = topk_row_fast_paths<MODE, CL>(*reinterpret_cast<TopkWideSmem *>(buf), src, n, K,
+                                           every, out_ids, out_cols, out_page, page_cols,
+                                           k_slots, ks, paths, T, take_eq, path, scan);
     } else {
       __shared__ TopkSmem fast;
-      done = topk_row_fast_paths<MODE, 1, MARKS>(fast, src, n, K, every, out_ids, out_cols,
-                                                 out_page, page_cols, k_slots, ks, paths, T,
-                                                 take_eq, path, scan);
+      done = topk_row_fast_paths<MODE>(fast, src, n, K, every, out_ids, out_cols, out_page,
+                                       page_cols, k_slots, ks, paths, T, take_eq, path, scan);
     }
     if (done) return;
   }
@@ -1226,16 +1143,15 @@ __device__ __forceinline__ void consumer_bitmap(u32 *bitmap, const i32 *cblocks,
 // passes over global memory and more blocks per SM. A block whose row is the other
 // launch's returns at once. Dynamic shared memory: a consumer row's bitmap of kept blocks
 // (bitmap_words u32, when cblocks != null), then, for topk_short_f32, row_cap u32 (a
-// multiple of 8) from the next multiple of 4 words. MARKS: the rows' candidate marks at
-// marks (the tile's, from its first row's offset) with their thresholds thr[row].
-template <bool SHORT, bool WIDE = false, int CL = 1, bool MARKS = false>
+// multiple of 8) from the next multiple of 4 words.
+template <bool SHORT, bool WIDE = false, int CL = 1>
 __device__ __forceinline__ void topk_tile_row(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
     const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
     u32 block_size, u32 bitmap_words, u32 n_min, u32 row_cap, u32 *__restrict__ paths,
-    u32 *smem, const u8 *__restrict__ marks = nullptr, const u32 *__restrict__ thr = nullptr) {
+    u32 *smem) {
   const u32 row = row0 + (CL > 1 ? blockIdx.y : blockIdx.x);
   const u32 n = row_n[row];
   if (TK_STOP == 9 || (SHORT ? n > row_cap : n < n_min)) return;
@@ -1245,12 +1161,9 @@ __device__ __forceinline__ void topk_tile_row(
   const RowSrc src{logits + row_off[row], 0u, cblocks ? smem : nullptr, block_size, ~0u,
                    nullptr};
   u32 *buf = SHORT || WIDE ? smem + ((bitmap_words + 3u) & ~3u) : nullptr;
-  if constexpr (MARKS) {
-    if (threadIdx.x == 0) tk_marks = RowMarks{marks + row_off[row] / 16u, thr[row]};
-  }
-  topk_row<0, SHORT && TK_SHORT, WIDE, CL, MARKS>(src, n, K, raw + (u64)row * K, K,
-                                                  page + (u64)row * page_cols, page_cols,
-                                                  k_slots, row_ks[row], buf, paths);
+  topk_row<0, SHORT && TK_SHORT, WIDE, CL>(src, n, K, raw + (u64)row * K, K,
+                                           page + (u64)row * page_cols, page_cols, k_slots,
+                                           row_ks[row], buf, paths);
 }
 
 // block: row row0 + blockIdx.x if n >= n_min -> raw[row, 0:K], page[row, 0:page_cols]
@@ -1279,96 +1192,6 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_WIDE_MIN_BLOCKS) top
   topk_tile_row<false, true>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols,
                              k_slots, cblocks, num_blocks, block_size, bitmap_words, n_min, 0u,
                              paths, dsmem);
-}
-
-// The fused selection's entries: topk_ragged_f32 and topk_ragged_wide_f32 over rows
-// whose logits launch marked their candidates (marks: the tile's bitmap, thr[row] each
-// row's threshold; "candidate marks" above). Never over a consumer's rows (cblocks null).
-// block: row row0 + blockIdx.x if n >= n_min -> raw[row, 0:K], page[row, 0:page_cols]
-extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_RAGGED_MIN_BLOCKS)
-    topk_ragged_marked_f32(const float *__restrict__ logits, const u64 *__restrict__ row_off,
-                           const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
-                           u32 row0, u32 K, i32 *__restrict__ raw, i32 *__restrict__ page,
-                           u32 page_cols, const i32 *__restrict__ k_slots,
-                           const i32 *__restrict__ cblocks, u32 num_blocks, u32 block_size,
-                           u32 bitmap_words, u32 n_min, u32 *__restrict__ paths,
-                           const u8 *__restrict__ marks, const u32 *__restrict__ thr) {
-  extern __shared__ __align__(16) u32 dsmem[];
-  topk_tile_row<false, false, 1, true>(logits, row_off, row_n, row_ks, row0, K, raw, page,
-                                       page_cols, k_slots, nullptr, num_blocks, block_size,
-                                       0u, n_min, 0u, paths, dsmem, marks, thr);
-}
-// block: row row0 + blockIdx.x if n >= n_min -> raw[row, 0:K], page[row, 0:page_cols]
-extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_WIDE_MIN_BLOCKS)
-    topk_ragged_wide_marked_f32(const float *__restrict__ logits,
-                                const u64 *__restrict__ row_off, const u32 *__restrict__ row_n,
-                                const u32 *__restrict__ row_ks, u32 row0, u32 K,
-                                i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
-                                const i32 *__restrict__ k_slots,
-                                const i32 *__restrict__ cblocks, u32 num_blocks,
-                                u32 block_size, u32 bitmap_words, u32 n_min,
-                                u32 *__restrict__ paths, const u8 *__restrict__ marks,
-                                const u32 *__restrict__ thr) {
-  extern __shared__ __align__(16) u32 dsmem[];
-  topk_tile_row<false, true, 1, true>(logits, row_off, row_n, row_ks, row0, K, raw, page,
-                                      page_cols, k_slots, nullptr, num_blocks, block_size, 0u,
-                                      n_min, 0u, paths, dsmem, marks, thr);
-}
-
-// The fused selection's mark thresholds: row row's logits launch of the sample's key
-// tiles (every `stride`-th tile of 64 keys from tile 0: `ns` = ceil(tiles / stride) of
-// them) has run. Its threshold thr[row] is the rank-r key of the sample's m keys,
-// r = ceil(mark_keys * m / n) (about mark_keys of the row's keys are at least it), and
-// its sample tiles' groups of 16 keys that hold a key at or above it are marked here (the
-// later launch of the other tiles marks theirs). Rows of fewer than n_min keys, which
-// the marked top-k does not take, and rows whose rank-r key ranks -inf (or NaN), get
-// threshold 0 (no marks): a threshold above rank_key(-inf) is what lets the logits kernel
-// compare f32 values. Dynamic shared memory: 64 ns keys (the host sizes it for the tile's
-// longest row).
-// block: row row0 + blockIdx.x -> thr[row], its sample tiles' marks
-extern "C" __global__ void __launch_bounds__(TK_THREADS) fused_threshold_f32(
-    const float *__restrict__ logits, const u64 *__restrict__ row_off,
-    const u32 *__restrict__ row_n, u32 row0, u32 n_min, u32 stride, u32 mark_keys,
-    u32 *__restrict__ thr, u8 *__restrict__ marks) {
-  extern __shared__ __align__(16) u32 dsmem[];
-  __shared__ u32 h256[256];
-  __shared__ u32 misc[8];
-  const u32 row = row0 + blockIdx.x;
-  const u32 n = row_n[row], tid = threadIdx.x;
-  if (n < n_min || n == 0u) {
-    if (tid == 0) thr[row] = 0u;
-    return;
-  }
-  const float *x = logits + row_off[row];
-  const u32 tiles = (n + 63u) / 64u, ns = (tiles + stride - 1u) / stride;
-  for (u32 i = tid; i < 64u * ns; i += TK_THREADS) {
-    const u32 j = (i / 64u) * stride * 64u + (i & 63u);
-    dsmem[i] = j < n ? rank_key(x[j]) : 0u;
-  }
-  __syncthreads();
-  // The sample's keys: whole tiles but the last, which holds min(64, n - 64 c) of them.
-  const u32 last = (ns - 1u) * stride;
-  const u32 m = 64u * (ns - 1u) + min(64u, n - 64u * last);
-  const u32 r = (u32)min((u64)m, max((u64)1, ((u64)mark_keys * m + n - 1u) / n));
-  u32 T, take;
-  radix_select<false>(h256, misc, 64u * ns, r, [&](u32 i) { return dsmem[i]; }, T, take);
-  (void)take;
-  if (T <= 0x007FFFFFu) T = 0u;  // -inf (or NaN) at rank r: no marks
-  if (tid == 0) thr[row] = T;
-  if (T == 0u) return;
-  // The sample tiles' marks: four groups a tile, a thread each (keys past n are 0,
-  // below T). Only the row's own groups, those that start before n: the bytes after them
-  // are the next row's.
-  u8 *mk = marks + row_off[row] / 16u;
-  for (u32 i = tid; i < 4u * ns; i += TK_THREADS) {
-    const u32 g = (i / 4u) * stride * 4u + (i & 3u);
-    if (16u * g >= n) continue;
-    const u32 *kk = dsmem + 16u * i;
-    bool any = false;
-#pragma unroll
-    for (int e = 0; e < 16; ++e) any = any || kk[e] >= T;
-    mk[g] = any ? 1 : 0;
-  }
 }
 
 // topk_ragged_wide_f32 with a cluster of TK_CLUSTER blocks per row, for tiles of at most

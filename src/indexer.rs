@@ -22,30 +22,13 @@ pub struct RowFootprint {
     /// Tiles whose logits the backend keeps at once ([`Footprint::logits_slots`]; 0 is
     /// taken as 1).
     pub logits_slots: usize,
-    /// Whether the backend also keeps a byte per 16 of a row's padded floats (the CUDA
-    /// backend's fused selection: candidate marks, [`Footprint::mark_bytes`], outside the
-    /// logits budget).
-    pub marks: bool,
-}
-
-impl RowFootprint {
-    /// A row's logits in f32: `n` rounded up to a multiple of [`RowFootprint::align`].
-    pub fn row_floats(&self, n: usize) -> usize {
-        n.div_ceil(self.align.max(1))
-            .saturating_mul(self.align.max(1))
-    }
 }
 
 impl Footprint for RowFootprint {
     fn row_bytes(&self, n: usize) -> usize {
-        self.row_floats(n).saturating_mul(4)
-    }
-    fn mark_bytes(&self, n: usize) -> usize {
-        if self.marks {
-            self.row_floats(n).div_ceil(16)
-        } else {
-            0
-        }
+        n.div_ceil(self.align.max(1))
+            .saturating_mul(self.align.max(1))
+            .saturating_mul(4)
     }
     fn workers(&self) -> usize {
         self.workers
@@ -255,7 +238,6 @@ impl Backend for CpuBackend {
             worker_bytes: crate::cpu::Engine::bytes(p.heads, p.dim, p.class())
                 + std::mem::size_of::<Worker>(),
             logits_slots: 1,
-            marks: false,
         }
     }
     fn begin(&mut self, p: &Problem, plan: &Plan) -> Result<()> {

@@ -6,7 +6,6 @@
 //! ```text
 //! peak = logits_tile                      slots * max over tiles of sum_rows footprint(n)   <= budget*
 //!      + block_scores                     max over tiles of sum_publishing_rows ceil(n/B) * 4
-//!      + candidate_marks                  slots * max over tiles of sum_rows marks(n)
 //!      + candidate_ids                    workers * NB * 8        (source layers)
 //!      + topk_scratch                     workers * K * 8
 //!      + index_assembly                   workers * K * 4
@@ -14,11 +13,9 @@
 //! ```
 //!
 //! (*) unless one row alone exceeds the budget; that row is then a tile of its own and
-//! the plan says so. Only the first three terms depend on the context length, and all are
+//! the plan says so. Only the first two terms depend on the context length, and both are
 //! capped by the tile, hence by the budget: block scores are at most `1/B` of the
-//! tile's logits, candidate marks (a backend's, [`Footprint::mark_bytes`]; 0 but for the
-//! CUDA backend's opt-in fused selection) a small fraction of them. The others depend on
-//! `K`, `NB` and the worker count only.
+//! tile's logits. The others depend on `K`, `NB` and the worker count only.
 //!
 //! A backend that keeps two tiles' logits in flight (the CUDA backend selecting one
 //! tile while it computes the next: [`Footprint::logits_slots`]) gets tiles of at most
@@ -47,12 +44,6 @@ pub trait Footprint {
     /// logits are computed while tile `t` is selected from, each tile in its own slot.
     fn logits_slots(&self) -> usize {
         1
-    }
-    /// Bytes the backend keeps beside a row's logits to mark its candidates (the CUDA
-    /// backend's opt-in fused selection), per logits slot. Like block scores they are
-    /// outside the logits budget, a term of their own ([`Peak::candidate_marks`]).
-    fn mark_bytes(&self, _n: usize) -> usize {
-        0
     }
 }
 
@@ -109,8 +100,6 @@ pub struct Tile {
     pub logits_bytes: usize,
     /// Block-score bytes of the tile.
     pub block_score_bytes: usize,
-    /// Candidate-mark bytes of the tile ([`Footprint::mark_bytes`] over its rows).
-    pub mark_bytes: usize,
     /// A single row whose logits alone exceed the budget.
     pub oversized: bool,
 }
@@ -122,9 +111,6 @@ pub struct Peak {
     pub logits_tile: usize,
     /// Block scores of the tile's publishing rows.
     pub block_scores: usize,
-    /// Candidate marks: [`Plan::logits_slots`] slots of the largest tile's
-    /// ([`Footprint::mark_bytes`]; 0 for most backends).
-    pub candidate_marks: usize,
     /// Kept-block selection heaps.
     pub candidate_ids: usize,
     /// Top-k heaps.
@@ -140,7 +126,6 @@ impl Peak {
     pub fn total(&self) -> usize {
         self.logits_tile
             .saturating_add(self.block_scores)
-            .saturating_add(self.candidate_marks)
             .saturating_add(self.candidate_ids)
             .saturating_add(self.topk_scratch)
             .saturating_add(self.index_assembly)
@@ -251,12 +236,6 @@ pub fn plan(batch: &Batch, params: &PlanParams, fp: &dyn Footprint) -> Result<Pl
             .unwrap_or(0)
             .saturating_mul(slots),
         block_scores: tiles.iter().map(|t| t.block_score_bytes).max().unwrap_or(0),
-        candidate_marks: tiles
-            .iter()
-            .map(|t| t.mark_bytes)
-            .max()
-            .unwrap_or(0)
-            .saturating_mul(slots),
         candidate_ids: if source {
             workers.saturating_mul(params.num_blocks).saturating_mul(8)
         } else {
@@ -293,7 +272,6 @@ fn tiles(
         published: 0..0,
         logits_bytes: 0,
         block_score_bytes: 0,
-        mark_bytes: 0,
         oversized: false,
     };
     for (i, row) in batch.rows().iter().enumerate() {
@@ -304,14 +282,12 @@ fn tiles(
                 published: cur.published.end..cur.published.end,
                 logits_bytes: 0,
                 block_score_bytes: 0,
-                mark_bytes: 0,
                 oversized: false,
             };
             tiles.push(std::mem::replace(&mut cur, next));
         }
         cur.rows.end = i + 1;
         cur.logits_bytes = cur.logits_bytes.saturating_add(rb);
-        cur.mark_bytes = cur.mark_bytes.saturating_add(fp.mark_bytes(row.n));
         cur.oversized = cur.logits_bytes > budget;
         if publishes(i) {
             cur.published.end += 1;

@@ -1193,30 +1193,6 @@ fn engine_like_fp4(
     (packed, scale)
 }
 
-/// An exact-class case over `batch` whose queries and keys are [`engine_like_fp4`]
-/// vectors, per-channel spreads `2^u` with `u` uniform in [-2, 2] drawn from `rng`, and
-/// [`Case::random`]'s weights of seed `seed`.
-fn engine_like_case(
-    batch: Batch,
-    h: usize,
-    d: usize,
-    seed: u64,
-    rng: &mut rand_chacha::ChaCha8Rng,
-) -> Case {
-    use rand::Rng;
-    let (t, l, groups) = (batch.num_rows(), batch.num_keys(), d / 32);
-    let mut c = Case::random(batch, h, d, seed);
-    let qch: Vec<f32> = (0..h * d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
-    let kch: Vec<f32> = (0..d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
-    let (qp, qs) = engine_like_fp4(t * h, d, &qch, rng);
-    let (kp, ks) = engine_like_fp4(l, d, &kch, rng);
-    c.q = Array3::from_shape_vec((t, h, d / 2), qp).unwrap();
-    c.qs = Array3::from_shape_vec((t, h, groups), qs).unwrap();
-    c.k = Array2::from_shape_vec((l, d / 2), kp).unwrap();
-    c.ks = Array2::from_shape_vec((l, groups), ks).unwrap();
-    c
-}
-
 /// Which path `mqa_logits_wgi8`'s tiles of an int8 test case take.
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Int8Side {
@@ -1477,7 +1453,16 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
     cases.push(("codes +-6, spans 3".into(), c, Int8Side::Int8));
     // Engine-like activations (normal times 2^u per channel, u in [-2, 2]) through SPEC
     // 2's quantizer: every vector spans at most 3 binades near byte 127.
-    let c = engine_like_case(batch.clone(), h, d, 6, &mut rng);
+    let (t, l) = (batch.num_rows(), batch.num_keys());
+    let mut c = Case::random(batch.clone(), h, d, 6);
+    let qch: Vec<f32> = (0..h * d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
+    let kch: Vec<f32> = (0..d).map(|_| rng.gen_range(-2.0f32..=2.0)).collect();
+    let (qp, qs) = engine_like_fp4(t * h, d, &qch, &mut rng);
+    let (kp, ks) = engine_like_fp4(l, d, &kch, &mut rng);
+    c.q = Array3::from_shape_vec((t, h, d / 2), qp).unwrap();
+    c.qs = Array3::from_shape_vec((t, h, groups), qs).unwrap();
+    c.k = Array2::from_shape_vec((l, d / 2), kp).unwrap();
+    c.ks = Array2::from_shape_vec((l, groups), ks).unwrap();
     cases.push(("engine-like".into(), c, Int8Side::Int8));
     // The head epilogue's guard (docs/numerics.md 6.7) on engine-like scales (bytes near
     // 127, spans of 3): weights whose v = w 2^(eq_min - 129) leave the normal range
@@ -2688,123 +2673,6 @@ fn selection_stream_gives_the_bits_of_one_stream_at_every_budget() {
                 (2..6).contains(&two_slots),
                 "{what}, {priority:?}: {two_slots} of 6 budgets planned two slots"
             );
-        }
-    }
-}
-
-/// The fused selection (`Hooks::fused_selection`, opt-in): each fused tile's logits in
-/// two launches of `mqa_logits_wgi8_r8_fused` (the sample's key tiles, then the others,
-/// which mark each group of 16 keys of a row holding one at or above the threshold
-/// `fused_threshold_f32` took from the sample), and its long rows on the top-k's marked
-/// entries, which collect a sampled row's candidates from the marked groups alone.
-/// Against a run without it: the same bits
-/// (logits, raw, page, published) at every budget, on engine-like fp4 inputs (their tiles
-/// on the int8 path) and on wide-ranged scales (on the fallback tile), K = 512 and 2048,
-/// a plain and a source layer, the long rows on `topk_ragged_wide_f32` and (under
-/// `no_wide_topk`) `topk_ragged_f32`; the fused rows are counted where the hooks let the
-/// tiles fuse, none without it, and the device bytes stay within the plan, which holds
-/// the marks.
-#[test]
-fn fused_selection_gives_the_bits_of_a_run_without_it() {
-    use rand::SeedableRng;
-    // This process's hooks, the fused selection off (it is the side under test).
-    let base = Hooks {
-        fused_selection: false,
-        ..hooks()
-    };
-    let Some(_) = gpu_with(base) else { return };
-    // Tiles fuse over mqa_logits_wgi8_r8's pre-decoded keys, where rows take the sampled
-    // threshold.
-    let engages = !(base.mma_sync_only || base.no_int8_exact || base.no_sampled_threshold);
-    let (h, d) = (32, 128);
-    // Long rows of two requests (the sampled threshold's), and short ones (the
-    // shared-memory row's).
-    let batch = Batch::contiguous(&[40_000, 20_000, 5_000], &[39_900, 19_970, 4_980], 1).unwrap();
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
-    let engine_like = engine_like_case(batch.clone(), h, d, 32, &mut rng);
-    let wide = Case::random(batch.clone(), h, d, 33);
-    let source = Params {
-        topk: 512,
-        page_cols: None,
-        block_size: 8,
-        num_blocks: 64,
-    };
-    let cases = [
-        (
-            "engine-like, K = 512",
-            &engine_like,
-            Params::new(512),
-            false,
-        ),
-        (
-            "engine-like, K = 2048",
-            &engine_like,
-            Params::new(2048),
-            false,
-        ),
-        ("engine-like, source, K = 512", &engine_like, source, true),
-        ("wide scales, K = 512", &wide, Params::new(512), false),
-    ];
-    for no_wide_topk in [false, true] {
-        let plain_hooks = Hooks {
-            no_wide_topk,
-            ..base
-        };
-        let fused_hooks = Hooks {
-            fused_selection: true,
-            ..plain_hooks
-        };
-        let mut plain = gpu_with(plain_hooks).unwrap();
-        let mut fused = gpu_with(fused_hooks).unwrap();
-        for (what, c, params, is_source) in &cases {
-            let role = if *is_source {
-                Role::Source { tail: Some(40) }
-            } else {
-                Role::Plain
-            };
-            let p = c.problem(*params, role);
-            let mut fused_rows = 0;
-            for budget in [1usize << 22, 1 << 24, usize::MAX] {
-                let tag = format!("{what}, no_wide_topk {no_wide_topk}, budget {budget}");
-                let (want, _) = run_backend(&mut plain, &p, budget).unwrap();
-                assert_eq!(
-                    plain.topk_paths().fused,
-                    0,
-                    "{tag}: fused rows without the hook"
-                );
-                let (got, plan) = run_backend(&mut fused, &p, budget).unwrap();
-                check_outputs(&format!("{tag} ({} tiles)", plan.tiles.len()), &got, &want);
-                fused_rows += fused.topk_paths().fused;
-                if what.starts_with("engine-like") && engages {
-                    assert!(
-                        fused.fold_counts().tiles_int8 > 0,
-                        "{tag}: {:?}",
-                        fused.fold_counts()
-                    );
-                }
-                let m = fused.device_peak().unwrap();
-                assert!(
-                    m <= plan.peak.total(),
-                    "{tag}: measured {m} > planned {}",
-                    plan.peak.total()
-                );
-                let want_logits = plain.logits(&p, budget).unwrap();
-                let got_logits = fused.logits(&p, budget).unwrap();
-                check_eq(
-                    &tag,
-                    "logits (bits)",
-                    &bits(&got_logits),
-                    &bits(&want_logits),
-                );
-            }
-            if engages {
-                assert!(
-                    fused_rows > 0,
-                    "{what}, no_wide_topk {no_wide_topk}: no fused row"
-                );
-            } else {
-                assert_eq!(fused_rows, 0, "{what}: fused rows under {base:?}");
-            }
         }
     }
 }

@@ -46,7 +46,7 @@ proptest! {
         let seq: Vec<usize> = reqs.iter().map(|r| r.0).collect();
         let q0: Vec<usize> = reqs.iter().map(|r| r.1).collect();
         let batch = Batch::contiguous(&seq, &q0, ratio).unwrap();
-        let fp = RowFootprint { align, workers, worker_bytes: 1000, logits_slots: 1, marks: false };
+        let fp = RowFootprint { align, workers, worker_bytes: 1000, logits_slots: 1 };
         let pl = plan(&batch, &params(budget, role), &fp).unwrap();
         // Coverage, in order.
         let mut next = 0;
@@ -76,7 +76,7 @@ proptest! {
         // Peak terms.
         let pk = pl.peak;
         prop_assert_eq!(pk.logits_tile, pl.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0));
-        prop_assert_eq!(pk.total(), pk.logits_tile + pk.block_scores + pk.candidate_marks + pk.candidate_ids + pk.topk_scratch + pk.index_assembly + pk.operands);
+        prop_assert_eq!(pk.total(), pk.logits_tile + pk.block_scores + pk.candidate_ids + pk.topk_scratch + pk.index_assembly + pk.operands);
         let source = matches!(role, PlanRole::Source { .. });
         prop_assert_eq!(pk.candidate_ids > 0, source && !pl.tiles.is_empty());
         prop_assert_eq!(pk.block_scores == 0, !source || pl.tiles.iter().all(|t| t.block_score_bytes == 0));
@@ -101,7 +101,7 @@ proptest! {
         let seq: Vec<usize> = reqs.iter().map(|r| r.0).collect();
         let q0: Vec<usize> = reqs.iter().map(|r| r.1).collect();
         let batch = Batch::contiguous(&seq, &q0, ratio).unwrap();
-        let one = RowFootprint { align, workers: 3, worker_bytes: 1000, logits_slots: 1, marks: false };
+        let one = RowFootprint { align, workers: 3, worker_bytes: 1000, logits_slots: 1 };
         let two = RowFootprint { logits_slots: 2, ..one };
         let pl = plan(&batch, &params(budget, role), &two).unwrap();
         let whole = plan(&batch, &params(budget, role), &one).unwrap();
@@ -141,7 +141,6 @@ fn budget_zero_and_bad_parameters_are_errors() {
         workers: 1,
         worker_bytes: 0,
         logits_slots: 1,
-        marks: false,
     };
     let e = plan(&batch, &params(0, PlanRole::Plain), &fp).unwrap_err();
     assert_eq!(e.to_string(), "budget = 0: budget > 0 bytes");
@@ -157,7 +156,6 @@ fn single_rows_over_budget_are_tiles_of_their_own() {
         workers: 2,
         worker_bytes: 0,
         logits_slots: 1,
-        marks: false,
     };
     let pl = plan(&batch, &params(100, PlanRole::Plain), &fp).unwrap();
     assert_eq!(pl.tiles.len(), 10);
@@ -180,7 +178,6 @@ fn seed_engine_figures() {
         workers: 64,
         worker_bytes: 1 << 20,
         logits_slots: 1,
-        marks: false,
     };
     for role in [
         PlanRole::Plain,

@@ -193,7 +193,6 @@ fuzz_target!(|data: &[u8]| {
         workers: 1 + (mode as usize >> 4),
         worker_bytes: 0,
         logits_slots: 1 + (mode as usize >> 6) % 2,
-        marks: mode >> 7 == 1,
     };
     let params = PlanParams {
         heads: 8,
@@ -226,26 +225,6 @@ fuzz_target!(|data: &[u8]| {
         );
     }
     assert_eq!(next, batch.num_rows(), "tiles cover the rows");
-    // Candidate marks (a byte per 16 padded floats of a row, when the footprint keeps
-    // them): each tile's are its rows', outside the logits budget, and the plan holds
-    // the largest tile's in each slot.
-    let mut most_marks = 0usize;
-    for t in &p.tiles {
-        let marks = t.rows.clone().fold(0usize, |a, i| {
-            a.saturating_add(if fp.marks {
-                fp.row_floats(batch.rows()[i].n).div_ceil(16)
-            } else {
-                0
-            })
-        });
-        assert_eq!(t.mark_bytes, marks, "tile marks");
-        most_marks = most_marks.max(marks);
-    }
-    assert_eq!(
-        p.peak.candidate_marks,
-        most_marks.saturating_mul(p.logits_slots),
-        "slots x the largest tile's marks"
-    );
     // Two slots: both in flight within the budget, or one slot as the planner's rule says.
     let max_tile = p.tiles.iter().map(|t| t.logits_bytes).max().unwrap_or(0);
     assert_eq!(

@@ -14,7 +14,7 @@ use super::paths::{FoldCounts, TopkPaths};
 use super::run::{OutPlace, Run, Uploads};
 use crate::error::{Error, Result};
 use crate::indexer::{Backend, RowFootprint};
-use crate::plan::Plan;
+use crate::plan::{Footprint, Plan};
 use crate::problem::{Keys, Problem, Queries, Role};
 use crate::reference::Output;
 
@@ -138,7 +138,7 @@ impl CudaBackend {
             for i in plan.tiles[t].rows.clone() {
                 let n = p.batch.rows()[i].n;
                 out.extend_from_slice(&all[off..off + n]);
-                off += fp.row_floats(n);
+                off += fp.row_bytes(n) / 4;
             }
         }
         self.run = None;
@@ -171,7 +171,7 @@ impl CudaBackend {
                     let n = p.batch.rows()[i].n;
                     host[off..off + n].copy_from_slice(&scores[src..src + n]);
                     src += n;
-                    off += fp.row_floats(n);
+                    off += fp.row_bytes(n) / 4;
                 }
                 self.dev
                     .stream

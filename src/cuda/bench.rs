@@ -361,7 +361,6 @@ impl BenchResult {
                 "all": self.topk_paths.all, "short": self.topk_paths.short,
                 "sampled": self.topk_paths.sampled, "two_pass": self.topk_paths.two_pass,
                 "general": self.topk_paths.general, "resampled": self.topk_paths.resampled,
-                "fused": self.topk_paths.fused,
             },
             "fold_counts": {
                 "query_blocks_folded": self.fold_counts.query_blocks_folded,
@@ -705,7 +704,6 @@ mod tests {
                 two_pass: 48,
                 general: 60,
                 resampled: 72,
-                fused: 84,
             }
             .per_run(runs),
             fold_counts: FoldCounts {
@@ -730,10 +728,9 @@ mod tests {
             "two_pass",
             "general",
             "resampled",
-            "fused",
         ]
         .map(|k| p[k].as_u64());
-        assert_eq!(got, [1, 2, 3, 4, 5, 6, 7].map(Some));
+        assert_eq!(got, [1, 2, 3, 4, 5, 6].map(Some));
         let f = &v["fold_counts"];
         let got = [
             "query_blocks_folded",

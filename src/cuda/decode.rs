@@ -368,7 +368,6 @@ impl Engine {
                 Some(paging),
             )?,
             smem: 0,
-            fuse: None,
         };
         Ok(DecodeStep {
             engine: self.clone(),
@@ -625,7 +624,6 @@ impl DecodeStep<'_> {
                     bitmap_words: 0,
                     row_bound: bound,
                     paths: tk_paths,
-                    marks: None,
                 };
                 launch::topk_rows(s, f, entry, &args, rows, smem)?;
             }

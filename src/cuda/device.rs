@@ -217,7 +217,7 @@ impl Device {
         }
         // Compile outside the lock; a racing thread may compile the same variant. One
         // compile per module text and process: devices whose hooks change no kernel text
-        // (host-side choices such as `no_wide_topk` or `fused_selection`) share the PTX.
+        // (host-side choices such as `no_wide_topk` or `no_cluster_topk`) share the PTX.
         static NVRTC_CACHE: Mutex<Vec<((Variant, String), String)>> = Mutex::new(Vec::new());
         let key = (v, v.source(self.hooks));
         let cached = NVRTC_CACHE

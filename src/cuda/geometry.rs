@@ -9,7 +9,7 @@ use std::ops::Range;
 use crate::batch::{Batch, Request, Row};
 use crate::error::{Error, Result};
 use crate::indexer::RowFootprint;
-use crate::plan::Plan;
+use crate::plan::{Footprint, Plan};
 use crate::problem::Format;
 
 /// Logits row length on the device: `n` rounded up to 16 floats (64-byte rows).
@@ -143,15 +143,6 @@ pub(super) struct TileGeom {
     pub(super) max_n: usize,
     /// The tile's logits entry and threads per block ([`tile_logits_kernel`]).
     pub(super) logits: (LogitsEntry, usize),
-    /// The top-k entry of the tile's long rows and its dynamic shared memory
-    /// ([`long_rows_launch`] for the tile's rows), when they stay whole.
-    pub(super) long_topk: (RowTopk, u32),
-    /// The fused selection's sample stride ([`kernels::fuse_stride`]) when the tile
-    /// fuses, else 0: in a run that keeps marks ([`run_fuses`]), a tile whose logits
-    /// entry reads pre-decoded keys, whose rows stay whole and whose long rows take
-    /// `topk_ragged_f32` or `topk_ragged_wide_f32`, some of them long enough for the
-    /// sampled threshold.
-    pub(super) fuse: u32,
 }
 
 /// Rows x segments of a tile whose top-k is split across blocks on a GPU of `sms` SMs
@@ -192,7 +183,6 @@ pub(super) fn footprint(rows: usize, longest: usize, topk: usize, sms: usize) ->
             .saturating_add(split_scratch_bytes(longest, topk, sms))
             .saturating_add(PATHS_BYTES),
         logits_slots: 1,
-        marks: false,
     }
 }
 
@@ -236,26 +226,9 @@ pub(super) fn predecoded_keys(batch: &Batch, shape: &Shape, hooks: Hooks) -> usi
     }
 }
 
-/// Whether a run of `shape` over `batch` under `hooks` keeps candidate marks for the
-/// fused selection ([`Hooks::fused_selection`]): under the hook, in a run that
-/// pre-decodes its keys (its tiles' logits on `mqa_logits_wgi8_r8`), of one logits slot,
-/// not a consumer layer's (whose rows select within kept blocks), with `K` within the
-/// top-k's fast paths and a row long enough for the sampled threshold. Which of its
-/// tiles fuse is [`TileGeom::fuse`].
-pub(super) fn run_fuses(batch: &Batch, shape: &Shape, hooks: Hooks) -> bool {
-    hooks.fused_selection
-        && shape.select.is_none()
-        && !shape.consumer
-        && shape.topk <= kernels::TOPK_SEL_CAP
-        && batch.longest_row() >= kernels::TOPK_SAMPLE_MIN
-        && predecoded_keys(batch, shape, hooks) > 0
-}
-
 /// The footprint of a run of `shape` over `batch` on a GPU of `sms` SMs under `hooks`:
 /// [`footprint`]'s, its per-run bytes with the pre-decoded keys ([`predecoded_keys`]), and
-/// two logits slots when the selection runs on a stream of its own (`shape.select`). A
-/// run that fuses its selection ([`run_fuses`]) keeps a byte per 16 logits (the candidate
-/// marks, in its rows' bytes) and a mark threshold per row.
+/// two logits slots when the selection runs on a stream of its own (`shape.select`).
 pub(super) fn run_footprint(
     batch: &Batch,
     shape: &Shape,
@@ -269,12 +242,6 @@ pub(super) fn run_footprint(
     );
     if shape.select.is_some() {
         fp.logits_slots = 2;
-    }
-    if run_fuses(batch, shape, hooks) {
-        fp.marks = true;
-        fp.worker_bytes = fp
-            .worker_bytes
-            .saturating_add(batch.num_rows().saturating_mul(4));
     }
     fp
 }
@@ -350,17 +317,6 @@ impl RowTopk {
             RowTopk::Ragged => "topk_ragged_f32",
             RowTopk::Wide => "topk_ragged_wide_f32",
             RowTopk::Cluster => "topk_cluster_f32",
-        }
-    }
-
-    /// The entry of the fused selection that takes this entry's rows with their
-    /// candidate marks ([`kernels::Hooks::fused_selection`]): `topk_ragged_marked_f32`,
-    /// `topk_ragged_wide_marked_f32`; none for the others.
-    pub(super) fn marked_name(self) -> Option<&'static str> {
-        match self {
-            RowTopk::Ragged => Some("topk_ragged_marked_f32"),
-            RowTopk::Wide => Some("topk_ragged_wide_marked_f32"),
-            _ => None,
         }
     }
 
@@ -477,9 +433,6 @@ pub(super) struct RowMeta {
     pub(super) bitmap_words: u32,
     /// Flat keys the run pre-decodes for its logits ([`predecoded_keys`]; 0: none).
     pub(super) predecoded_keys: usize,
-    /// The most floats of logits any tile takes (in a run with candidate marks,
-    /// [`RowFootprint::marks`], they cover a byte per 16 of them).
-    pub(super) logits_floats: u64,
 }
 
 /// What every tile's geometry is computed from.
@@ -498,14 +451,12 @@ struct Layout<'a> {
     short_cap: usize,
     /// Whether the run pre-decodes its keys ([`predecoded_keys`]).
     predecoded: bool,
-    /// Whether the run keeps candidate marks ([`run_fuses`]).
-    marks: bool,
 }
 
 impl RowMeta {
     /// The metadata of `batch`'s rows for a layer of shape `shape` run in `plan`'s
     /// tiles on a GPU of `sms` SMs whose kernels run under `hooks`, each row taking
-    /// `fp.row_floats(n)` floats of its tile's logits buffer; the rows [`Shape::publishes`]
+    /// `fp.row_bytes(n)` of its tile's logits buffer; the rows [`Shape::publishes`]
     /// names publish their kept blocks.
     pub(super) fn new(
         batch: &Batch,
@@ -528,7 +479,6 @@ impl RowMeta {
             npub: 0,
             bitmap_words: 0,
             predecoded_keys: predecoded_keys(batch, shape, hooks),
-            logits_floats: 0,
         };
         for r in rows {
             m.row_n.push(r.n as u32);
@@ -554,7 +504,6 @@ impl RowMeta {
             sms,
             short_cap: kernels::topk_short_cap(hooks),
             predecoded: m.predecoded_keys > 0,
-            marks: fp.marks,
         };
         for tile in &plan.tiles {
             m.push_tile(&layout, tile.rows.clone());
@@ -580,7 +529,7 @@ impl RowMeta {
         );
         for i in tile.clone() {
             self.row_off[i] = off;
-            off += l.fp.row_floats(rows[i].n) as u64;
+            off += (l.fp.row_bytes(rows[i].n) / 4) as u64;
             if shape.publishes(&rows[i], l.requests) {
                 self.row_pub[i] = self.npub;
                 self.npub += 1;
@@ -590,30 +539,15 @@ impl RowMeta {
                 max_blocks = max_blocks.max(nb);
             }
         }
-        self.logits_floats = self.logits_floats.max(off);
-        let segments = split_segments(tile.len(), max_n, shape.topk, l.sms);
-        let long_topk = long_rows_launch(tile.len(), self.bitmap_words, l.sms, l.hooks);
-        let fuse = l.marks
-            && kernels::logits_predecodes(l.variant, lg_entry)
-            && segments == 1
-            && long_topk.0.marked_name().is_some()
-            && max_n >= kernels::TOPK_SAMPLE_MIN
-            && max_n > short_cap as usize;
         self.geom.push(TileGeom {
             groups: g0..self.groups.len() / 4,
             chunks: max_n.div_ceil(kernels::LOGITS_KEYS) as u32,
             max_blocks,
             rows: tile.clone(),
-            segments,
+            segments: split_segments(tile.len(), max_n, shape.topk, l.sms),
             short_cap,
             max_n,
             logits: (lg_entry, lg_threads),
-            long_topk,
-            fuse: if fuse {
-                kernels::fuse_stride(max_n) as u32
-            } else {
-                0
-            },
         });
     }
 }
@@ -692,7 +626,6 @@ fn push_row_groups(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::Footprint;
 
     /// SMs of an H200 (and an H100 SXM).
     const H200_SMS: usize = 132;
@@ -729,189 +662,6 @@ mod tests {
             precision: Precision::Full,
             select: None,
         }
-    }
-
-    /// The fused selection's footprint and tiles ([`Hooks::fused_selection`]): a run that
-    /// fuses keeps a byte per 16 padded floats of each row (outside the logits budget) and
-    /// a threshold per row, its marks cover the largest tile's logits, and its tiles of
-    /// long rows whose top-k takes `topk_ragged_f32` (many rows) or
-    /// `topk_ragged_wide_f32` (at most three per SM) fuse at the sample's stride; tiles
-    /// whose rows split into segments do not, nor does any tile of a run without the hook,
-    /// over paged keys, of a consumer layer, with two logits slots, or of short rows only.
-    #[test]
-    fn fused_selection_plans_its_marks_and_fuses_the_tiles_it_serves() {
-        #[cfg(feature = "tuning")]
-        if std::env::var("DSA_CUDA_DEFINES").is_ok() {
-            return; // WGI8_PREDECODE and TK_SPLIT_ROWS change the choices on purpose
-        }
-        let h = Hooks {
-            fused_selection: true,
-            ..Hooks::default()
-        };
-        let flat = exact_shape(None);
-        let marks = RowFootprint {
-            marks: true,
-            ..footprint(1, 1, 512, H200_SMS)
-        };
-        assert_eq!((marks.row_bytes(17), marks.mark_bytes(17)), (32 * 4, 2));
-        assert_eq!(
-            (marks.row_bytes(100_000), marks.mark_bytes(100_000)),
-            (100_000 * 4, 6_250)
-        );
-        assert_eq!(footprint(1, 1, 512, H200_SMS).mark_bytes(100_000), 0);
-        // 600 rows of about 100,000 keys (K = 512: rows past 32,768 keys split in small
-        // tiles).
-        let batch = Batch::contiguous(&[100_000], &[99_400], 1).unwrap();
-        let fp = run_footprint(&batch, &flat, H200_SMS, h);
-        let base = run_footprint(&batch, &flat, H200_SMS, Hooks::default());
-        assert!(fp.marks && !base.marks);
-        assert_eq!(fp.worker_bytes, base.worker_bytes + 600 * 4);
-        let geom = |budget: usize| {
-            let plan = crate::plan::plan(&batch, &exact_plan_params(budget), &fp).unwrap();
-            let m = RowMeta::new(&batch, &flat, &plan, &fp, H200_SMS, h);
-            let floats = m.logits_floats as usize;
-            assert!(
-                4 * floats <= plan.peak.logits_tile && floats / 16 == plan.peak.candidate_marks,
-                "budget {budget}: {floats} floats, {:?}",
-                plan.peak
-            );
-            m.geom
-                .iter()
-                .map(|g| {
-                    assert_eq!(g.long_topk, long_rows_launch(g.rows.len(), 0, H200_SMS, h));
-                    (g.rows.len(), g.segments, g.long_topk.0, g.fuse)
-                })
-                .collect::<Vec<_>>()
-        };
-        // One tile of 600 rows: topk_ragged_f32, the stride 16 (1,563 key tiles).
-        assert_eq!(geom(1 << 30), vec![(600, 1, RowTopk::Ragged, 16)]);
-        // Tiles of 132 to 396 rows: topk_ragged_wide_f32.
-        let wide = geom(90 << 20);
-        assert!(wide.len() > 1, "{wide:?}");
-        for &(rows, segments, long, fuse) in &wide {
-            if rows >= split_rows(H200_SMS) {
-                assert_eq!((segments, long, fuse), (1, RowTopk::Wide, 16), "{wide:?}");
-            } else {
-                assert_eq!(fuse, 0, "{wide:?}");
-            }
-        }
-        // Tiles of fewer rows than SMs split their rows: none fuses.
-        let small = geom(20 << 20);
-        assert!(
-            small.iter().all(|&(_, s, _, f)| s > 1 && f == 0),
-            "{small:?}"
-        );
-        // The sample's stride keeps it within 256 key tiles.
-        assert_eq!(kernels::fuse_stride(1 << 20), 64);
-        assert_eq!(kernels::fuse_stride(16_384), 16);
-        // No marks: paged keys, a consumer, two slots, short rows only, no pre-decoded keys.
-        let paged = exact_shape(Some(Paging::new(Format::E2m1, 128, 64, 8).unwrap()));
-        let consumer = Shape {
-            consumer: true,
-            ..flat
-        };
-        let two_slots = Shape {
-            select: Some(kernels::SelectStream::Default),
-            ..flat
-        };
-        for (what, b, shape, hooks) in [
-            ("paged", &batch, &paged, h),
-            ("consumer", &batch, &consumer, h),
-            ("two slots", &batch, &two_slots, h),
-            (
-                "short rows",
-                &Batch::contiguous(&[16_000], &[15_000], 1).unwrap(),
-                &flat,
-                h,
-            ),
-            (
-                "no int8",
-                &batch,
-                &flat,
-                Hooks {
-                    no_int8_exact: true,
-                    ..h
-                },
-            ),
-        ] {
-            assert!(!run_fuses(b, shape, hooks), "{what}");
-            assert!(!run_footprint(b, shape, H200_SMS, hooks).marks, "{what}");
-        }
-        assert!(run_fuses(&batch, &flat, h));
-    }
-
-    /// Under the fused selection's footprint, every plan's candidate marks cover its
-    /// largest tile's logits, a byte per 16 floats, in one logits slot (what `Run::begin`
-    /// checks before a fused run), and stay out of the logits budget: random batches of
-    /// several requests (ragged rows, some past the sampled threshold's 16,384 keys) at
-    /// budgets from one longest row to the whole batch, with every tile's rows inside the
-    /// floats counted.
-    #[test]
-    fn fused_marks_fit_after_the_largest_tiles_logits() {
-        use rand::{Rng, SeedableRng};
-        let h = Hooks {
-            fused_selection: true,
-            ..Hooks::default()
-        };
-        let flat = exact_shape(None);
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(41);
-        let mut checked = 0;
-        for _ in 0..60 {
-            let requests = rng.gen_range(1..5);
-            let seq: Vec<usize> = (0..requests).map(|_| rng.gen_range(1..70_000)).collect();
-            let q0: Vec<usize> = seq
-                .iter()
-                .map(|&s| s - rng.gen_range(1..=s.min(300)))
-                .collect();
-            let batch = Batch::contiguous(&seq, &q0, 1).unwrap();
-            let fp = run_footprint(&batch, &flat, H200_SMS, h);
-            assert_eq!(fp.marks, run_fuses(&batch, &flat, h));
-            if !fp.marks {
-                continue;
-            }
-            let widest = fp.row_bytes(batch.longest_row()) + fp.worker_bytes;
-            let all: usize = batch.rows().iter().map(|r| fp.row_bytes(r.n)).sum();
-            for budget in [
-                widest,
-                2 * widest + 7,
-                all / 3 + widest,
-                all + fp.worker_bytes,
-            ] {
-                let Ok(plan) = crate::plan::plan(&batch, &exact_plan_params(budget), &fp) else {
-                    continue;
-                };
-                let m = RowMeta::new(&batch, &flat, &plan, &fp, H200_SMS, h);
-                let floats = m.logits_floats as usize;
-                assert_eq!(plan.logits_slots, 1);
-                assert!(
-                    floats.div_ceil(16) <= plan.peak.candidate_marks
-                        && 4 * floats == plan.peak.logits_tile,
-                    "seq {seq:?}, q0 {q0:?}, budget {budget}: {floats} floats, {:?}",
-                    plan.peak
-                );
-                let plain = crate::plan::plan(
-                    &batch,
-                    &exact_plan_params(budget),
-                    &RowFootprint { marks: false, ..fp },
-                )
-                .unwrap();
-                assert_eq!(
-                    plain.tiles.len(),
-                    plan.tiles.len(),
-                    "the marks move no tile"
-                );
-                for t in &plan.tiles {
-                    let end = t
-                        .rows
-                        .clone()
-                        .map(|i| fp.row_floats(batch.rows()[i].n))
-                        .sum::<usize>();
-                    assert!(end <= floats, "a tile past the counted floats");
-                }
-                checked += 1;
-            }
-        }
-        assert!(checked > 20, "{checked} plans checked");
     }
 
     /// A prefill run of the exact class over flat keys pre-decodes every key of the batch
@@ -985,7 +735,6 @@ mod tests {
             sms: H200_SMS,
             short_cap: kernels::topk_short_cap(h),
             predecoded: false,
-            marks: false,
         };
         assert_eq!(
             tile_logits_kernel(mixed.rows(), 0..9, l.variant, h, true).0,
@@ -1006,7 +755,6 @@ mod tests {
             npub: 0,
             bitmap_words: 0,
             predecoded_keys: 0,
-            logits_floats: 0,
         };
         m.push_tile(&l, 0..9);
         assert_eq!(m.geom[0].logits.0, LogitsEntry::Wgi8);

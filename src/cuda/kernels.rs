@@ -202,50 +202,7 @@ const WGI8_MODULE_ENTRIES: &[&str] = &[
     LogitsEntry::Wgi8.name(),
     LogitsEntry::Wgi8Wide.name(),
     WGI8_DECODE_KEYS,
-    WGI8_R8_FUSED,
 ];
-
-/// The eight-row entry's launches of the fused selection ([`Hooks::fused_selection`]):
-/// `mqa_logits_wgi8_r8` with four more parameters (the launch's key tiles: the sample's
-/// or the others; the sample's stride; the rows' mark thresholds; the candidate marks),
-/// in `mqa_logits_wgi8`'s module. The default entries' code does not change with it.
-pub const WGI8_R8_FUSED: &str = "mqa_logits_wgi8_r8_fused";
-/// `fused_threshold_f32` (the top-k module): each row's mark threshold from the logits
-/// of its sample's key tiles, and the marks of those keys.
-pub const FUSED_THRESHOLD: &str = "fused_threshold_f32";
-/// The fused launch that computes the sample's key tiles (`FUSE_SAMPLE`).
-pub const FUSE_SAMPLE: u32 = 1;
-/// The fused launch that computes the other key tiles and marks them (`FUSE_REST`).
-pub const FUSE_REST: u32 = 2;
-/// The sample of the fused selection: every `stride`-th key tile of a row from the
-/// first, at least [`FUSE_MIN_STRIDE`], and at most [`FUSE_SAMPLE_TILES`] tiles of
-/// the tile's longest row (`fused_threshold_f32` holds them in shared memory).
-pub const FUSE_MIN_STRIDE: usize = 16;
-/// Most sample tiles of a row ([`FUSE_MIN_STRIDE`]): 64 KiB of keys.
-pub const FUSE_SAMPLE_TILES: usize = 256;
-
-/// The sample stride of a fused tile whose longest row has `max_n` keys
-/// ([`FUSE_MIN_STRIDE`], or a `FUSE_MIN_STRIDE=` define from 2 to 1024 in
-/// `$DSA_CUDA_DEFINES` under `tuning`: a host-side number).
-pub fn fuse_stride(max_n: usize) -> usize {
-    max_n
-        .div_ceil(LOGITS_KEYS)
-        .div_ceil(FUSE_SAMPLE_TILES)
-        .max(define_in("FUSE_MIN_STRIDE", 2..=1024).unwrap_or(FUSE_MIN_STRIDE))
-}
-
-/// How many of a row's keys the fused selection marks, about: twice (or a `FUSE_MARK_X=`
-/// define's 1 to 16 times, under `tuning`) the candidates the top-k's sampled threshold
-/// aims at for `K = topk` among `cap` slots (`sampled_candidates`' `target`), so that the
-/// sample's threshold is at least the marks' on almost every row.
-pub fn fuse_mark_keys(topk: usize, cap: usize) -> usize {
-    let target = if 3 * topk <= cap {
-        cap / 2
-    } else {
-        (topk + cap) / 2
-    };
-    define_in("FUSE_MARK_X", 1..=16).unwrap_or(2) * target
-}
 
 /// The entries of the module that holds logits kernel `kernel` and that the host
 /// launches by name: `mqa_logits_wgi8`'s module holds its eight-row form and that form's
@@ -267,8 +224,7 @@ pub const LOGITS_WG_THREADS: usize = 128;
 
 /// Test hooks: each forces one fallback path, everywhere, that production takes only
 /// on some inputs or shapes, so that the tests can hold that path to the reference on
-/// every input; and [`Hooks::fused_selection`], an opt-in form that production does not
-/// take until it measures faster. [`Hooks::default()`] is production: no hook set. A
+/// every input. [`Hooks::default()`] is production: no hook set. A
 /// [`crate::cuda::Device`] carries its hooks ([`crate::cuda::Device::with_hooks`]); its
 /// modules are compiled under them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -304,15 +260,6 @@ pub struct Hooks {
     /// pair of rows ([`crate::cuda::FoldCounts`] counts the tiles on each path). Under
     /// this hook every tile runs `mqa_logits_wgr`, as on inputs the guard rejects.
     pub no_int8_exact: bool,
-    /// The fused selection, an opt-in form not yet measured to win (not a fallback): a
-    /// tile whose logits run `mqa_logits_wgi8_r8` over pre-decoded keys and whose long
-    /// rows take `topk_ragged_f32` or `topk_ragged_wide_f32` runs its logits in two
-    /// launches of [`WGI8_R8_FUSED`] (the sample's key tiles, then the others), between
-    /// them [`FUSED_THRESHOLD`]; the second launch marks each group of 16 keys of a row
-    /// that holds a key at or above its threshold (a byte per group, in the plan), and the
-    /// top-k's marked entries collect a sampled row's candidates from the marked groups
-    /// alone. The same outputs, bit for bit.
-    pub fused_selection: bool,
     /// `topk_ragged_f32` for every tile's long rows: no tile takes
     /// `topk_ragged_wide_f32`, which production launches for tiles of at most
     /// [`TOPK_WIDE_BLOCKS_PER_SM`] rows per SM ([`topk_wide`]).
@@ -325,7 +272,7 @@ pub struct Hooks {
 
 impl Hooks {
     /// The hooks' names, as [`Hooks::parse`] takes them (the field names).
-    pub const NAMES: [&'static str; 8] = [
+    pub const NAMES: [&'static str; 7] = [
         "mma_sync_only",
         "no_scale_fold",
         "no_short_rows",
@@ -333,7 +280,6 @@ impl Hooks {
         "no_int8_exact",
         "no_wide_topk",
         "no_cluster_topk",
-        "fused_selection",
     ];
 
     /// The hooks named in `list` (comma-separated field names, spaces allowed; empty:
@@ -346,7 +292,7 @@ impl Hooks {
                     "hooks",
                     name,
                     "mma_sync_only, no_scale_fold, no_short_rows, no_sampled_threshold, \
-                     no_int8_exact, no_wide_topk, no_cluster_topk or fused_selection",
+                     no_int8_exact, no_wide_topk or no_cluster_topk",
                 )
             })? = true;
         }
@@ -375,7 +321,6 @@ impl Hooks {
             "no_int8_exact" => Some(&mut self.no_int8_exact),
             "no_wide_topk" => Some(&mut self.no_wide_topk),
             "no_cluster_topk" => Some(&mut self.no_cluster_topk),
-            "fused_selection" => Some(&mut self.fused_selection),
             _ => None,
         }
     }
@@ -590,8 +535,6 @@ pub const TOPK_THREADS: usize = 512;
 pub const TOPK_CHUNK: usize = 512 * 8;
 /// Largest `K` of the top-k fast path (`TK_SEL_CAP`); above it, the general path.
 pub const TOPK_SEL_CAP: usize = 4096;
-/// Shortest row of the top-k's sampled threshold (`TK_SAMPLE_MIN`).
-pub const TOPK_SAMPLE_MIN: usize = 16384;
 /// Keys of the threshold bin the fast path resolves in shared memory (`TK_CAND_CAP`).
 pub const TOPK_CAND_CAP: usize = 3072;
 /// Candidate keys of `topk_ragged_wide_f32` (`TK_WIDE_CAP`).
@@ -740,15 +683,7 @@ pub fn topk_short_cap(hooks: Hooks) -> usize {
     }
 }
 /// Path counters of the top-k kernels, in `topk.cu`'s `TK_PATH_*` order.
-pub const TOPK_PATHS: [&str; 7] = [
-    "ALL",
-    "SHORT",
-    "SAMPLED",
-    "TWO",
-    "GENERAL",
-    "RESAMPLED",
-    "FUSED",
-];
+pub const TOPK_PATHS: [&str; 6] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL", "RESAMPLED"];
 /// Exact-class path counters of the logits kernels (scale folding, and
 /// `mqa_logits_wgi8`'s tiles), in `logits_common.cuh`'s `LG_PATH_*` order.
 pub const LOGITS_PATHS: [&str; 6] = ["QFOLD", "QPLAIN", "ONE", "TWO", "I8", "I8_FALLBACK"];
@@ -1161,23 +1096,10 @@ mod tests {
             ("TK_CLUSTER", TOPK_CLUSTER),
             ("TK_PATHS", TOPK_PATHS.len()),
             ("TK_SHORT_CAP", TOPK_SHORT_CAP),
-            ("TK_SAMPLE_MIN", TOPK_SAMPLE_MIN),
             ("BK_THREADS", BLOCK_KEYS_THREADS),
         ] {
             pinned(TOPK, "topk.cu", name, v);
         }
-        pinned(
-            LOGITS_WGI8,
-            "mqa_logits_wgi8.cu",
-            "FUSE_SAMPLE",
-            format!("{FUSE_SAMPLE}u"),
-        );
-        pinned(
-            LOGITS_WGI8,
-            "mqa_logits_wgi8.cu",
-            "FUSE_REST",
-            format!("{FUSE_REST}u"),
-        );
         assert_eq!(TOPK_CHUNK, TOPK_THREADS * 8);
         for (i, name) in TOPK_PATHS.iter().enumerate() {
             pinned(TOPK, "topk.cu", &format!("TK_PATH_{name}"), i);

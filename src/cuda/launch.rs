@@ -74,22 +74,6 @@ pub(super) struct LogitsArgs {
     pub kmap: Option<TensorMap>,
     /// Dynamic shared memory per block (pre-decoded keys: [`kernels::wgi8_ring_bytes`]).
     pub smem: u32,
-    /// A launch of the fused selection ([`kernels::WGI8_R8_FUSED`]): its four last
-    /// parameters.
-    pub fuse: Option<FuseLaunch>,
-}
-
-/// The fused selection's parameters of a [`kernels::WGI8_R8_FUSED`] launch.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct FuseLaunch {
-    /// [`kernels::FUSE_SAMPLE`] or [`kernels::FUSE_REST`].
-    pub mode: u32,
-    /// The sample's stride in key tiles ([`kernels::fuse_stride`]).
-    pub stride: u32,
-    /// The rows' mark thresholds (`u32 [T]`, the run's rows).
-    pub thr: u64,
-    /// The tile's candidate marks (a byte per 16 logits, from each row's offset / 16).
-    pub marks: u64,
 }
 
 /// A TMA tensor map (a `CUtensorMap`: 128 opaque bytes), passed to a kernel by value as
@@ -324,13 +308,9 @@ pub(super) fn logits(
         if let Some(m) = &a.kmap {
             l.arg(m);
         }
-        if let Some(fz) = &a.fuse {
-            l.arg(&fz.mode).arg(&fz.stride).arg(&fz.thr).arg(&fz.marks);
-        }
         // SAFETY: every pointer addresses a live device buffer of the shape the
         // kernel reads (validated problem); writes stay inside each row's
-        // footprint in the logits tile, which the plan sized (a fused launch's marks
-        // inside the candidate marks, which it sized too: `Footprint::mark_bytes`).
+        // footprint in the logits tile, which the plan sized.
         unsafe {
             l.launch(LaunchConfig {
                 grid_dim: (gx, count as u32, 1),
@@ -629,65 +609,6 @@ pub(super) fn topk_merge(
     Ok(())
 }
 
-/// The parameters of [`kernels::FUSED_THRESHOLD`]: the fused selection's mark thresholds
-/// of a tile's rows, from the logits of their sample's key tiles.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct FusedThresholdArgs {
-    /// The logits tile.
-    pub logits: u64,
-    /// Each row's offset (floats) in the logits tile.
-    pub row_off: u64,
-    /// Visible keys per row.
-    pub row_n: u64,
-    /// The tile's first row.
-    pub row0: u32,
-    /// Rows shorter than this get no marks (threshold 0): the marked top-k's `n_min`.
-    pub n_min: u32,
-    /// The sample's stride in key tiles.
-    pub stride: u32,
-    /// About how many keys of a row to mark ([`kernels::fuse_mark_keys`]).
-    pub mark_keys: u32,
-    /// The rows' thresholds (`u32 [T]`, written).
-    pub thr: u64,
-    /// The tile's candidate marks (the sample's written).
-    pub marks: u64,
-}
-
-/// Launch `fused_threshold_f32` (`f`) over a tile's `rows` rows, `smem` bytes of dynamic
-/// shared memory (the longest row's sample keys).
-pub(super) fn fused_threshold(
-    s: &CudaStream,
-    f: &CudaFunction,
-    a: &FusedThresholdArgs,
-    rows: u32,
-    smem: u32,
-) -> Result<()> {
-    allow_dynamic_smem(f, smem)?;
-    let mut l = s.launch_builder(f);
-    l.arg(&a.logits)
-        .arg(&a.row_off)
-        .arg(&a.row_n)
-        .arg(&a.row0)
-        .arg(&a.n_min)
-        .arg(&a.stride)
-        .arg(&a.mark_keys)
-        .arg(&a.thr)
-        .arg(&a.marks);
-    // SAFETY: each block reads its row's sample logits (written by the fused sample
-    // launch, same stream) and writes its row's threshold and its sample tiles' marks,
-    // inside the row's marks; its keys fit the `smem` bytes the host sized for the
-    // tile's longest row.
-    unsafe {
-        l.launch(LaunchConfig {
-            grid_dim: (rows, 1, 1),
-            block_dim: (kernels::TOPK_THREADS as u32, 1, 1),
-            shared_mem_bytes: smem,
-        })
-    }
-    .map_err(drv(kernels::FUSED_THRESHOLD))?;
-    Ok(())
-}
-
 /// The parameters of the one-block-per-row top-k kernels `topk_short_f32` and
 /// `topk_ragged_f32` (one signature): selection and index assembly.
 #[derive(Debug, Clone, Copy)]
@@ -726,14 +647,10 @@ pub(super) struct TopkRowsArgs {
     pub row_bound: u32,
     /// The top-k path counters (`TK_PATH_*`).
     pub paths: u64,
-    /// The marked entries ([`RowTopk::marked_name`]): the tile's candidate marks and the
-    /// rows' mark thresholds, their two last parameters.
-    pub marks: Option<(u64, u64)>,
 }
 
-/// Launch top-k entry `entry` (its function `f`, or its marked form's when `a.marks`):
-/// the entry's blocks for each row of the tile's `rows`, `dyn_smem` bytes of dynamic
-/// shared memory.
+/// Launch top-k entry `entry` (its function `f`): the entry's blocks for each row of the
+/// tile's `rows`, `dyn_smem` bytes of dynamic shared memory.
 pub(super) fn topk_rows(
     s: &CudaStream,
     f: &CudaFunction,
@@ -759,9 +676,6 @@ pub(super) fn topk_rows(
         .arg(&a.bitmap_words)
         .arg(&a.row_bound)
         .arg(&a.paths);
-    if let Some((marks, thr)) = &a.marks {
-        l.arg(marks).arg(thr);
-    }
     // SAFETY: each block reads its row's n logits (written by step 1, same
     // stream) and writes its row of raw [T, K] and page [T, page_cols];
     // topk_short_f32 takes only rows of n <= row_cap, whose keys fit the
@@ -924,12 +838,7 @@ mod tests {
                 );
                 assert_eq!(
                     kernels::module_entries(name),
-                    [
-                        "mqa_logits_wgi8",
-                        "mqa_logits_wgi8_r8",
-                        "wgi8_decode_keys",
-                        "mqa_logits_wgi8_r8_fused"
-                    ],
+                    ["mqa_logits_wgi8", "mqa_logits_wgi8_r8", "wgi8_decode_keys"],
                     "{}",
                     v.name()
                 );

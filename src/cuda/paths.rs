@@ -62,9 +62,6 @@ path_counters! {
         /// Sampled threshold whose first pass missed: a second pass at a rank corrected
         /// by the first pass's count.
         pub resampled: u64,
-        /// Sampled threshold whose one pass read the row's candidate marks alone (the
-        /// fused selection, [`super::kernels::Hooks::fused_selection`]).
-        pub fused: u64,
     }
 }
 
@@ -102,7 +99,7 @@ mod tests {
     fn one_field_per_kernel_counter() {
         assert_eq!(TopkPaths::LEN, kernels::TOPK_PATHS.len());
         assert_eq!(FoldCounts::LEN, kernels::LOGITS_PATHS.len());
-        let c = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13];
+        let c = [1u32, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12];
         assert_eq!(
             TopkPaths::from_device(&c),
             TopkPaths {
@@ -112,18 +109,17 @@ mod tests {
                 two_pass: 4,
                 general: 5,
                 resampled: 6,
-                fused: 7,
             }
         );
         assert_eq!(
             FoldCounts::from_device(&c[kernels::TOPK_PATHS.len()..]),
             FoldCounts {
-                query_blocks_folded: 8,
-                query_blocks_plain: 9,
-                threads_one_multiply: 10,
-                threads_two_multiplies: 11,
-                tiles_int8: 12,
-                tiles_int8_fallback: 13,
+                query_blocks_folded: 7,
+                query_blocks_plain: 8,
+                threads_one_multiply: 9,
+                threads_two_multiplies: 10,
+                tiles_int8: 11,
+                tiles_int8_fallback: 12,
             }
         );
     }
@@ -137,7 +133,6 @@ mod tests {
             two_pass: 48,
             general: 60,
             resampled: 72,
-            fused: 84,
         };
         assert_eq!(
             p.per_run(12),
@@ -148,7 +143,6 @@ mod tests {
                 two_pass: 4,
                 general: 5,
                 resampled: 6,
-                fused: 7,
             }
         );
         assert_eq!(p.per_run(0), p);

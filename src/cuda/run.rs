@@ -10,13 +10,13 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBi
 use super::alloc::{allocated_on_this_thread, Buf, Fill, Space};
 use super::device::{drv, ptr, Device};
 use super::geometry::{
-    run_footprint, short_launch_smem, RowMeta, RowTopk, Shape, TileGeom, PATHS_BYTES,
-    SPLIT_BYTES_PER_ID,
+    batch_footprint, long_rows_launch, short_launch_smem, RowMeta, RowTopk, Shape, TileGeom,
+    PATHS_BYTES, SPLIT_BYTES_PER_ID,
 };
 use super::kernels::{self, Variant};
 use super::launch::{
-    self, allow_dynamic_smem, BlockKeysArgs, FuseLaunch, FusedThresholdArgs, KeptBlocksArgs,
-    LogitsArgs, PagedSlotsArgs, TopkMergeArgs, TopkRowsArgs, TopkSegmentsArgs,
+    self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, PagedSlotsArgs,
+    TopkMergeArgs, TopkRowsArgs, TopkSegmentsArgs,
 };
 use crate::batch::Batch;
 use crate::error::Result;
@@ -137,12 +137,6 @@ pub(super) struct Run {
     /// as the caller's workspace holds them).
     pub(super) transient: usize,
     bitmap_words: u32,
-    /// The fused selection ([`kernels::Hooks::fused_selection`]): the candidate marks (a
-    /// byte per 16 floats of a tile's logits), the rows' mark thresholds, and the tile
-    /// whose logits launches last marked them.
-    marks: Option<Buf<u8>>,
-    thr: Option<Buf<u32>>,
-    marked: Option<usize>,
 }
 
 /// The device addresses of a run's buffers (0 = absent), taken once per step for the
@@ -275,14 +269,11 @@ struct TransientBufs {
     bkeys: Option<Buf<u32>>,
     split: Option<Buf<i32>>,
     keys8: Option<Buf<u8>>,
-    marks: Option<Buf<u8>>,
-    thr: Option<Buf<u32>>,
 }
 
 impl TransientBufs {
-    /// Allocate the plan's logits tile, block keys and candidate marks, the scratch of the
-    /// tile of `geom` that splits the most ids, `keys8` bytes of pre-decoded keys and `thr`
-    /// mark thresholds (the fused selection's), in `space`.
+    /// Allocate the plan's logits tile and block keys, the scratch of the tile of
+    /// `geom` that splits the most ids and `keys8` bytes of pre-decoded keys, in `space`.
     fn alloc(
         dev: &Device,
         space: &mut Space,
@@ -290,7 +281,6 @@ impl TransientBufs {
         geom: &[TileGeom],
         topk: usize,
         keys8: usize,
-        thr: usize,
     ) -> Result<TransientBufs> {
         let logits = if plan.peak.logits_tile > 0 {
             Some(dev.buffer::<f32>(
@@ -335,27 +325,11 @@ impl TransientBufs {
         } else {
             None
         };
-        let marks = if plan.peak.candidate_marks > 0 {
-            Some(dev.buffer::<u8>(
-                space,
-                Fill::Zeros(plan.peak.candidate_marks),
-                "alloc candidate marks",
-            )?)
-        } else {
-            None
-        };
-        let thr = if thr > 0 {
-            Some(dev.buffer::<u32>(space, Fill::Zeros(thr), "alloc mark thresholds")?)
-        } else {
-            None
-        };
         Ok(TransientBufs {
             logits,
             bkeys,
             split,
             keys8,
-            marks,
-            thr,
         })
     }
 }
@@ -447,25 +421,15 @@ impl Run {
         plan: &Plan,
     ) -> Result<Run> {
         let t = batch.rows().len();
-        let fp = run_footprint(batch, &shape, dev.sm_count(), dev.hooks());
+        let fp = batch_footprint(batch, shape.topk, dev.sm_count());
         let meta = RowMeta::new(batch, &shape, plan, &fp, dev.sm_count(), dev.hooks());
-        // Candidate marks: a byte per 16 floats of the largest tile's logits, in one slot.
-        if fp.marks
-            && (plan.logits_slots > 1
-                || meta.logits_floats.div_ceil(16) > plan.peak.candidate_marks as u64)
-        {
-            return Err(super::backend_err(
-                "the plan's candidate marks do not cover its largest tile",
-            ));
-        }
         // The transient buffers (metadata, logits tile, block keys, split scratch, path
         // counters), counted as Device::allocate allocates them on this thread, or as
         // the workspace's regions span them.
         let before = (allocated_on_this_thread(), space.used());
         let md = MetaBufs::upload(dev, space, &meta)?;
         let keys8 = meta.predecoded_keys * kernels::predecoded_key_bytes(shape.dim);
-        let thr = if fp.marks { t } else { 0 };
-        let tr = TransientBufs::alloc(dev, space, plan, &meta.geom, shape.topk, keys8, thr)?;
+        let tr = TransientBufs::alloc(dev, space, plan, &meta.geom, shape.topk, keys8)?;
         let paths =
             dev.buffer::<u32>(space, Fill::Zeros(PATHS_BYTES / 4), "alloc path counters")?;
         let transient = match space {
@@ -504,9 +468,6 @@ impl Run {
             uploads,
             transient,
             bitmap_words: meta.bitmap_words,
-            marks: tr.marks,
-            thr: tr.thr,
-            marked: None,
         })
     }
 
@@ -572,9 +533,8 @@ impl Run {
         a
     }
 
-    /// The logits kernel of tile `t` (a fused tile's three launches: [`Run::fused_logits`]).
+    /// The logits kernel of tile `t`.
     pub(super) fn logits_step(&mut self, dev: &Device, t: usize) -> Result<()> {
-        self.marked = None;
         let g = self.geom[t].clone();
         if g.rows.is_empty() {
             return Ok(());
@@ -629,83 +589,10 @@ impl Run {
                 predecoded,
                 kmap,
                 smem,
-                fuse: None,
             };
-            match (self.marks.as_ref(), self.thr.as_ref()) {
-                (Some(m), Some(thr)) if g.fuse > 0 && predecoded.is_some() => {
-                    let marks = (m.addr(s), thr.addr(s));
-                    self.fused_logits(dev, &g, &a, &args, marks)?;
-                    self.marked = Some(t);
-                }
-                _ => launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?,
-            }
+            launch::logits(s, &f, &args, g.groups.clone(), gx, threads as u32)?;
         }
         Ok(())
-    }
-
-    /// A fused tile's logits (tile geometry `g`, [`TileGeom::fuse`]), `args` those of its
-    /// unfused launch, `(marks, thr)` the addresses of the candidate marks and the mark
-    /// thresholds: [`kernels::WGI8_R8_FUSED`] over the sample's key tiles, then
-    /// [`kernels::FUSED_THRESHOLD`] over the tile's rows, then the fused entry over the
-    /// other key tiles, which marks them.
-    fn fused_logits(
-        &self,
-        dev: &Device,
-        g: &TileGeom,
-        a: &RunAddrs,
-        args: &LogitsArgs,
-        (marks, thr): (u64, u64),
-    ) -> Result<()> {
-        let s = &dev.stream;
-        let f = dev.function(self.shape.logits_variant(), kernels::WGI8_R8_FUSED)?;
-        let (entry, threads) = g.logits;
-        let chunks = g.chunks as usize;
-        let sample = chunks.div_ceil(g.fuse as usize);
-        let tiles = |mode: u32, tiles: usize| -> Result<()> {
-            if tiles == 0 {
-                return Ok(());
-            }
-            let per_block = kernels::logits_launch_tiles_per_block(
-                entry,
-                tiles,
-                g.groups.len(),
-                dev.sm_count(),
-            );
-            let fused = LogitsArgs {
-                fuse: Some(FuseLaunch {
-                    mode,
-                    stride: g.fuse,
-                    thr,
-                    marks,
-                }),
-                ..*args
-            };
-            let gx = tiles.div_ceil(per_block) as u32;
-            launch::logits(s, &f, &fused, g.groups.clone(), gx, threads as u32)
-        };
-        tiles(kernels::FUSE_SAMPLE, sample)?;
-        // The rows the marked top-k takes, and its candidate slots.
-        let n_min = if g.short_cap > 0 { g.short_cap + 1 } else { 0 };
-        let cap = if g.long_topk.0 == RowTopk::Wide {
-            kernels::TOPK_WIDE_CAP
-        } else {
-            kernels::TOPK_CAND_CAP
-        };
-        let ft = dev.function(Variant::Topk, kernels::FUSED_THRESHOLD)?;
-        let targs = FusedThresholdArgs {
-            logits: a.logits,
-            row_off: a.row_off,
-            row_n: a.row_n,
-            row0: g.rows.start as u32,
-            n_min,
-            stride: g.fuse,
-            mark_keys: kernels::fuse_mark_keys(self.shape.topk, cap) as u32,
-            thr,
-            marks,
-        };
-        let smem = (sample * kernels::LOGITS_KEYS * 4) as u32;
-        launch::fused_threshold(s, &ft, &targs, g.rows.len() as u32, smem)?;
-        tiles(kernels::FUSE_REST, chunks - sample)
     }
 
     /// The pre-decoded keys' scale windows' address and the TMA map of their s8 operands
@@ -752,7 +639,7 @@ impl Run {
         if g.segments > 1 && a.split != 0 {
             self.split_topk_step(dev, s, g, &a)?;
         } else {
-            self.row_topk_step(dev, s, g, &a, self.marked == Some(t))?;
+            self.row_topk_step(dev, s, g, &a)?;
         }
         self.paged_slots_step(dev, s, g, &a)
     }
@@ -894,16 +781,13 @@ impl Run {
         launch::topk_merge(s, &fm, &args, rows)
     }
 
-    /// The top-k and index assembly of tile geometry `g`'s rows, one block per row; the
-    /// long rows with their candidate marks when `marked` (the tile's logits launches
-    /// marked them: [`Run::fused_logits`]).
+    /// The top-k and index assembly of tile geometry `g`'s rows, one block per row.
     fn row_topk_step(
         &self,
         dev: &Device,
         s: &CudaStream,
         g: &TileGeom,
         a: &RunAddrs,
-        marked: bool,
     ) -> Result<()> {
         let sh = self.shape;
         let p = self.ptrs;
@@ -919,19 +803,12 @@ impl Run {
             (RowTopk::Short, row_cap, bytes)
         });
         let long = (g.max_n >= n_min as usize).then(|| {
-            let (entry, bytes) = g.long_topk;
+            let (entry, bytes) = long_rows_launch(g.rows.len(), bw, dev.sm_count(), dev.hooks());
             (entry, n_min, bytes)
         });
         let page = self.topk_page(a);
         for (entry, bound, dyn_smem) in [short, long].into_iter().flatten() {
-            let marks = match (entry.marked_name(), self.marks.as_ref(), self.thr.as_ref()) {
-                (Some(name), Some(m), Some(thr)) if marked => {
-                    Some((name, (m.addr(s), thr.addr(s))))
-                }
-                _ => None,
-            };
-            let name = marks.map_or(entry.name(), |m| m.0);
-            let f = dev.function(Variant::Topk, name)?;
+            let f = dev.function(Variant::Topk, entry.name())?;
             allow_dynamic_smem(&f, dyn_smem)?;
             let args = TopkRowsArgs {
                 logits: a.logits,
@@ -950,7 +827,6 @@ impl Run {
                 bitmap_words: bw,
                 row_bound: bound,
                 paths: a.paths,
-                marks: marks.map(|m| m.1),
             };
             launch::topk_rows(s, &f, entry, &args, g.rows.len() as u32, dyn_smem)?;
         }

@@ -428,21 +428,11 @@ mod gpu {
         );
         let (p, f) = (&r.topk_paths, &r.fold_counts);
         println!(
-            "  per run: top-k rows all {} short {} sampled {} fused {} resampled {} two-pass {} \
-             general {}; exact-class query blocks folded {} plain {}, threads one multiply {} two \
-             {}, int8 tiles {} fallback {}",
-            p.all,
-            p.short,
-            p.sampled,
-            p.fused,
-            p.resampled,
-            p.two_pass,
-            p.general,
-            f.query_blocks_folded,
-            f.query_blocks_plain,
-            f.threads_one_multiply,
-            f.threads_two_multiplies,
-            f.tiles_int8,
+            "  per run: top-k rows all {} short {} sampled {} resampled {} two-pass {} general {}; \
+             exact-class query blocks folded {} plain {}, threads one multiply {} two {}, int8 tiles \
+             {} fallback {}",
+            p.all, p.short, p.sampled, p.resampled, p.two_pass, p.general, f.query_blocks_folded,
+            f.query_blocks_plain, f.threads_one_multiply, f.threads_two_multiplies, f.tiles_int8,
             f.tiles_int8_fallback
         );
     }

@@ -168,7 +168,6 @@ pub fn cmd_plan(a: &PlanArgs) -> Result<i32> {
             .unwrap_or_else(|| rayon::current_num_threads().max(1)),
         worker_bytes: dsa_indexer::cpu::Engine::bytes(a.heads, a.dim, class),
         logits_slots: 1,
-        marks: false,
     };
     let pl = plan::plan(&batch, &params, &fp)?;
     let pk = pl.peak;
