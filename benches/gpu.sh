@@ -5,7 +5,7 @@
 #
 #   ../shared/gpu/stage --features tuning                                   # here
 #   run: bash benches/gpu.sh [quick] [tests] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
-#        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases]
+#        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases] [ktimes]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
 # The staged binaries must be built with --features cuda,tuning (stage's extra
@@ -38,8 +38,8 @@
 # and DeepGEMM's logits kernel alone (benches/clock_probe.py; about 2 minutes).
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
-# sanitize: memcheck, racecheck, initcheck and synccheck over the GPU tests and
-# `run --device cuda`, each on request; alt: define sets of the exact class's kernel
+# ktimes: each kernel's device time; sanitize: memcheck, racecheck, initcheck and
+# synccheck over the GPU tests and `run --device cuda`, each on request; alt: define sets of the exact class's kernel
 # beside the default, below). The golden files are read from
 # tests/golden unless $DSA_GOLDEN_DIR says otherwise.
 #
@@ -300,6 +300,20 @@ if has ncu; then
     timeout 180 ncu --clock-control none -k regex:mqa_logits -c 1 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
       --section Occupancy $B/dsa-indexer bench --device cuda --json $wl --reps 1 > "$OUT/ncu-$wl.txt" 2>&1
+  done
+fi
+
+if has ktimes; then
+  # Each kernel's device time, launch by launch, in one benchmark process per workload
+  # (ncu's gpu__time_duration; benches/kernel_times.py sums them per kernel): where a
+  # run's time goes, for an A/B of a form that adds or moves launches. KT_W names the
+  # workloads (v41-chunk), KT_ARGS further bench arguments (e.g. --precision fast);
+  # $DSA_CUDA_HOOKS and $DSA_CUDA_DEFINES apply as to the benchmark.
+  for wl in ${KT_W:-v41-chunk}; do
+    log "kernel times $wl ${KT_ARGS:-}"
+    timeout 180 ncu --clock-control none --metrics gpu__time_duration.sum $B/dsa-indexer bench \
+      --device cuda --json $wl ${KT_ARGS:-} --reps 1 > "$OUT/ktimes-$wl.txt" 2>&1
+    python3 benches/kernel_times.py "$OUT/ktimes-$wl.txt" | tee -a "$OUT/summary.txt"
   done
 fi
 
