@@ -39,9 +39,9 @@
 #
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # ktimes: each kernel's device time; sanitize: memcheck, racecheck, initcheck and
-# synccheck over the GPU tests and `run --device cuda`, each on request; alt: define sets of the exact class's kernel
-# beside the default, below). The golden files are read from
-# tests/golden unless $DSA_GOLDEN_DIR says otherwise.
+# synccheck over the GPU tests and `run --device cuda`, each on request; alt: define
+# sets of the exact class's kernel beside the default, below). The golden files are
+# read from tests/golden unless $DSA_GOLDEN_DIR says otherwise.
 #
 # Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
 # (comma-separated): mma_sync_only (mma.sync where wgmma is the default), no_scale_fold
