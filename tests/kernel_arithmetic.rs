@@ -978,104 +978,129 @@ fn int8_path_admits_engine_like_inputs() {
     }
 }
 
-/// The int8 kernel's head epilogue (`int8_path::epilogue_logit`: one fma per head from
-/// the accumulator's bits, the pairwise head sum, one multiply by the key's scale, the
-/// sign of a zero from the weights) against SPEC 4's steps 2 to 4 (`exact_head_score`,
-/// `w * relu(a)`, the pairwise head sum), over 32 heads: wherever every head's pair and
-/// the epilogue's guard admit (`docs/numerics.md` 6.7), bitwise. Draws cover the whole
-/// exponent range: a base scale byte and weight exponent per sample with small spreads
-/// per head, the key byte anywhere, group sums from 0 to +-4608, weights of either sign,
-/// zeros among them, and samples whose weights all have the sign bit set (some with no
-/// positive head score).
-#[test]
-fn int8_epilogue_matches_the_reference_wherever_its_guard_admits() {
-    use dsa_indexer::reference::int8_path::{
-        epilogue_admits, epilogue_logit, epilogue_weight, int8_pair_admits, pow2_f32,
-    };
+/// One draw of the head epilogue's tests: 32 heads' int32 sums `y`, `eq_min` and weights
+/// `w` against one key's `ek_min`, with SPEC 4's logit from its steps 2 to 4
+/// (`exact_head_score`, `w * relu(a)`, the pairwise head sum), or None where some head's
+/// pair is not admitted (6.3). A base scale byte and weight exponent per sample with
+/// small spreads per head (up to `w_spread` binades for the weights), the key byte
+/// anywhere, group sums from 0 to +-4608, weights of either sign, zeros among them, and
+/// samples whose weights all have the sign bit set (some with no positive head score).
+struct EpilogueSample {
+    y: Vec<i32>,
+    eq_min: Vec<u8>,
+    w: Vec<f32>,
+    ek_min: u8,
+    want: f32,
+}
+
+fn epilogue_sample(rng: &mut impl Rng, n: usize, w_spread: i32) -> Option<EpilogueSample> {
+    use dsa_indexer::reference::int8_path::{int8_pair_admits, pow2_f32};
     use dsa_indexer::reference::logits::{exact_head_score, pairwise_f32, relu};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(67);
-    let (heads, samples) = (32usize, 40_000usize);
-    let (mut admitted, mut rejected, mut rejected_differ, mut neg_zero) = (0, 0, 0, 0);
-    for n in 0..samples {
-        let g = [2usize, 4][n % 2];
-        let ek: Vec<u8> = {
-            let lo = rng.gen_range(0..=251u8);
+    let heads = 32usize;
+    let g = [2usize, 4][n % 2];
+    let ek: Vec<u8> = {
+        let lo = rng.gen_range(0..=251u8);
+        (0..g).map(|_| lo + rng.gen_range(0..=3)).collect()
+    };
+    let ek_min = *ek.iter().min().unwrap();
+    let (eq0, x0) = (rng.gen_range(0..=238u8), rng.gen_range(-150..=130i32));
+    // Every weight's sign bit set, and (with it, one sample in 35) every group sum
+    // <= 0: logits of all-zero terms, SPEC 4's -0.
+    let (all_neg, non_pos) = (n.is_multiple_of(7), n.is_multiple_of(5));
+    let (mut y, mut eq_min, mut w, mut want_terms) = (vec![], vec![], vec![], vec![]);
+    let mut pairs_ok = true;
+    for _ in 0..heads {
+        let eq: Vec<u8> = {
+            let lo = eq0 + rng.gen_range(0..=6);
             (0..g).map(|_| lo + rng.gen_range(0..=3)).collect()
         };
-        let ek_min = *ek.iter().min().unwrap();
-        let (eq0, x0) = (rng.gen_range(0..=238u8), rng.gen_range(-150..=130i32));
-        // Every weight's sign bit set, and (with it, one sample in 35) every group sum
-        // <= 0: logits of all-zero terms, SPEC 4's -0.
-        let (all_neg, non_pos) = (n % 7 == 0, n % 5 == 0);
-        let (mut y, mut eq_min, mut w, mut want_terms) = (vec![], vec![], vec![], vec![]);
-        let mut pairs_ok = true;
-        for _ in 0..heads {
-            let eq: Vec<u8> = {
-                let lo = eq0 + rng.gen_range(0..=6);
-                (0..g).map(|_| lo + rng.gen_range(0..=3)).collect()
-            };
-            let e_min = *eq.iter().min().unwrap();
-            pairs_ok = pairs_ok && int8_pair_admits(&eq, &ek);
-            // Group sums X_g = 4 s_g: zero, small, or anywhere in range.
-            let x: Vec<i32> = (0..g)
-                .map(|_| match rng.gen_range(0..4) {
-                    0 => 0,
-                    1 => rng.gen_range(-8..=8),
-                    _ => rng.gen_range(-4608..=4608),
-                })
-                .map(|v: i32| if non_pos { -v.abs() } else { v })
-                .collect();
-            let yh: i32 = (0..g)
-                .map(|i| x[i] << ((eq[i] - e_min) + (ek[i] - ek_min)))
-                .sum();
-            let wh = match rng.gen_range(0..16) {
-                0 => 0.0f32,
-                _ => {
-                    let m: f32 = rng.gen_range(1.0..2.0);
-                    let e = (x0 - rng.gen_range(0..=6)).clamp(-149, 127);
-                    m * pow2_f32(e).unwrap()
-                }
-            };
-            let wh = if all_neg || rng.gen_bool(0.3) {
-                -wh
-            } else {
-                wh
-            };
-            let s: Vec<f32> = x.iter().map(|&v| v as f32 / 4.0).collect();
-            let qs: Vec<f32> = eq
-                .iter()
-                .map(|&e| pow2_f32(e as i32 - 127).unwrap())
-                .collect();
-            let ks: Vec<f32> = ek
-                .iter()
-                .map(|&e| pow2_f32(e as i32 - 127).unwrap())
-                .collect();
-            want_terms.push(wh * relu(exact_head_score(&s, &qs, &ks)));
-            y.push(yh);
-            eq_min.push(e_min);
-            w.push(wh);
-        }
-        if !pairs_ok {
-            continue;
-        }
-        let want = pairwise_f32(&want_terms);
-        let got = epilogue_logit(&y, &eq_min, &w, ek_min);
-        let v: Vec<f32> = w
-            .iter()
-            .zip(&eq_min)
-            .map(|(&w, &e)| epilogue_weight(w, e))
+        let e_min = *eq.iter().min().unwrap();
+        pairs_ok = pairs_ok && int8_pair_admits(&eq, &ek);
+        // Group sums X_g = 4 s_g: zero, small, or anywhere in range.
+        let x: Vec<i32> = (0..g)
+            .map(|_| match rng.gen_range(0..4) {
+                0 => 0,
+                1 => rng.gen_range(-8..=8),
+                _ => rng.gen_range(-4608..=4608),
+            })
+            .map(|v: i32| if non_pos { -v.abs() } else { v })
             .collect();
-        if epilogue_admits(&w, &v, ek_min) {
+        let yh: i32 = (0..g)
+            .map(|i| x[i] << ((eq[i] - e_min) + (ek[i] - ek_min)))
+            .sum();
+        let wh = match rng.gen_range(0..16) {
+            0 => 0.0f32,
+            _ => {
+                let m: f32 = rng.gen_range(1.0..2.0);
+                let e = (x0 - rng.gen_range(0..=w_spread)).clamp(-149, 127);
+                m * pow2_f32(e).unwrap()
+            }
+        };
+        let wh = if all_neg || rng.gen_bool(0.3) {
+            -wh
+        } else {
+            wh
+        };
+        let s: Vec<f32> = x.iter().map(|&v| v as f32 / 4.0).collect();
+        let qs: Vec<f32> = eq
+            .iter()
+            .map(|&e| pow2_f32(e as i32 - 127).unwrap())
+            .collect();
+        let ks: Vec<f32> = ek
+            .iter()
+            .map(|&e| pow2_f32(e as i32 - 127).unwrap())
+            .collect();
+        want_terms.push(wh * relu(exact_head_score(&s, &qs, &ks)));
+        y.push(yh);
+        eq_min.push(e_min);
+        w.push(wh);
+    }
+    pairs_ok.then(|| EpilogueSample {
+        want: pairwise_f32(&want_terms),
+        y,
+        eq_min,
+        w,
+        ek_min,
+    })
+}
+
+/// The int8 kernel's head epilogue (`int8_path::epilogue_logit`: one fma per head from
+/// the accumulator's bits, the pairwise head sum, one multiply by the key's scale, the
+/// sign of a zero from the weights) against SPEC 4's steps 2 to 4 over 32 heads
+/// ([`epilogue_sample`]): wherever every head's pair and the epilogue's guard admit
+/// (`docs/numerics.md` 6.7), bitwise. Draws cover the whole exponent range.
+#[test]
+fn int8_epilogue_matches_the_reference_wherever_its_guard_admits() {
+    use dsa_indexer::reference::int8_path::{epilogue_admits, epilogue_logit, epilogue_weight};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(67);
+    let samples = 40_000usize;
+    let (mut admitted, mut rejected, mut rejected_differ, mut neg_zero) = (0, 0, 0, 0);
+    for n in 0..samples {
+        let Some(p) = epilogue_sample(&mut rng, n, 6) else {
+            continue;
+        };
+        let got = epilogue_logit(&p.y, &p.eq_min, &p.w, p.ek_min);
+        let v: Vec<f32> =
+            p.w.iter()
+                .zip(&p.eq_min)
+                .map(|(&w, &e)| epilogue_weight(w, e))
+                .collect();
+        if epilogue_admits(&p.w, &v, p.ek_min) {
             assert_eq!(
                 got.to_bits(),
-                want.to_bits(),
-                "sample {n}: model {got:e}, reference {want:e}; ek {ek:?} eq_min {eq_min:?} w {w:?} y {y:?}"
+                p.want.to_bits(),
+                "sample {n}: model {got:e}, reference {:e}; ek_min {} eq_min {:?} w {:?} y {:?}",
+                p.want,
+                p.ek_min,
+                p.eq_min,
+                p.w,
+                p.y
             );
             admitted += 1;
-            neg_zero += (want.to_bits() == 0x8000_0000) as u32;
+            neg_zero += (p.want.to_bits() == 0x8000_0000) as u32;
         } else {
             rejected += 1;
-            rejected_differ += (got.to_bits() != want.to_bits()) as u32;
+            rejected_differ += (got.to_bits() != p.want.to_bits()) as u32;
         }
     }
     println!(
@@ -1087,4 +1112,106 @@ fn int8_epilogue_matches_the_reference_wherever_its_guard_admits() {
         admitted > 1_000 && rejected > 1_000 && rejected_differ > 100 && neg_zero > 10,
         "admitted {admitted}, rejected {rejected} ({rejected_differ} differ), -0 {neg_zero}"
     );
+}
+
+/// SPEC 4's logit (steps 2 to 4) of 32 heads at `G = 2` whose query bytes are all `eq`
+/// and key bytes all `ek`, head `h`'s group sums `(y[h], 0)` (`|y| <= 4608`).
+fn epilogue_reference(y: &[i32], eq: u8, w: &[f32], ek: u8) -> f32 {
+    use dsa_indexer::reference::int8_path::pow2_f32;
+    use dsa_indexer::reference::logits::{exact_head_score, pairwise_f32, relu};
+    let (qs, ks) = (
+        pow2_f32(eq as i32 - 127).unwrap(),
+        pow2_f32(ek as i32 - 127).unwrap(),
+    );
+    let terms: Vec<f32> = y
+        .iter()
+        .zip(w)
+        .map(|(&y, &w)| w * relu(exact_head_score(&[y as f32 / 4.0, 0.0], &[qs; 2], &[ks; 2])))
+        .collect();
+    pairwise_f32(&terms)
+}
+
+/// The head epilogue's subnormal-operand form (`int8_path::epilogue_logit_subnormal`:
+/// one integer max and one multiply per head, the weights scaled by `2^(254 - f_hi)` and
+/// the sums read as subnormals, no sign rule) against SPEC 4 as above: wherever every
+/// head's pair and its guard (`docs/numerics.md` 6.8) admit, bitwise. Half the samples
+/// spread their weights over up to 120 binades, so that the spread bound is reached; and
+/// at its edge, a row whose one positive head has the smallest weight and a sum of 1: at
+/// a spread of 104 binades its term is normal and the form is exact, at 105 it is
+/// subnormal and the form rounds it where SPEC 4 does not.
+#[test]
+fn int8_epilogue_subnormal_form_matches_the_reference_wherever_its_guard_admits() {
+    use dsa_indexer::reference::int8_path::{
+        epilogue_admits, epilogue_logit_subnormal, epilogue_subnormal_admits, epilogue_weight,
+        pow2_f32, weight_window, EPI_MAX_V_SPREAD,
+    };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(68);
+    let samples = 40_000usize;
+    let (mut admitted, mut neg_zero, mut wide_admitted) = (0, 0, 0);
+    let (mut spread_rejected, mut spread_differ) = (0, 0);
+    for n in 0..samples {
+        let w_spread = if n % 4 < 2 { 6 } else { 120 };
+        let Some(p) = epilogue_sample(&mut rng, n, w_spread) else {
+            continue;
+        };
+        let got = epilogue_logit_subnormal(&p.y, &p.eq_min, &p.w, p.ek_min);
+        let v: Vec<f32> =
+            p.w.iter()
+                .zip(&p.eq_min)
+                .map(|(&w, &e)| epilogue_weight(w, e))
+                .collect();
+        if epilogue_subnormal_admits(&p.w, &v, p.ek_min) {
+            assert_eq!(
+                got.to_bits(),
+                p.want.to_bits(),
+                "sample {n}: model {got:e}, reference {:e}; ek_min {} eq_min {:?} w {:?} y {:?}",
+                p.want,
+                p.ek_min,
+                p.eq_min,
+                p.w,
+                p.y
+            );
+            admitted += 1;
+            wide_admitted += (w_spread > 6) as u32;
+            neg_zero += (p.want.to_bits() == 0x8000_0000) as u32;
+        } else if epilogue_admits(&p.w, &v, p.ek_min) {
+            spread_rejected += 1;
+            spread_differ += (got.to_bits() != p.want.to_bits()) as u32;
+        }
+    }
+    println!(
+        "admitted {admitted} ({wide_admitted} of wide weights), -0 logits {neg_zero}; \
+         rejected for the spread alone {spread_rejected} ({spread_differ} differ)"
+    );
+    assert!(
+        admitted > 1_000 && wide_admitted > 100 && neg_zero > 10 && spread_rejected > 100,
+        "admitted {admitted} ({wide_admitted} wide), -0 {neg_zero}, spread-rejected \
+         {spread_rejected}"
+    );
+    // The edge: head 0 the largest weight and a negative sum, head 1 a weight `spread`
+    // binades below with an odd significand and a sum of 1, the other heads zero.
+    let (eq, ek) = (127u8, 127u8);
+    let mut y = vec![0i32; 32];
+    (y[0], y[1]) = (-100, 1);
+    for spread in [EPI_MAX_V_SPREAD as i32, EPI_MAX_V_SPREAD as i32 + 1] {
+        let mut w = vec![0.0f32; 32];
+        w[0] = 1.5 * pow2_f32(20).unwrap();
+        w[1] = f32::from_bits(0x3F80_0001) * pow2_f32(20 - spread).unwrap();
+        let v: Vec<f32> = w.iter().map(|&w| epilogue_weight(w, eq)).collect();
+        let (lo, hi) = weight_window(&w, &v);
+        assert_eq!(hi - lo, spread as u32);
+        assert!(
+            epilogue_admits(&w, &v, ek),
+            "the three-operation form admits it"
+        );
+        let got = epilogue_logit_subnormal(&y, &[eq; 32], &w, ek);
+        let want = epilogue_reference(&y, eq, &w, ek);
+        let admits = epilogue_subnormal_admits(&w, &v, ek);
+        assert_eq!(admits, spread as u32 <= EPI_MAX_V_SPREAD);
+        assert_eq!(
+            got.to_bits() == want.to_bits(),
+            admits,
+            "spread {spread}: model {got:e}, reference {want:e}"
+        );
+    }
 }

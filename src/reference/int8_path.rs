@@ -224,11 +224,10 @@ pub fn epilogue_weight(w: f32, eq_min: u8) -> f32 {
     w * pow2_f32(eq_min as i32 - 129).expect("2^(e - 129) is an f32 for every byte")
 }
 
-/// Whether the head epilogue's guard admits one (row, key): the weights' `v_h`
-/// ([`epilogue_weight`]) and the key's smallest scale byte `ek_min`. The kernel checks
-/// the same bounds over a block's rows and a tile's keys, which implies this for each
-/// (row, key) of the tile.
-pub fn epilogue_admits(w: &[f32], v: &[f32], ek_min: u8) -> bool {
+/// The exponent window of the weights' `v_h`: `f_lo`, the smallest biased exponent
+/// field over the heads whose `w_h != 0` (255 when there is none), and `f_hi`, the
+/// largest over all heads (0 when there is none).
+pub fn weight_window(w: &[f32], v: &[f32]) -> (u32, u32) {
     let f = |x: f32| (x.to_bits() >> 23) & 0xFF;
     let lo = w
         .iter()
@@ -238,6 +237,15 @@ pub fn epilogue_admits(w: &[f32], v: &[f32], ek_min: u8) -> bool {
         .min()
         .unwrap_or(255);
     let hi = v.iter().map(|&v| f(v)).max().unwrap_or(0);
+    (lo, hi)
+}
+
+/// Whether the head epilogue's guard admits one (row, key): the weights' `v_h`
+/// ([`epilogue_weight`]) and the key's smallest scale byte `ek_min`. The kernel checks
+/// the same bounds over a block's rows and a tile's keys, which implies this for each
+/// (row, key) of the tile.
+pub fn epilogue_admits(w: &[f32], v: &[f32], ek_min: u8) -> bool {
+    let (lo, hi) = weight_window(w, v);
     let k = ek_min as u32;
     lo >= EPI_MIN_V_EXP
         && hi <= EPI_MAX_V_EXP
@@ -271,4 +279,49 @@ pub fn epilogue_logit(y: &[i32], eq_min: &[u8], w: &[f32], ek_min: u8) -> f32 {
     } else {
         l
     }
+}
+
+/// The subnormal-operand form's bound on the weights' window (`docs/numerics.md` 6.8):
+/// `f_hi - f_lo <= 104`, beside [`epilogue_admits`]: every nonzero term is then normal.
+pub const EPI_MAX_V_SPREAD: u32 = 104;
+
+/// Whether the subnormal-operand form ([`epilogue_logit_subnormal`]) admits one (row,
+/// key): [`epilogue_admits`], and the weights' exponent fields within
+/// [`EPI_MAX_V_SPREAD`] of each other.
+pub fn epilogue_subnormal_admits(w: &[f32], v: &[f32], ek_min: u8) -> bool {
+    let (lo, hi) = weight_window(w, v);
+    epilogue_admits(w, v, ek_min) && (lo == 255 || hi <= lo + EPI_MAX_V_SPREAD)
+}
+
+/// The kernel's head epilogue in its subnormal-operand form (`docs/numerics.md` 6.8):
+/// with `s = 254 - f_hi` ([`weight_window`]), `v'_h = v_h 2^s` (an exponent-field add,
+/// zeros kept), `x_h` the bits of `max(y_h, 0)` read as an f32 (`max(y_h, 0) 2^-149`, a
+/// subnormal or zero), `T_h = v'_h * x_h`, and
+/// `L = P(T) * 2^(ek_min + f_hi - 232)` (the exponent field clamped to at least 1, which
+/// only a row without a nonzero weight reaches, whose `P(T)` is a zero). No sign rule: a
+/// zero term carries its weight's sign, as SPEC 4's `w_h * (+0)` does. Where
+/// [`epilogue_subnormal_admits`] holds and every head's pair is admitted
+/// ([`int8_pair_admits`]), this is SPEC 4's logit.
+pub fn epilogue_logit_subnormal(y: &[i32], eq_min: &[u8], w: &[f32], ek_min: u8) -> f32 {
+    let v: Vec<f32> = w
+        .iter()
+        .zip(eq_min)
+        .map(|(&w, &e)| epilogue_weight(w, e))
+        .collect();
+    let (_, hi) = weight_window(w, &v);
+    let s = 254 - hi as i32;
+    let t: Vec<f32> = y
+        .iter()
+        .zip(&v)
+        .map(|(&y, &v)| {
+            let vs = if v == 0.0 {
+                v
+            } else {
+                f32::from_bits(v.to_bits().wrapping_add((s as u32) << 23))
+            };
+            vs * f32::from_bits(y.max(0) as u32)
+        })
+        .collect();
+    let field = (ek_min as i32 + hi as i32 - 105).max(1);
+    super::logits::pairwise_f32(&t) * f32::from_bits((field as u32) << 23)
 }
