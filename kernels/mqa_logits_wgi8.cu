@@ -89,6 +89,15 @@
 //   and every zero term is w_h * (+0) = -0.
 // The guard is evaluated once per block (f_lo, f_hi) and per key beside the int8 guard;
 // docs/numerics.md section 6.7 has it with the host model's checks.
+//
+// The default form (WGI8_SUBN, docs/numerics.md 6.8) reads the sums as subnormals
+// instead: with s = 254 - f_hi, v'_h = v_h 2^s once per block (an exponent-field add),
+// x_h = the bits of max(Y_h, 0) (max(Y_h, 0) 2^-149), T'_h = v'_h * x_h, and
+// L = P(T') * 2^(ek_min + f_hi - 232): an integer max and a multiply per (row, head,
+// key), no m_h and no sign rule (a zero T'_h carries w_h's sign, as SPEC 4's w_h * (+0)
+// does). Every T'_h is SPEC 4's term times one power of two when, beside the guard
+// above, f_hi - f_lo <= 104 (each nonzero T'_h then normal); the sums and the final
+// multiply follow.
 
 // ==== layout ====
 //
@@ -155,6 +164,19 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 #ifndef WGI8_SVM2
 #define WGI8_SVM2 1
 #endif
+// The head epilogue's form: 1, the subnormal operands (docs/numerics.md 6.8: per head an
+// integer max and a multiply, the weights' constants pre-scaled by 2^(254 - f_hi), no
+// sign rule, and the int8 path's logits stored without the NaN check, as none can be
+// NaN); 0, the fma form (6.7: per head a VIADDMNMX and an fma, the constants' products
+// by -2^23 computed per tile, the -0 rule per logit). WGI8_SUBN=0 (tuning) restores the
+// fma form for the A/B.
+#ifndef WGI8_SUBN
+#define WGI8_SUBN 1
+#endif
+static_assert(!WGI8_SUBN || WGI8_SVM2, "the subnormal form reads svm's 8-byte layout");
+// The subnormal form's bound on the block's weights: f_hi - f_lo <= 104 (every nonzero
+// term then normal).
+#define I8_MAX_V_SPREAD 104
 // 2^23 as an f32, and its bits: the epilogue reads max(Y + 0x4B000000, 0x4B000000) (one
 // VIADDMNMX) as the f32 2^23 + max(Y, 0).
 #define I8_MAGIC 8388608.0f
@@ -164,10 +186,11 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 
 // The head epilogue of four rows (r0 .. r0 + 3) from their accumulator y (the s32 head
 // sums Y): the logits of rows r0 + hi and r0 + 2 + hi at this thread's key kk = odd,
-// into out[0], out[1]; ck = 2^(ek_min - 127) of that key, neg[r]: every weight of row r
-// has its sign bit set.
+// into out[0], out[1]; ck: that key's scale (6.7: 2^(ek_min - 127); 6.8: 2^(ek_min + f_hi
+// - 232)); ec, the block's epilogue constant: in the fma form bit r set when every
+// weight of row r has its sign bit set (unused in the subnormal form).
 __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *svm, const int r0,
-                                              const float ck, const u32 neg, const int tig,
+                                              const float ck, const u32 ec, const int tig,
                                               const bool odd, const bool hi, float (&out)[2]) {
   // Per row r and key kk: head bits 0..2 in the thread (e, then a's two bits).
   float p[WGI8_MMA_ROWS][2];
@@ -177,6 +200,17 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const int j = 4 * r + a;
+#if WGI8_SUBN
+      // svm holds v' = v 2^s; the bits of max(Y, 0) read as an f32 are max(Y, 0) 2^-149.
+      const float2 c = reinterpret_cast<const float2 *>(svm)[4 * (4 * r0 + j) + tig];
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const int i = 4 * j + 2 * kk;
+        const float x0 = __int_as_float(max(y[i], 0));
+        const float x1 = __int_as_float(max(y[i + 1], 0));
+        s1[kk][a] = __fadd_rn(__fmul_rn(c.x, x0), __fmul_rn(c.y, x1));
+      }
+#else
 #if WGI8_SVM2
       const float2 cv = reinterpret_cast<const float2 *>(svm)[4 * (4 * r0 + j) + tig];
       const float4 c =
@@ -191,6 +225,7 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
         const float x1 = __int_as_float(__viaddmax_s32(y[i + 1], I8_MAGIC_BITS, I8_MAGIC_BITS));
         s1[kk][a] = __fadd_rn(__fmaf_rn(c.x, x0, c.z), __fmaf_rn(c.y, x1, c.w));
       }
+#endif
     }
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
@@ -209,8 +244,12 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
     const float send = hi ? q[2 * rr] : q[2 * rr + 1];
     const float l = __fadd_rn(hi ? q[2 * rr + 1] : q[2 * rr], __shfl_xor_sync(FULL_MASK, send, 2));
     const float x = __fmul_rn(l, ck);
-    const bool nr = ((neg >> (r0 + 2 * rr + (hi ? 1 : 0))) & 1u) != 0u;
+#if WGI8_SUBN
+    out[rr] = x;
+#else
+    const bool nr = ((ec >> (r0 + 2 * rr + (hi ? 1 : 0))) & 1u) != 0u;
     out[rr] = (x == 0.0f && nr) ? -0.0f : x;
+#endif
   }
 }
 
@@ -220,16 +259,23 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 // keys with each key's values shifted by its group's offset from kmin[kk], its smallest
 // byte, comes from the caller), and the head epilogue above with the block's columns'
 // constants in svm (see WGI8_SVM2). Writes the logits of rows
-// 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; bit r
-// of neg: every weight of row r has its sign bit set.
+// 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; ec,
+// the block's epilogue constant: in the fma form bit r set when every weight of row r has
+// its sign bit set; in the subnormal form kc = f_hi - 105, the key's scale being
+// 2^(ek_min + kc - 127) (its exponent field clamped to at least 1, which only a block
+// without a nonzero weight reaches: its logits are zeros whatever the scale).
 template <int R, class Mma>
 __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], const u64 db0,
-                                              const float4 *svm, const u32 neg, const int tig,
+                                              const float4 *svm, const u32 ec, const int tig,
                                               const bool odd, const bool hi,
                                               float (&out)[R / 2]) {
   constexpr u32 lbo = (R * H / 8) * 128;
   constexpr int M = R / WGI8_MMA_ROWS;
+#if WGI8_SUBN
+  const float ck = __uint_as_float((u32)max((odd ? kmin[1] : kmin[0]) + (int)ec, 1) << 23);
+#else
   const float ck = ue8m0_pow2((u32)(odd ? kmin[1] : kmin[0]), 0);
+#endif
   int y[M][64];
   wgmma_fence();
 #pragma unroll
@@ -249,7 +295,7 @@ __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], con
       wgmma_wait<0>();
     fence_regs_s32(y[m]);
     float o[2];
-    wgi8_epilogue(y[m], svm, WGI8_MMA_ROWS * m, ck, neg, tig, odd, hi, o);
+    wgi8_epilogue(y[m], svm, WGI8_MMA_ROWS * m, ck, ec, tig, odd, hi, o);
     out[2 * m] = o[0];
     out[2 * m + 1] = o[1];
   }
@@ -259,7 +305,7 @@ __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], con
 // next tile's prefetch), and the MMAs read A from af.
 template <int R, class Next>
 __device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[2],
-                                             const u64 db0, const float4 *svm, const u32 neg,
+                                             const u64 db0, const float4 *svm, const u32 ec,
                                              const int tig, const bool odd, const bool hi,
                                              float (&out)[R / 2], Next next) {
   fence_regs_a(af);
@@ -268,14 +314,14 @@ __device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[
       [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
         wgmma_m64n128k32_s8_rs(y, af[g], db, scale_d);
       },
-      kmin, db0, svm, neg, tig, odd, hi, out);
+      kmin, db0, svm, ec, tig, odd, hi, out);
 }
 
 // The same tile from this thread's fp4 keys (raw, rsc): the s8 A fragments decoded here.
 template <int R, class Next>
 __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
                                           const int (&kmin)[2], const u64 db0,
-                                          const float4 *svm, const u32 neg, const int tig,
+                                          const float4 *svm, const u32 ec, const int tig,
                                           const bool odd, const bool hi,
                                           float (&out)[R / 2], Next next) {
   u32 af[G][4];
@@ -286,7 +332,7 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
       const int sk = (int)((rsc[kk] >> (8 * g)) & 0xFFu) - kmin[kk];
       e2m1_word_s8(raw[kk][g], sk, af[g][kk], af[g][2 + kk]);
     }
-  wgi8_tile_af<R>(af, kmin, db0, svm, neg, tig, odd, hi, out, next);
+  wgi8_tile_af<R>(af, kmin, db0, svm, ec, tig, odd, hi, out, next);
 }
 
 // ==== pre-decoded keys ====
@@ -509,11 +555,35 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   const int q_lo = (int)(bwin & 0xFFu), q_hi = 255 - (int)((bwin >> 8) & 0xFFu);
   const int f_lo = (int)(vwin & 0xFFu), f_hi = 255 - (int)((vwin >> 8) & 0xFFu);
   const bool q_i8 = ((bwin >> 16) & 0xFFu) != 0u && q_hi <= I8_MAX_Q_EXP &&
-                    f_lo >= I8_MIN_V_EXP && f_hi <= I8_MAX_V_EXP;
+                    f_lo >= I8_MIN_V_EXP && f_hi <= I8_MAX_V_EXP &&
+                    (!WGI8_SUBN || f_hi - f_lo <= I8_MAX_V_SPREAD);
+#if WGI8_SUBN
+  // The subnormal form: this thread's columns' v scaled to v' = v 2^(254 - f_hi), an add
+  // to the exponent field of each nonzero v (normal: f(v) >= f_lo >= 24, and
+  // f(v) + 254 - f_hi <= 254); read by the tile loop after the barrier below.
+  if (q_i8) {
+#pragma unroll
+    for (int m = 0; m < R / WGI8_MMA_ROWS; ++m) {
+      float *vp = reinterpret_cast<float *>(svm) + WGR_THREADS * m + tid;
+      const float v = *vp;
+      if (v != 0.0f) *vp = __uint_as_float(__float_as_uint(v) + ((u32)(254 - f_hi) << 23));
+    }
+  }
+  const u32 ec = (u32)(f_hi - 105);
+#else
+  const u32 ec = neg;
+#endif
   // The key side of both guards as bounds on a key's smallest and largest byte.
   const int k_floor = max(I8_MIN_EXP_SUM - q_lo, I8_MIN_VK_EXP - f_lo);
   const int k_cap = I8_MAX_EXP_SUM - q_hi, kmin_cap = I8_MAX_VK_EXP - f_hi;
+  // skb[3]: the subnormal form's ec, read per tile beside the bounds (one 16-byte load)
+  // rather than held in a register across the loop.
+#if WGI8_SUBN
+  __shared__ __align__(16) int skb[4];
+  if (tid == 0) skb[3] = (int)ec;
+#else
   __shared__ int skb[3];
+#endif
   if (tid == 0) {
     skb[0] = k_floor;
     skb[1] = k_cap;
@@ -574,7 +644,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   const u64 dq = wgmma_desc(sQ, (N / 8) * 128, 128), dring = wgmma_desc_swz(ring, D);
   u32 slot = 0, phase = 0;
   bool two_mul = false;  // some fallback tile ran the two multiplies
-  u32 n_i8 = 0u;         // tiles on the int8 path (the block's others fell back)
+  // Tiles on the int8 path (the block's others fell back); the subnormal form counts
+  // the fallback tiles instead, so that the common path carries no counter.
+  u32 n_i8 = 0u, n_fb = 0u;
   auto prefetch_raw = [&](const u32 c) {
     if (c < nchunks)
       wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c, sc_word, warp, gid, tig PG_PASS);
@@ -668,16 +740,25 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
               [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
                 wgmma_m64n128k32_s8_ss(y, wgmma_desc_add(da, 32 * g), db, scale_d);
               },
-              kmin, dq, svm, neg, tig, odd, hi, out);
+              kmin, dq, svm, WGI8_SUBN ? (u32)skb[3] : ec, tig, odd, hi, out);
         } else {
-          wgi8_tile<R>(raw, rsc, kmin, dq, svm, neg, tig, odd, hi, out,
+          wgi8_tile<R>(raw, rsc, kmin, dq, svm, WGI8_SUBN ? (u32)skb[3] : ec, tig, odd, hi, out,
                        [&] { prefetch_raw(c + gridDim.x); });
         }
 #pragma unroll
-        for (int i = 0; i < R / 2; ++i)
+        for (int i = 0; i < R / 2; ++i) {
+#if WGI8_SUBN
+          // Inside the guard no logit is NaN (docs/numerics.md 6.5): no check.
+          const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
+          const RowOut o = srow[2 * i + (hi ? 1 : 0)];
+          if (j < o.n) o.out[j] = out[i];
+#else
           store_row_logit(srow[2 * i + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, out[i]);
-        ++n_i8;
+#endif
+        }
+        if (!WGI8_SUBN) ++n_i8;
       } else {
+        if (WGI8_SUBN) ++n_fb;
         fallback_tile(c, j0);
       }
       if (PRE && ++slot == WGI8_RING) {
@@ -703,7 +784,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
     }
   }
   count_fold_paths(paths, fold_q, two_mul);
-  count_int8_tiles(paths, n_i8, (nchunks - 1 - blockIdx.x) / gridDim.x + 1 - n_i8);
+  const u32 tiles = (nchunks - 1 - blockIdx.x) / gridDim.x + 1;
+  if (WGI8_SUBN && q_i8) n_i8 = tiles - n_fb;
+  count_int8_tiles(paths, n_i8, tiles - n_i8);
 }
 
 // The two forms (the host's kernels::logits_kernel_for picks one per launch).
