@@ -4,7 +4,7 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage --features tuning                                   # here
-#   run: bash benches/gpu.sh [quick] [tests] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
+#   run: bash benches/gpu.sh [quick] [tests] [wgi8] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
 #        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases] [ktimes]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
@@ -88,6 +88,18 @@ knob_tests() {
   grep -E "test result" "$OUT/tests.txt" | tail -1 | sed "s/^/$defs: /" | tee -a "$OUT/summary.txt"
 }
 
+# mqa_logits_wgi8's knobs on the exact class's tests (about 35 s each).
+wgi8_knob_tests() {
+  # Its two forms, each in every launch: four rows per block (decode's) and eight
+  # (prefill's: two MMAs per key tile).
+  knob_tests "WGI8_ROWS=4" int8_exact exact_class boundary special golden same_bits paged decode_step
+  knob_tests "WGI8_ROWS=8" int8_exact exact_class boundary special golden same_bits paged decode_step
+  # The eight-row form decoding its keys in its blocks (no pre-decoded keys).
+  knob_tests "WGI8_PREDECODE=0" int8_exact exact_class boundary special golden same_bits engine
+  # The pre-decoded keys' ring with a third tile.
+  knob_tests "WGI8_RING=3" int8_exact exact_class boundary golden same_bits engine
+}
+
 # The whole GPU suite (about 3 to 4 minutes), then the library's CUDA unit tests,
 # nvrtc_compile (every module for sm_90a) and `run` on both devices (one checksum).
 gpu_suite() {
@@ -135,18 +147,17 @@ if has tests; then
   # The exact class at H = 32 on mqa_logits_wgr alone (no int8 tile), folded and not.
   hook_tests no_int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
   hook_tests no_int8_exact,no_scale_fold int8_exact exact_class special golden
-  # mqa_logits_wgi8's two forms, each in every launch: four rows per block (decode's) and
-  # eight (prefill's: two MMAs per key tile).
-  knob_tests "WGI8_ROWS=4" int8_exact exact_class boundary special golden same_bits paged decode_step
-  knob_tests "WGI8_ROWS=8" int8_exact exact_class boundary special golden same_bits paged decode_step
-  # The eight-row form decoding its keys in its blocks (no pre-decoded keys).
-  knob_tests "WGI8_PREDECODE=0" int8_exact exact_class boundary special golden same_bits engine
-  # The pre-decoded keys' ring with a third tile.
-  knob_tests "WGI8_RING=3" int8_exact exact_class boundary golden same_bits engine
+  wgi8_knob_tests
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
   unit_nvrtc_run
+fi
+
+# `wgi8`: mqa_logits_wgi8's knob suites alone (part of `tests`).
+if has wgi8; then
+  log "mqa_logits_wgi8 knobs"
+  wgi8_knob_tests
 fi
 
 if has knobs; then
