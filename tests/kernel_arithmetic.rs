@@ -202,7 +202,8 @@ fn restated_formulas_are_the_kernels_text() {
     const COMMON: &str = include_str!("../kernels/common.cuh");
     const TOPK: &str = include_str!("../kernels/topk.cu");
     const WGR: &str = include_str!("../kernels/logits_wgr.cuh");
-    let pinned: [(&str, &str, &str); 8] = [
+    const WGI8: &str = include_str!("../kernels/mqa_logits_wgi8.cu");
+    let pinned: [(&str, &str, &str); 15] = [
         ("common.cuh", COMMON, "const float y = __fadd_rn(x, 0.0f);"),
         (
             "common.cuh",
@@ -239,6 +240,35 @@ fn restated_formulas_are_the_kernels_text() {
             WGR,
             "cf[kk][g] <= __uint_as_float(0x76000000u);           // 2^109",
         ),
+        // The subnormal-operand head epilogue, restated by
+        // int8_path::epilogue_logit_subnormal and epilogue_subnormal_admits.
+        ("mqa_logits_wgi8.cu", WGI8, "#define I8_MAX_V_SPREAD 104"),
+        (
+            "mqa_logits_wgi8.cu",
+            WGI8,
+            "(!WGI8_SUBN || f_hi - f_lo <= I8_MAX_V_SPREAD);",
+        ),
+        (
+            "mqa_logits_wgi8.cu",
+            WGI8,
+            "if (v != 0.0f) *vp = __uint_as_float(__float_as_uint(v) + ((u32)(254 - f_hi) << 23));",
+        ),
+        ("mqa_logits_wgi8.cu", WGI8, "const u32 ec = (u32)(f_hi - 105);"),
+        (
+            "mqa_logits_wgi8.cu",
+            WGI8,
+            "const float ck = __uint_as_float((u32)max((odd ? kmin[1] : kmin[0]) + (int)ec, 1) << 23);",
+        ),
+        (
+            "mqa_logits_wgi8.cu",
+            WGI8,
+            "const float x0 = __int_as_float(max(y[i], 0));",
+        ),
+        (
+            "mqa_logits_wgi8.cu",
+            WGI8,
+            "s1[kk][a] = __fadd_rn(__fmul_rn(c.x, x0), __fmul_rn(c.y, x1));",
+        ),
     ];
     for (file, text, line) in pinned {
         assert!(
@@ -251,6 +281,7 @@ fn restated_formulas_are_the_kernels_text() {
     assert_eq!(f32::from_bits(0x0000_0200), 2f32.powi(-140));
     assert_eq!(f32::from_bits(0x7600_0000), 2f32.powi(109));
     assert!(WGR.contains("__fmaf_rn(x0[i], cf[kk][g2], __fmul_rn(x1[i], cf[kk][g2 + 1]))"));
+    assert_eq!(dsa_indexer::reference::int8_path::EPI_MAX_V_SPREAD, 104);
 }
 
 // ==== the exact class on int8 tensor cores (reference::int8_path) ====
