@@ -1288,10 +1288,12 @@ fn int8_side_on_the_host(c: &Case) -> Int8Side {
 }
 
 /// The int8 test cases at `D = d`, `H = 32`, each with the side its tiles take: ragged
-/// rows (two requests of 7 and 3 rows: a row group of one row) and keys past tile edges
-/// (3 tiles + 5 keys; 64..=66 keys); scale bytes at each edge of the guard, near 0 and near
+/// rows (two requests of 11 and 3 rows: row groups of 8, 3 and 3 on the eight-row entry
+/// production picks, of 4, 4, 3 and 3 on the four-row one) and keys past tile edges (3
+/// tiles + 5 keys; 64..=66 keys); scale bytes at each edge of the guard, near 0 and near
 /// 254, on both sides; a block or a key tile outside the guard between admitted ones;
-/// codes at their largest magnitude; engine-like inputs; the wide uniform draw.
+/// weights at the edges of the head epilogue's guard, their spread included; codes at
+/// their largest magnitude; engine-like inputs; the wide uniform draw.
 fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
     use rand::{Rng, SeedableRng};
     let (h, groups) = (32, d / 32);
