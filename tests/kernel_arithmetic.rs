@@ -1020,12 +1020,30 @@ struct EpilogueSample {
     y: Vec<i32>,
     eq_min: Vec<u8>,
     w: Vec<f32>,
+    /// The heads' `v_h = w_h 2^(eq_min,h - 129)` (`int8_path::epilogue_weight`).
+    v: Vec<f32>,
     ek_min: u8,
     want: f32,
 }
 
+impl EpilogueSample {
+    /// Sample `n`'s model logit `got` is SPEC 4's, bit for bit.
+    fn assert_model(&self, n: usize, got: f32) {
+        assert_eq!(
+            got.to_bits(),
+            self.want.to_bits(),
+            "sample {n}: model {got:e}, reference {:e}; ek_min {} eq_min {:?} w {:?} y {:?}",
+            self.want,
+            self.ek_min,
+            self.eq_min,
+            self.w,
+            self.y
+        );
+    }
+}
+
 fn epilogue_sample(rng: &mut impl Rng, n: usize, w_spread: i32) -> Option<EpilogueSample> {
-    use dsa_indexer::reference::int8_path::{int8_pair_admits, pow2_f32};
+    use dsa_indexer::reference::int8_path::{epilogue_weight, int8_pair_admits, pow2_f32};
     use dsa_indexer::reference::logits::{exact_head_score, pairwise_f32, relu};
     let heads = 32usize;
     let g = [2usize, 4][n % 2];
@@ -1088,6 +1106,10 @@ fn epilogue_sample(rng: &mut impl Rng, n: usize, w_spread: i32) -> Option<Epilog
     }
     pairs_ok.then(|| EpilogueSample {
         want: pairwise_f32(&want_terms),
+        v: w.iter()
+            .zip(&eq_min)
+            .map(|(&w, &e)| epilogue_weight(w, e))
+            .collect(),
         y,
         eq_min,
         w,
@@ -1102,7 +1124,7 @@ fn epilogue_sample(rng: &mut impl Rng, n: usize, w_spread: i32) -> Option<Epilog
 /// (`docs/numerics.md` 6.7), bitwise. Draws cover the whole exponent range.
 #[test]
 fn int8_epilogue_matches_the_reference_wherever_its_guard_admits() {
-    use dsa_indexer::reference::int8_path::{epilogue_admits, epilogue_logit, epilogue_weight};
+    use dsa_indexer::reference::int8_path::{epilogue_admits, epilogue_logit};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(67);
     let samples = 40_000usize;
     let (mut admitted, mut rejected, mut rejected_differ, mut neg_zero) = (0, 0, 0, 0);
@@ -1111,22 +1133,8 @@ fn int8_epilogue_matches_the_reference_wherever_its_guard_admits() {
             continue;
         };
         let got = epilogue_logit(&p.y, &p.eq_min, &p.w, p.ek_min);
-        let v: Vec<f32> =
-            p.w.iter()
-                .zip(&p.eq_min)
-                .map(|(&w, &e)| epilogue_weight(w, e))
-                .collect();
-        if epilogue_admits(&p.w, &v, p.ek_min) {
-            assert_eq!(
-                got.to_bits(),
-                p.want.to_bits(),
-                "sample {n}: model {got:e}, reference {:e}; ek_min {} eq_min {:?} w {:?} y {:?}",
-                p.want,
-                p.ek_min,
-                p.eq_min,
-                p.w,
-                p.y
-            );
+        if epilogue_admits(&p.w, &p.v, p.ek_min) {
+            p.assert_model(n, got);
             admitted += 1;
             neg_zero += (p.want.to_bits() == 0x8000_0000) as u32;
         } else {
@@ -1186,26 +1194,12 @@ fn int8_epilogue_subnormal_form_matches_the_reference_wherever_its_guard_admits(
             continue;
         };
         let got = epilogue_logit_subnormal(&p.y, &p.eq_min, &p.w, p.ek_min);
-        let v: Vec<f32> =
-            p.w.iter()
-                .zip(&p.eq_min)
-                .map(|(&w, &e)| epilogue_weight(w, e))
-                .collect();
-        if epilogue_subnormal_admits(&p.w, &v, p.ek_min) {
-            assert_eq!(
-                got.to_bits(),
-                p.want.to_bits(),
-                "sample {n}: model {got:e}, reference {:e}; ek_min {} eq_min {:?} w {:?} y {:?}",
-                p.want,
-                p.ek_min,
-                p.eq_min,
-                p.w,
-                p.y
-            );
+        if epilogue_subnormal_admits(&p.w, &p.v, p.ek_min) {
+            p.assert_model(n, got);
             admitted += 1;
             wide_admitted += (w_spread > 6) as u32;
             neg_zero += (p.want.to_bits() == 0x8000_0000) as u32;
-        } else if epilogue_admits(&p.w, &v, p.ek_min) {
+        } else if epilogue_admits(&p.w, &p.v, p.ek_min) {
             spread_rejected += 1;
             spread_differ += (got.to_bits() != p.want.to_bits()) as u32;
         }
