@@ -4,7 +4,7 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage --features tuning                                   # here
-#   run: bash benches/gpu.sh [quick] [tests] [wgi8] [knobs] [bench] [decode] [ab] [alt] [select] [torch] [ncu] [ncutk] [sanitize]
+#   run: bash benches/gpu.sh [quick] [tests] [wgi8] [knobs] [bench] [decode] [ab] [alt] [altfast] [select] [torch] [ncu] [ncutk] [sanitize]
 #        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases] [ktimes]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
@@ -40,7 +40,8 @@
 # With no arguments it runs tests, bench, ab and torch (ncu, ncutk: hardware counters;
 # ktimes: each kernel's device time; sanitize: memcheck, racecheck, initcheck and
 # synccheck over the GPU tests and `run --device cuda`, each on request; alt: define
-# sets of the exact class's kernel beside the default, below). The golden files are
+# sets of the exact class's kernel beside the default, below; altfast: the same for the
+# fast kernel). The golden files are
 # read from tests/golden unless $DSA_GOLDEN_DIR says otherwise.
 #
 # Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
@@ -67,7 +68,8 @@
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),
 #   WGI8_USLOT (1: the eight-row loop's ring slot shuffled from lane 0, so that ptxas keeps the
-#   wgmma descriptors in uniform registers; opt-in until an A/B measures it),
+#   wgmma descriptors in uniform registers; opt-in until an A/B measures it), W8_USLOT (the
+#   same for the fast kernel's ring of key tiles),
 #   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour),
 #   SELECT_STREAM (1 or 2: each tile's selection on a stream of its own, at the default or
@@ -149,7 +151,7 @@ if has tests; then
   # The exact class at H = 32 on mqa_logits_wgr alone (no int8 tile), folded and not.
   hook_tests no_int8_exact int8_exact exact_class boundary special golden same_bits engine_api paged decode_step
   hook_tests no_int8_exact,no_scale_fold int8_exact exact_class special golden
-  wgi8_knob_tests
+  has wgi8 || wgi8_knob_tests
   # The accumulator cases' errors, |diff| / M per case, at both precisions (the fast mode
   # on fp8 wgmma, held to SPEC 4's fast-mode bound).
   DSA_REQUIRE_GPU=1 timeout 120 $B/cuda --test-threads=1 fp8_wgmma engine_like --nocapture 2>&1 | grep "/ M =\|panicked\|> bound" > "$OUT/acc_cases.txt"
@@ -273,6 +275,41 @@ if has alt; then
   alt_round 60 v41-chunk
   alt_round 120 v41-chunk-wide v41-1m v41-decode-b64-64k
   grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/alt.txt" \
+    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
+fi
+
+if has altfast; then
+  # FAST_FORMS (';'-separated define sets of the fast kernel, mqa_logits_w8) beside the
+  # default in alternating processes, at the fast precision: each form's fast-kernel
+  # tests first (FAST_TESTS=0 leaves them to a later call, for a form only measured),
+  # then two rounds on v32-16k and on v32-64k and one on the paged decode at batch 128
+  # (altfast.txt, and the summary). A form that hangs is caught as in `alt`.
+  log "alternating A/B, fast precision: ${FAST_FORMS:-no forms (FAST_FORMS is empty)}"
+  fforms=()
+  IFS=';' read -ra fast_forms <<< "${FAST_FORMS:-}"
+  for defs in ${fast_forms[@]+"${fast_forms[@]}"}; do
+    DSA_CUDA_DEFINES="$defs MBAR_WATCHDOG=24" timeout -k 10 60 $B/dsa-indexer bench --device cuda \
+      --precision fast v32-16k --reps 1 > /dev/null 2>> "$OUT/altfast.txt"
+    rc=$?
+    if [ $rc != 0 ]; then echo "$defs: one v32-16k run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
+    fforms+=("$defs")
+    if [ "${FAST_TESTS:-1}" != 0 ]; then
+      knob_tests "$defs" fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
+    fi
+  done
+  altf_round() {  # altf_round SECONDS WORKLOAD...: the default, then each form that ran
+    local secs="$1"; shift
+    for defs in "" ${fforms[@]+"${fforms[@]}"}; do
+      DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json \
+        --precision fast "$@" --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/altfast.txt"
+    done
+  }
+  altf_round 60 v32-16k
+  altf_round 120 v32-64k
+  altf_round 60 v32-16k
+  altf_round 120 v32-64k
+  altf_round 60 v32-decode-b128-128k-mtp2
+  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/altfast.txt" \
     | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 fi
 

@@ -75,6 +75,12 @@
 #endif
 #endif
 static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
+// 1 (tuning, opt-in until measured): the ring tile's A descriptor built each tile from
+// the slot as lane 0 holds it (a shuffle), which ptxas keeps in the uniform datapath
+// with the descriptors; 0 (the default): stepped from sK[0]'s in vector registers.
+#ifndef W8_USLOT
+#define W8_USLOT 0
+#endif
 static_assert(W8_TMA == 1, "W8_TMA: 0 or 1");
 // One ring tile: 64 key rows of 128 bytes, 1024-byte aligned (wgmma_desc_sw128).
 #define W8_TILE_BYTES (H64_KEYS * D)
@@ -217,10 +223,18 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     mbar_wait(&full[slot], phase);
     float acc[64];
     wgmma_fence();
+#if W8_USLOT
+    const u64 da = wgmma_desc_sw128(sK[__shfl_sync(FULL_MASK, slot, 0)]);
+#pragma unroll
+    for (int s = 0; s < W8_S; ++s)
+      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_add(da, 32 * s),
+                               wgmma_desc_add(db0, 2 * s * lbo), s > 0 ? 1u : 0u);
+#else
 #pragma unroll
     for (int s = 0; s < W8_S; ++s)
       wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_add(da0, slot * W8_TILE_BYTES + 32 * s),
                                wgmma_desc_add(db0, 2 * s * lbo), s > 0 ? 1u : 0u);
+#endif
     wgmma_commit();
     // Thread 0 refills the previous tile's ring tile (the slot before this one, in the
     // phase that tile used) with the tile W8_RING - 1 ahead, once every thread is done
