@@ -5,8 +5,11 @@
         .gpu/bin/dsa-indexer bench --device cuda --json v41-chunk --reps 1 > ncu.txt
     python3 benches/kernel_times.py ncu.txt [more.txt ...]
 
-Prints one table per report: each kernel in order of its first launch, its launches
-and the median, lowest, highest and summed `gpu__time_duration.sum` in ms. The
+Prints one table per report: each kernel and launch shape (grid x block) in order of
+its first launch, its launches and the median, lowest, highest and summed
+`gpu__time_duration.sum` in ms. Launches of one kernel with different grids (a run's
+tiles of different row counts, or one kernel serving two steps) are rows of their own,
+so that a median never mixes them. The
 benchmark process launches every kernel of a warm-up and of each repetition, so the
 sums span those runs; the medians are per launch. `bash benches/gpu.sh ktimes` runs
 it on the device (benches/kernel_times_test.py: its tests, on a recorded report).
@@ -17,7 +20,7 @@ import statistics
 import sys
 
 # A launch's header line: `  name (gx, gy, gz)x(bx, by, bz), Context 1, Stream 13, ...`.
-LAUNCH = re.compile(r"^  (\S+) \(\d+, \d+, \d+\)x\(\d+, \d+, \d+\)")
+LAUNCH = re.compile(r"^  (\S+) (\(\d+, \d+, \d+\)x\(\d+, \d+, \d+\))")
 DURATION = re.compile(r"^\s+gpu__time_duration\.sum\s+(\S+)\s+([\d.,]+)\s*$")
 TO_MS = {
     "ns": 1e-6,
@@ -32,15 +35,16 @@ TO_MS = {
 
 
 def launches(text):
-    """The (kernel, ms) pairs of a report, in launch order. A launch whose duration is
-    missing or in an unknown unit is an error naming it, not a silent zero."""
-    out, name = [], None
+    """The (kernel, shape, ms) triples of a report, in launch order; shape is the
+    launch's `(grid)x(block)` as ncu prints it. A launch whose duration is missing or in
+    an unknown unit is an error naming it, not a silent zero."""
+    out, name, shape = [], None, None
     for n, line in enumerate(text.splitlines(), 1):
         m = LAUNCH.match(line)
         if m:
             if name is not None:
                 raise ValueError(f"line {n}: launch of {name} has no gpu__time_duration.sum")
-            name = m.group(1)
+            name, shape = m.group(1), m.group(2)
             continue
         m = DURATION.match(line)
         if m:
@@ -49,32 +53,34 @@ def launches(text):
             unit, value = m.group(1), m.group(2).replace(",", "")
             if unit not in TO_MS:
                 raise ValueError(f"line {n}: unit {unit!r} of {name}'s duration is not a time")
-            out.append((name, float(value) * TO_MS[unit]))
+            out.append((name, shape, float(value) * TO_MS[unit]))
             name = None
     if name is not None:
         raise ValueError(f"launch of {name} at the end has no gpu__time_duration.sum")
     return out
 
 
-def summary(pairs):
-    """Per kernel, in order of first launch: (name, launches, median, min, max, sum) in ms."""
+def summary(triples):
+    """Per kernel and launch shape, in order of first launch: (name, shape, launches,
+    median, min, max, sum), the times in ms."""
     by = {}
-    for name, ms in pairs:
-        by.setdefault(name, []).append(ms)
+    for name, shape, ms in triples:
+        by.setdefault((name, shape), []).append(ms)
     return [
-        (name, len(t), statistics.median(t), min(t), max(t), sum(t)) for name, t in by.items()
+        (name, shape, len(t), statistics.median(t), min(t), max(t), sum(t))
+        for (name, shape), t in by.items()
     ]
 
 
 def table(rows):
     lines = [
-        "| kernel | launches | median ms | min | max | sum ms |",
-        "|---|---|---|---|---|---|",
+        "| kernel | grid x block | launches | median ms | min | max | sum ms |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, k, med, lo, hi, total in rows:
-        lines.append(f"| {name} | {k} | {med:.3f} | {lo:.3f} | {hi:.3f} | {total:.3f} |")
-    total = sum(r[5] for r in rows)
-    lines.append(f"| all | {sum(r[1] for r in rows)} | | | | {total:.3f} |")
+    for name, shape, k, med, lo, hi, total in rows:
+        lines.append(f"| {name} | {shape} | {k} | {med:.3f} | {lo:.3f} | {hi:.3f} | {total:.3f} |")
+    total = sum(r[6] for r in rows)
+    lines.append(f"| all | | {sum(r[2] for r in rows)} | | | | {total:.3f} |")
     return "\n".join(lines)
 
 
@@ -84,11 +90,11 @@ def main(argv):
         return 0 if argv else 2
     for path in argv:
         with open(path, encoding="utf-8", errors="replace") as f:
-            pairs = launches(f.read())
-        if not pairs:
+            triples = launches(f.read())
+        if not triples:
             print(f"{path}: no kernel launch with gpu__time_duration.sum", file=sys.stderr)
             return 1
-        print(f"{path}:\n\n{table(summary(pairs))}\n")
+        print(f"{path}:\n\n{table(summary(triples))}\n")
     return 0
 
 

@@ -12,15 +12,19 @@ import kernel_times  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "testdata", "ncu_times.txt")
 
-HEADER = "  {} (32, 259, 1)x(128, 1, 1), Context 1, Stream 13, Device 0, CC 9.0"
+HEADER = "  {} {}, Context 1, Stream 13, Device 0, CC 9.0"
+SHAPE = "(32, 259, 1)x(128, 1, 1)"
 METRIC = "    gpu__time_duration.sum          {}        {}"
 
 
-def report(*launches):
-    """A report of (kernel, unit, value) launches in ncu's layout."""
+def report(*launches, shape=SHAPE):
+    """A report of (kernel, unit, value) launches in ncu's layout, or (kernel, unit,
+    value, shape) for a launch of its own shape."""
     lines = ["[1] dsa-indexer@127.0.0.1"]
-    for name, unit, value in launches:
-        lines += [HEADER.format(name), "    Section: Command line profiler metrics"]
+    for launch in launches:
+        name, unit, value = launch[:3]
+        lines += [HEADER.format(name, launch[3] if len(launch) > 3 else shape),
+                  "    Section: Command line profiler metrics"]
         if unit is not None:
             lines.append(METRIC.format(unit, value))
         lines.append("")
@@ -30,25 +34,36 @@ def report(*launches):
 class RecordedReport(unittest.TestCase):
     def test_every_launch_in_order_with_its_time_in_ms(self):
         with open(DATA, encoding="utf-8") as f:
-            pairs = kernel_times.launches(f.read())
-        self.assertEqual(len(pairs), 17)
-        self.assertEqual(pairs[0], ("wgi8_decode_keys", 22.37e-3))
-        self.assertEqual(pairs[1], ("mqa_logits_wgi8_r8", 5.66))
-        self.assertAlmostEqual(pairs[2][1], 0.78682)
-        rows = kernel_times.summary(pairs)
-        self.assertEqual([r[:2] for r in rows], [
-            ("wgi8_decode_keys", 1), ("mqa_logits_wgi8_r8", 8), ("topk_ragged_f32", 8)])
-        name, k, med, lo, hi, total = rows[1]
-        self.assertEqual((lo, hi), (5.53, 5.67))
-        self.assertAlmostEqual(med, 5.64)
-        self.assertAlmostEqual(total, 45.02)
+            triples = kernel_times.launches(f.read())
+        self.assertEqual(len(triples), 17)
+        self.assertEqual(triples[0], ("wgi8_decode_keys", "(4096, 1, 1)x(256, 1, 1)", 22.37e-3))
+        self.assertEqual(triples[1], ("mqa_logits_wgi8_r8", "(32, 259, 1)x(128, 1, 1)", 5.66))
+        self.assertAlmostEqual(triples[2][2], 0.78682)
+
+    def test_the_two_tile_shapes_are_rows_of_their_own(self):
+        # v41-chunk's two tiles launch the logits on 259 and 253 row groups, and the
+        # top-k on 2072 and 2024 rows: four launches of each shape.
+        with open(DATA, encoding="utf-8") as f:
+            triples = kernel_times.launches(f.read())
+        rows = kernel_times.summary(triples)
+        self.assertEqual([r[:3] for r in rows], [
+            ("wgi8_decode_keys", "(4096, 1, 1)x(256, 1, 1)", 1),
+            ("mqa_logits_wgi8_r8", "(32, 259, 1)x(128, 1, 1)", 4),
+            ("topk_ragged_f32", "(2072, 1, 1)x(512, 1, 1)", 4),
+            ("mqa_logits_wgi8_r8", "(32, 253, 1)x(128, 1, 1)", 4),
+            ("topk_ragged_f32", "(2024, 1, 1)x(512, 1, 1)", 4)])
+        self.assertAlmostEqual(sum(r[6] for r in rows), sum(t[2] for t in triples))
+        big = [ms for n, s, ms in triples if n == "mqa_logits_wgi8_r8" and s.startswith("(32, 259")]
+        name, shape, k, med, lo, hi, total = rows[1]
+        self.assertEqual((lo, hi), (min(big), max(big)))
+        self.assertAlmostEqual(total, sum(big))
 
 
 class Units(unittest.TestCase):
     def test_each_unit_to_ms(self):
         text = report(("a", "ns", "1,500"), ("b", "usecond", "2.5"), ("c", "s", "0.001"),
                       ("a", "msecond", "3"))
-        self.assertEqual(kernel_times.launches(text),
+        self.assertEqual([(n, ms) for n, _, ms in kernel_times.launches(text)],
                          [("a", 1.5e-3), ("b", 2.5e-3), ("c", 1.0), ("a", 3.0)])
 
     def test_an_unknown_unit_is_an_error_naming_it(self):
@@ -62,9 +77,17 @@ class Units(unittest.TestCase):
             kernel_times.launches(report(("a", "ms", "1"), ("b", None, None)))
 
     def test_the_table_sums_every_launch(self):
-        rows = kernel_times.summary([("x", 1.0), ("y", 0.5), ("x", 3.0)])
-        self.assertEqual(rows, [("x", 2, 2.0, 1.0, 3.0, 4.0), ("y", 1, 0.5, 0.5, 0.5, 0.5)])
-        self.assertTrue(kernel_times.table(rows).endswith("| all | 3 | | | | 4.500 |"))
+        rows = kernel_times.summary([("x", "s", 1.0), ("y", "s", 0.5), ("x", "s", 3.0)])
+        self.assertEqual(rows, [("x", "s", 2, 2.0, 1.0, 3.0, 4.0),
+                                ("y", "s", 1, 0.5, 0.5, 0.5, 0.5)])
+        self.assertTrue(kernel_times.table(rows).endswith("| all | | 3 | | | | 4.500 |"))
+
+    def test_one_kernel_of_two_shapes_is_two_rows(self):
+        text = report(("k", "ms", "1"), ("k", "ms", "5", "(8, 1, 1)x(128, 1, 1)"),
+                      ("k", "ms", "3"))
+        rows = kernel_times.summary(kernel_times.launches(text))
+        self.assertEqual(rows, [("k", SHAPE, 2, 2.0, 1.0, 3.0, 4.0),
+                                ("k", "(8, 1, 1)x(128, 1, 1)", 1, 5.0, 5.0, 5.0, 5.0)])
 
 
 if __name__ == "__main__":
