@@ -372,13 +372,6 @@ __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rs
 #define WGI8_RING 2
 #endif
 static_assert(WGI8_RING >= 2 && WGI8_RING <= 3, "WGI8_RING: 2 or 3");
-// 1 (tuning, opt-in until measured): the ring tile's A descriptor built each tile from
-// the slot as lane 0 holds it (a shuffle), which ptxas keeps in the uniform datapath
-// with the descriptors: 652 SASS instructions per thread and tile against 671 (ptxas
-// 13.0, D = 128, the subnormal epilogue), 166 registers, no spills.
-#ifndef WGI8_USLOT
-#define WGI8_USLOT 0
-#endif
 // One ring tile: 64 keys of D bytes. The ring is the entry's dynamic shared memory,
 // WGI8_RING tiles and 1024 bytes to align it (the host's kernels::wgi8_ring_bytes).
 #define WGI8_KTILE_BYTES (WGR_KEYS * D)
@@ -742,13 +735,7 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       if (i8) {
         float out[R / 2];
         if constexpr (PRE) {
-#if WGI8_USLOT
-          // The ring slot through a shuffle from lane 0: ptxas then holds it, and the
-          // descriptors built from it, in uniform registers (17 R2UR a tile become 3).
-          const u64 da = wgmma_desc_swz(ring + __shfl_sync(FULL_MASK, slot, 0) * WGI8_KTILE_BYTES, D);
-#else
           const u64 da = wgmma_desc_add(dring, slot * WGI8_KTILE_BYTES);
-#endif
           wgi8_tile_mma<R>(
               [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
                 wgmma_m64n128k32_s8_ss(y, wgmma_desc_add(da, 32 * g), db, scale_d);
