@@ -1855,9 +1855,26 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
                     assert_eq!(paths.sampled, sampled_rows, "{name}, K={k}: {paths:?}");
                 }
             } else if name == "sample chunks lowest" {
-                // Every block's candidates together overflow: the first block's second
-                // pass over the whole row.
-                assert_eq!(paths.resampled, sampled_rows, "{name}, K={k}: {paths:?}");
+                // Every block's candidates together overflow, so no row keeps its first
+                // threshold: the first block's second pass over the whole row. The
+                // second threshold is estimated from the candidates that fit, the first
+                // CAP in the order the warps reserved their slots, which the schedule
+                // sets, so it may differ between runs. With the wide candidate memory
+                // (cluster or wide launch) its margin serves every row. With
+                // topk_ragged_f32's narrower one (no_wide_topk) a row now and then misses
+                // it (8 of 30 runs at 12 rows) and takes the two passes or the general
+                // path; the outputs above are the same either way.
+                assert_eq!(paths.sampled, 0, "{name}, K={k}: {paths:?}");
+                if kernels::topk_wide(rows, sms, hooks) {
+                    assert_eq!(paths.resampled, sampled_rows, "{name}, K={k}: {paths:?}");
+                } else {
+                    assert_eq!(
+                        paths.resampled + paths.two_pass + paths.general,
+                        sampled_rows,
+                        "{name}, K={k}: {paths:?}"
+                    );
+                    assert!(paths.resampled > 0, "{name}, K={k}: {paths:?}");
+                }
             } else if name == "sample chunks highest" {
                 assert_eq!(
                     paths.sampled + paths.resampled,
