@@ -75,11 +75,14 @@
 #endif
 #endif
 static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
-// 1 (tuning, opt-in until measured): the ring tile's A descriptor built each tile from
-// the slot as lane 0 holds it (a shuffle), which ptxas keeps in the uniform datapath
-// with the descriptors; 0 (the default): stepped from sK[0]'s in vector registers.
+// W8_USLOT = 1 (the default): the ring tile's A descriptor built each tile from the slot
+// as lane 0 holds it (a shuffle), which ptxas then keeps, with the descriptors, in the
+// uniform datapath: the tile's MMA section issues 36 instructions per thread instead of
+// 48 (123 registers; v32-64k fast 1.8 % faster, benches/RESULTS.md). 0 (a tuning
+// define): the descriptors stepped from sK[0]'s in vector registers, each moved to a
+// uniform register before its MMA.
 #ifndef W8_USLOT
-#define W8_USLOT 0
+#define W8_USLOT 1
 #endif
 static_assert(W8_TMA == 1, "W8_TMA: 0 or 1");
 // One ring tile: 64 key rows of 128 bytes, 1024-byte aligned (wgmma_desc_sw128).
@@ -224,6 +227,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     float acc[64];
     wgmma_fence();
 #if W8_USLOT
+    // Every lane holds the same slot; read from lane 0 it is warp-uniform to ptxas.
     const u64 da = wgmma_desc_sw128(sK[__shfl_sync(FULL_MASK, slot, 0)]);
 #pragma unroll
     for (int s = 0; s < W8_S; ++s)
