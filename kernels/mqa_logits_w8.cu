@@ -78,7 +78,7 @@ static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
 // W8_USLOT = 1 (the default): the ring tile's A descriptor built each tile from the slot
 // as lane 0 holds it (a shuffle), which ptxas then keeps, with the descriptors, in the
 // uniform datapath: the tile's MMA section issues 36 instructions per thread instead of
-// 48 (123 registers; v32-64k fast 1.8 % faster, benches/RESULTS.md). 0 (a tuning
+// 48 (123 registers; v32-64k fast 0.9 to 1.8 % faster, benches/RESULTS.md). 0 (a tuning
 // define): the descriptors stepped from sK[0]'s in vector registers, each moved to a
 // uniform register before its MMA.
 #ifndef W8_USLOT
