@@ -1862,8 +1862,8 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
                 // sets, so it may differ between runs. With the wide candidate memory
                 // (cluster or wide launch) its margin serves every row. With
                 // topk_ragged_f32's narrower one (no_wide_topk) a row now and then misses
-                // it (8 of 30 runs at 12 rows) and takes the two passes or the general
-                // path; the outputs above are the same either way.
+                // it (one row of nine, in 8 of 30 runs) and takes the two passes or the
+                // general path; the outputs above are the same either way.
                 assert_eq!(paths.sampled, 0, "{name}, K={k}: {paths:?}");
                 if kernels::topk_wide(rows, sms, hooks) {
                     assert_eq!(paths.resampled, sampled_rows, "{name}, K={k}: {paths:?}");
