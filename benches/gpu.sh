@@ -244,72 +244,74 @@ if has ab; then
   done
 fi
 
+# Alternating A/B of define sets against the default (`alt`, `altfast`). A form that hangs
+# (a ring whose protocol is new) is caught by one short run first, with MBAR_WATCHDOG (a
+# wait that never ends traps: the launch fails) and a 60 s timeout, and left out of the
+# rest, so that it cannot take the call's time in the tests' longer timeouts.
+# ab_forms LOG PRECISION FORMS PROBE TESTS FILTER...: ab_log, ab_prec and ab_ran (the
+# forms of the ';'-separated FORMS whose one PROBE run passed), each form's tests under
+# FILTER first unless TESTS is 0.
+ab_forms() {
+  ab_log="$1" ab_prec="$2"
+  local list="$3" probe="$4" tests="$5" defs rc
+  shift 5
+  ab_ran=()
+  local cand=()
+  IFS=';' read -ra cand <<< "$list"
+  for defs in ${cand[@]+"${cand[@]}"}; do
+    DSA_CUDA_DEFINES="$defs MBAR_WATCHDOG=24" timeout -k 10 60 $B/dsa-indexer bench --device cuda \
+      --precision "$ab_prec" "$probe" --reps 1 > /dev/null 2>> "$ab_log"
+    rc=$?
+    if [ $rc != 0 ]; then echo "$defs: one $probe run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
+    ab_ran+=("$defs")
+    if [ "$tests" != 0 ]; then knob_tests "$defs" "$@"; fi
+  done
+}
+# ab_round SECONDS WORKLOAD...: the default, then each form of ab_ran, into ab_log.
+ab_round() {
+  local secs="$1" defs
+  shift
+  for defs in "" ${ab_ran[@]+"${ab_ran[@]}"}; do
+    DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json \
+      --precision "$ab_prec" "$@" --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$ab_log"
+  done
+}
+# ab_summary: each line of ab_log's runs as form, workload and times, into the summary.
+ab_summary() {
+  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$ab_log" \
+    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
+}
+
 if has alt; then
   # ALT_FORMS (';'-separated define sets of the exact class's kernel, each a candidate
   # form) beside the default in alternating processes: each form's tests of the exact
   # class's kernels first (int8, exact-class, boundary, golden, paged, decode and
   # special-value tests), then two rounds on v41-chunk and one on v41-chunk-wide, v41-1m
-  # and v41-decode-b64-64k (alt.txt, and the summary). A form that hangs (a ring whose
-  # protocol is new) is caught by one short run first, with MBAR_WATCHDOG (a wait that
-  # never ends traps: the launch fails) and a 60 s timeout, and left out of the rest, so
-  # that it cannot take the call's time in the tests' longer timeouts.
+  # and v41-decode-b64-64k (alt.txt, and the summary).
   log "alternating A/B: ${ALT_FORMS:-no forms (ALT_FORMS is empty)}"
-  forms=()
-  IFS=';' read -ra alt_forms <<< "${ALT_FORMS:-}"
-  for defs in ${alt_forms[@]+"${alt_forms[@]}"}; do
-    DSA_CUDA_DEFINES="$defs MBAR_WATCHDOG=24" timeout -k 10 60 $B/dsa-indexer bench --device cuda v41-chunk --reps 1 > /dev/null 2>> "$OUT/alt.txt"
-    rc=$?
-    if [ $rc != 0 ]; then echo "$defs: one v41-chunk run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
-    forms+=("$defs")
-    knob_tests "$defs" int8_exact exact_class boundary golden paged decode special_values
-  done
-  alt_round() {  # alt_round SECONDS WORKLOAD...: the default, then each form that ran
-    local secs="$1"; shift
-    for defs in "" ${forms[@]+"${forms[@]}"}; do
-      DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json "$@" \
-        --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/alt.txt"
-    done
-  }
-  alt_round 60 v41-chunk
-  alt_round 60 v41-chunk
-  alt_round 120 v41-chunk-wide v41-1m v41-decode-b64-64k
-  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/alt.txt" \
-    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
+  ab_forms "$OUT/alt.txt" full "${ALT_FORMS:-}" v41-chunk 1 \
+    int8_exact exact_class boundary golden paged decode special_values
+  ab_round 60 v41-chunk
+  ab_round 60 v41-chunk
+  ab_round 120 v41-chunk-wide v41-1m v41-decode-b64-64k
+  ab_summary
 fi
 
 if has altfast; then
   # FAST_FORMS (';'-separated define sets of the fast kernel, mqa_logits_w8) beside the
   # default in alternating processes, at the fast precision: each form's fast-kernel
-  # tests first (FAST_TESTS=0 leaves them to a later call, for a form only measured),
-  # then two rounds on v32-16k and on v32-64k and one on the paged decode at batch 128
-  # (altfast.txt, and the summary). A form that hangs is caught as in `alt`.
+  # tests first (FAST_TESTS=0 leaves them out, for a form only measured), then two
+  # rounds on v32-16k and on v32-64k and one on the paged decode at batch 128
+  # (altfast.txt, and the summary).
   log "alternating A/B, fast precision: ${FAST_FORMS:-no forms (FAST_FORMS is empty)}"
-  fforms=()
-  IFS=';' read -ra fast_forms <<< "${FAST_FORMS:-}"
-  for defs in ${fast_forms[@]+"${fast_forms[@]}"}; do
-    DSA_CUDA_DEFINES="$defs MBAR_WATCHDOG=24" timeout -k 10 60 $B/dsa-indexer bench --device cuda \
-      --precision fast v32-16k --reps 1 > /dev/null 2>> "$OUT/altfast.txt"
-    rc=$?
-    if [ $rc != 0 ]; then echo "$defs: one v32-16k run failed (rc=$rc), left out" | tee -a "$OUT/summary.txt"; continue; fi
-    fforms+=("$defs")
-    if [ "${FAST_TESTS:-1}" != 0 ]; then
-      knob_tests "$defs" fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
-    fi
-  done
-  altf_round() {  # altf_round SECONDS WORKLOAD...: the default, then each form that ran
-    local secs="$1"; shift
-    for defs in "" ${fforms[@]+"${fforms[@]}"}; do
-      DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json \
-        --precision fast "$@" --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/altfast.txt"
-    done
-  }
-  altf_round 60 v32-16k
-  altf_round 120 v32-64k
-  altf_round 60 v32-16k
-  altf_round 120 v32-64k
-  altf_round 60 v32-decode-b128-128k-mtp2
-  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$OUT/altfast.txt" \
-    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
+  ab_forms "$OUT/altfast.txt" fast "${FAST_FORMS:-}" v32-16k "${FAST_TESTS:-1}" \
+    fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
+  ab_round 60 v32-16k
+  ab_round 120 v32-64k
+  ab_round 60 v32-16k
+  ab_round 120 v32-64k
+  ab_round 60 v32-decode-b128-128k-mtp2
+  ab_summary
 fi
 
 if has select; then
