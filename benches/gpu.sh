@@ -247,7 +247,7 @@ fi
 # Alternating A/B of define sets against the default (`alt`, `altfast`). A form that hangs
 # (a ring whose protocol is new) is caught by one short run first, with MBAR_WATCHDOG (a
 # wait that never ends traps: the launch fails) and a 60 s timeout, and left out of the
-# rest, so that it cannot take the call's time in the tests' longer timeouts.
+# rest, so that it cannot spend the tests' longer timeouts hanging.
 # ab_forms LOG PRECISION FORMS PROBE TESTS FILTER...: ab_log, ab_prec and ab_ran (the
 # forms of the ';'-separated FORMS whose one PROBE run passed), each form's tests under
 # FILTER first unless TESTS is 0.
