@@ -345,12 +345,24 @@ if has select; then
 fi
 
 if has ncu; then
-  # Hardware counters of the first logits launch of each workload.
-  for wl in v32-16k v41-chunk; do
-    log "ncu $wl"
-    timeout 180 ncu --clock-control none -k regex:mqa_logits -c 1 --section SpeedOfLight \
-      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
-      --section Occupancy $B/dsa-indexer bench --device cuda --json $wl --reps 1 > "$OUT/ncu-$wl.txt" 2>&1
+  # Hardware counters of the first logits launch of each workload. NCU_W names the
+  # workloads (v32-16k v41-chunk), NCU_ARGS further bench arguments (e.g. --precision
+  # fast); NCU_SET=full takes ncu's full set, the source counters (stall reasons per SASS
+  # instruction, ncu-src-WORKLOAD.csv) among them.
+  for wl in ${NCU_W:-v32-16k v41-chunk}; do
+    log "ncu $wl ${NCU_ARGS:-}"
+    if [[ "${NCU_SET:-}" == full ]]; then
+      timeout 300 ncu --clock-control none -k regex:mqa_logits -c 1 --set full -o "$OUT/ncu-$wl" \
+        $B/dsa-indexer bench --device cuda --json $wl ${NCU_ARGS:-} --reps 1 > "$OUT/ncu-$wl.log" 2>&1
+      ncu --import "$OUT/ncu-$wl.ncu-rep" --page details > "$OUT/ncu-$wl.txt" 2>&1
+      ncu --import "$OUT/ncu-$wl.ncu-rep" --page source --print-source sass --csv \
+        > "$OUT/ncu-src-$wl.csv" 2>&1
+    else
+      timeout 180 ncu --clock-control none -k regex:mqa_logits -c 1 --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy $B/dsa-indexer bench --device cuda --json $wl ${NCU_ARGS:-} --reps 1 \
+        > "$OUT/ncu-$wl.txt" 2>&1
+    fi
   done
 fi
 
