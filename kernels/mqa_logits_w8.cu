@@ -26,6 +26,11 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
+// Blocks per SM the registers must allow (D = 128 with W8_TMA: 125 registers with flat
+// keys, 128 with paged ones).
+#ifndef W8_MIN_BLOCKS
+#define W8_MIN_BLOCKS 4
+#endif
 // W8_TMA = 1 (D = 128, the default): both MMA operands from shared memory, the keys by
 // TMA. Thread 0 keeps the next W8_RING - 1 key tiles in flight as bulk tensor copies
 // (one per tile, or one per page for pages of fewer than 64 keys) into a ring of tiles
@@ -43,30 +48,6 @@
 #if D != 128
 #undef W8_TMA
 #define W8_TMA 0
-#endif
-// Rows per block (kernels::w8_rows). 2 (the default): 2 rows x 64 heads, the MMA's
-// N = 128 columns (logits_e4m3_h64.cuh's tile). 4 (a tuning define, host and kernel;
-// taken at D = 128 with W8_TMA only, else 2): 4 rows as N = 256 columns (m64n256k32),
-// so that a tile's fixed work (the ring's waits and arrivals, the descriptors, the key
-// scale, the loop) serves twice the products: 128 accumulators a thread, the weights
-// read from shared memory each tile, three blocks per SM, the block's shared memory
-// dynamic (kernels::w8_smem_bytes).
-#ifndef W8_ROWS
-#define W8_ROWS 2
-#endif
-#if !W8_TMA
-#undef W8_ROWS
-#define W8_ROWS 2
-#endif
-static_assert(W8_ROWS == 2 || W8_ROWS == 4, "W8_ROWS: 2 or 4");
-// Blocks per SM the registers must allow (D = 128 with W8_TMA: 125 registers with flat
-// keys, 128 with paged ones; W8_ROWS=4: three, at most 168 registers).
-#ifndef W8_MIN_BLOCKS
-#if W8_ROWS == 4
-#define W8_MIN_BLOCKS 3
-#else
-#define W8_MIN_BLOCKS 4
-#endif
 #endif
 
 // W8_LPT = 1 (the default): the launch's groups taken in reverse order, so that in a
@@ -147,7 +128,6 @@ __device__ __forceinline__ float w8_kscale(const u8 *k, const float *k_scale32, 
 
 // ==== kernel ====
 
-#if W8_ROWS == 2
 // block: rows grp.x + [0, 2) x 64 heads x keys 64 c + [0, 64) -> logits[row, key]
 // (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
 extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_logits_w8(
@@ -321,165 +301,3 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   }
 #endif
 }
-
-#else  // W8_ROWS == 4
-
-static_assert(W8_TMA, "W8_ROWS=4: D = 128, the keys by TMA");
-// MMA columns: row r, head h at column 64 r + h.
-#define W8_N (W8_ROWS * H)
-// The block's dynamic shared memory (kernels::w8_smem_bytes, which adds 1024 bytes of
-// slack for the alignment): the ring's key tiles (1024-byte aligned), the queries (B),
-// the weights in SPEC 4's layout (sw) and in the lanes' order (swl: row r, lane tig's
-// heads 8 nt + 2 tig + e at swl[r][tig][2 nt + e], four 16-byte loads a row), the
-// ring's barriers.
-#define W8_SMEM_K 0
-#define W8_SMEM_B (W8_RING * W8_TILE_BYTES)
-#define W8_SMEM_W (W8_SMEM_B + W8_N * D)
-#define W8_SMEM_WL (W8_SMEM_W + W8_ROWS * H * 4)
-#define W8_SMEM_BAR (W8_SMEM_WL + W8_ROWS * H * 4)
-#define W8_SMEM_BYTES (W8_SMEM_BAR + 2 * W8_RING * 8)
-
-// block: rows grp.x + [0, 4) x 64 heads x keys 64 c + [0, 64) -> logits[row, key]
-// (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...):
-// the two-row kernel above with N = 256; what differs is said here.
-extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_logits_w8(
-    const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
-    const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
-    const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
-    const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS W8_TMA_PARAM) {
-  extern __shared__ u8 w8_dsm[];
-  // Aligned by an offset from w8_dsm, so that every access stays a shared-memory one.
-  u8 *const sm = w8_dsm + ((1024u - (smem_u32(w8_dsm) & 1023u)) & 1023u);
-  u8(*const sK)[W8_TILE_BYTES] = reinterpret_cast<u8(*)[W8_TILE_BYTES]>(sm + W8_SMEM_K);
-  u8 *const sB = sm + W8_SMEM_B;
-  float(*const sw)[H] = reinterpret_cast<float(*)[H]>(sm + W8_SMEM_W);
-  float(*const swl)[4][16] = reinterpret_cast<float(*)[4][16]>(sm + W8_SMEM_WL);
-  u64 *const full = reinterpret_cast<u64 *>(sm + W8_SMEM_BAR);
-  u64 *const empty = full + W8_RING;
-
-  const uint4 grp = groups[group0 + (W8_LPT ? gridDim.y - 1 - blockIdx.y : blockIdx.y)];
-  const u32 nchunks = (grp.z + H64_KEYS - 1) / H64_KEYS;
-  if (blockIdx.x >= nchunks) return;
-  const u32 ks = row_ks[grp.x];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gid = lane >> 2, tig = lane & 3;
-  const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
-  auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
-
-  // The weights (h64_stage_weights' test, over four rows), in both layouts.
-  bool big_w = false;
-  for (int t = tid; t < W8_ROWS * H; t += H64_THREADS) {
-    const int r = t / H, h = t % H;
-    const float wt = w[(u64)row_of((u32)r) * H + h];
-    sw[r][h] = wt;
-    swl[r][(h >> 1) & 3][2 * (h >> 3) + (h & 1)] = wt;
-    big_w = big_w || !(fabsf(wt) < 0x1p96f);
-  }
-  for (int t = tid; t < W8_N * 4; t += H64_THREADS) {
-    const int n = t / 4, tg = t % 4;
-    u32 x[H64_WORDS];
-    h64_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
-    *reinterpret_cast<uint4 *>(&sB[wg_off(n, 2 * tg, W8_N)]) = make_uint4(x[0], x[1], x[2], x[3]);
-    *reinterpret_cast<uint4 *>(&sB[wg_off(n, 2 * tg + 1, W8_N)]) = make_uint4(x[4], x[5], x[6], x[7]);
-  }
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < W8_RING; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], H64_THREADS);
-    }
-    fence_mbar_init();
-  }
-  fence_proxy_async();
-  const bool spec_order = __syncthreads_or(big_w) != 0;  // block-uniform
-  constexpr u32 lbo = (W8_N / 8) * 128;  // chunk to chunk
-
-  int page_next = 0;
-#if DSA_PAGED
-  const bool page_ahead = page_log2 >= 6;
-  auto page_of = [&](u32 ci) {
-    return (page_ahead && ci < nchunks) ? paged_entry(page_table, ks, ci * H64_KEYS, page_log2) : 0;
-  };
-#else
-  auto page_of = [&](u32) { return 0; };
-#endif
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < W8_RING - 1; ++i) {
-      const u32 ci = blockIdx.x + i * gridDim.x;
-      if (ci < nchunks)
-        w8_tma_issue(sK[i], &full[i], &kmap, ks, grp.z, ci, page_of(ci) PG_PASS);
-    }
-    page_next = page_of(blockIdx.x + (W8_RING - 1) * gridDim.x);
-  }
-  const u32 jl = 16 * warp + gid + (odd ? 8 : 0);
-  float ksc_next = w8_kscale(k, k_scale32, ks, grp.z, blockIdx.x * H64_KEYS + jl PG_PASS);
-  const u64 db0 = wgmma_desc(sB, lbo, 128);
-  // This lane's logits after the head sum: rows hi and 2 + hi, key jl.
-  const RowOut out0 = row_out(logits, row_off, row_n, grp, hi ? 1u : 0u);
-  const RowOut out1 = row_out(logits, row_off, row_n, grp, hi ? 3u : 2u);
-  u32 slot = 0, phase = 0;
-  for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const u32 j0 = c * H64_KEYS;
-    const float kscale = ksc_next;
-    if (c + gridDim.x < nchunks)
-      ksc_next = w8_kscale(k, k_scale32, ks, grp.z, j0 + gridDim.x * H64_KEYS + jl PG_PASS);
-    mbar_wait(&full[slot], phase);
-    float acc[128];
-    wgmma_fence();
-    const u64 da = wgmma_desc_sw128(sK[__shfl_sync(FULL_MASK, slot, 0)]);
-#pragma unroll
-    for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n256k32_e4m3_ss(acc, wgmma_desc_add(da, 32 * s), wgmma_desc_add(db0, 2 * s * lbo),
-                               s > 0 ? 1u : 0u);
-    wgmma_commit();
-    if (tid == 0) {
-      const u32 cn = c + (W8_RING - 1) * gridDim.x;
-      const u32 prev = slot == 0 ? W8_RING - 1 : slot - 1;
-      if (cn < nchunks) {
-        if (c != blockIdx.x) mbar_wait(&empty[prev], slot == 0 ? phase ^ 1u : phase);
-        w8_tma_issue(sK[prev], &full[prev], &kmap, ks, grp.z, cn, page_next PG_PASS);
-      }
-      page_next = page_of(cn + gridDim.x);
-    }
-    wgmma_wait<0>();
-    fence_regs(acc);
-    mbar_arrive(&empty[slot]);
-    if (++slot == W8_RING) {
-      slot = 0;
-      phase ^= 1u;
-    }
-    float l0, l1;
-    if (spec_order) {
-      l0 = two_row_head_sum<8>(*reinterpret_cast<const float(*)[64]>(&acc[0]), sw, tig, odd, hi);
-      l1 = two_row_head_sum<8>(*reinterpret_cast<const float(*)[64]>(&acc[64]), sw + 2, tig, odd, hi);
-    } else {
-      // Each row's 16 heads of this lane (tol_lane_heads), then the quad's four lanes,
-      // transposed as tol_quad_sum does: after lane offset 1 a lane holds key kk = odd of
-      // the four rows, after offset 2 rows hi and 2 + hi.
-      float p[W8_ROWS][2];
-#pragma unroll
-      for (int r = 0; r < W8_ROWS; ++r) {
-        float4 wl[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wl[i] = *reinterpret_cast<const float4 *>(&swl[r][tig][4 * i]);
-        tol_lane_heads(&acc[32 * r],
-                       [&](int nt) {
-                         const float4 v = wl[nt >> 1];
-                         return (nt & 1) ? make_float2(v.z, v.w) : make_float2(v.x, v.y);
-                       },
-                       p[r][0], p[r][1]);
-      }
-      float q4[W8_ROWS];
-#pragma unroll
-      for (int r = 0; r < W8_ROWS; ++r)
-        q4[r] = __fadd_rn(odd ? p[r][1] : p[r][0], __shfl_xor_sync(FULL_MASK, odd ? p[r][0] : p[r][1], 1));
-      l0 = __fadd_rn(hi ? q4[1] : q4[0], __shfl_xor_sync(FULL_MASK, hi ? q4[0] : q4[1], 2));
-      l1 = __fadd_rn(hi ? q4[3] : q4[2], __shfl_xor_sync(FULL_MASK, hi ? q4[2] : q4[3], 2));
-    }
-    store_row_logit(out0, j0 + 16 * warp + gid, odd, __fmul_rn(l0, kscale));
-    store_row_logit(out1, j0 + 16 * warp + gid, odd, __fmul_rn(l1, kscale));
-  }
-}
-#endif  // W8_ROWS

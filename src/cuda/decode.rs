@@ -367,7 +367,7 @@ impl Engine {
                 inputs.kv_cache.len() as u64,
                 Some(paging),
             )?,
-            smem: kernels::w8_smem_bytes(lg_entry, lg),
+            smem: 0,
         };
         Ok(DecodeStep {
             engine: self.clone(),

@@ -128,35 +128,6 @@ pub fn logits_on_fp8_accumulator(v: Variant, hooks: Hooks) -> bool {
 /// `logits_e4m3_h64.cuh`: 2 rows x 64 heads = one 128-column MMA).
 pub const LOGITS_W16_ROWS: usize = 2;
 
-/// Rows per `mqa_logits_w8` block at `D = 32 * groups` (`W8_ROWS` in
-/// `kernels/mqa_logits_w8.cu`): [`LOGITS_W16_ROWS`], or 4 (one 256-column MMA) under the
-/// `W8_ROWS=4` define (`tuning` feature) where the kernel takes its keys by TMA
-/// (`D = 128`, [`w8_tma`]); host and kernel both read the define.
-pub fn w8_rows(groups: usize) -> usize {
-    if groups == 4 && w8_tma() && define_in("W8_ROWS", 2..=4) == Some(4) {
-        4
-    } else {
-        LOGITS_W16_ROWS
-    }
-}
-
-/// Dynamic shared memory of a launch of logits entry `entry` for variant `v`:
-/// `mqa_logits_w8`'s four-row form takes all of its shared memory so (its key ring of
-/// 2 tiles over flat keys, 3 over paged ones, unless `W8_RING` says otherwise; the
-/// queries; the weights twice; the ring's barriers; 1024 bytes of slack for the ring's
-/// alignment: `W8_SMEM_BYTES` + 1024); every other entry none.
-pub fn w8_smem_bytes(entry: LogitsEntry, v: Variant) -> u32 {
-    let Variant::Logits { groups, paged, .. } = v else {
-        return 0;
-    };
-    if entry != LogitsEntry::W8 || w8_rows(groups) != 4 {
-        return 0;
-    }
-    let ring = define_in("W8_RING", 2..=3).unwrap_or(if paged { 3 } else { 2 });
-    let (keys, n, heads, dim) = (LOGITS_KEYS, 4 * 64, 64, 128);
-    (ring * keys * dim + n * dim + 2 * 4 * heads * 4 + 2 * ring * 8 + 1024) as u32
-}
-
 /// Rows per `mqa_logits_wgr` block (`WGR_ROWS` in `logits_wgr.cuh`: 2 rows x 32 heads =
 /// one 64-column MMA).
 pub const LOGITS_WGR_ROWS: usize = 2;
@@ -525,21 +496,19 @@ pub fn logits_kernel(v: Variant, hooks: Hooks) -> (&'static str, usize, usize) {
 /// `D >= 64` has two forms (`mqa_logits_wgi8_r8` for wide groups, `mqa_logits_wgi8` for
 /// others, or the one [`wgi8_rows_override`] forces); every other variant has one entry.
 pub fn logits_kernel_for(v: Variant, hooks: Hooks, wide: bool) -> (LogitsEntry, usize, usize) {
-    let (heads, groups, exact, fast) = match v {
+    let (heads, exact, fast) = match v {
         Variant::Logits {
             heads,
-            groups,
             q,
             k,
             precision,
             ..
         } => (
             heads,
-            groups,
             q == Format::E2m1 && k == Format::E2m1,
             precision == Precision::Fast,
         ),
-        _ => (0, 0, false, false),
+        _ => (0, false, false),
     };
     if logits_wgmma(v, hooks) {
         if exact {
@@ -558,7 +527,7 @@ pub fn logits_kernel_for(v: Variant, hooks: Hooks, wide: bool) -> (LogitsEntry, 
             };
         }
         if fast {
-            return (LogitsEntry::W8, w8_rows(groups), LOGITS_WG_THREADS);
+            return (LogitsEntry::W8, LOGITS_W16_ROWS, LOGITS_WG_THREADS);
         }
         return (LogitsEntry::W16, LOGITS_W16_ROWS, LOGITS_WG_THREADS);
     }

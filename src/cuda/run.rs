@@ -569,7 +569,7 @@ impl Run {
             } else {
                 let map =
                     launch::key_tensor_map(entry, sh.logits_variant(), p.k, p.k_bytes, sh.paged)?;
-                (None, map, kernels::w8_smem_bytes(entry, sh.logits_variant()))
+                (None, map, 0)
             };
             let args = LogitsArgs {
                 q: p.q,
