@@ -84,18 +84,6 @@ static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
 #ifndef W8_USLOT
 #define W8_USLOT 1
 #endif
-// W8_WREG = 1 (the default): this lane's 32 weights held in registers across the block's
-// tiles. 0 (a tuning define): read from shared memory at each tile (16 8-byte loads a
-// tile, every quad's lanes of a tig reading one address), 32 registers fewer, so that
-// W8_MIN_BLOCKS=5 fits five blocks per SM without spills.
-#ifndef W8_WREG
-#define W8_WREG 1
-#endif
-#if W8_WREG
-#define W8_WV h64_reg_weights(wr)
-#else
-#define W8_WV h64_smem_weights(sw, tig)
-#endif
 static_assert(W8_TMA == 1, "W8_TMA: 0 or 1");
 // One ring tile: 64 key rows of 128 bytes, 1024-byte aligned (wgmma_desc_sw128).
 #define W8_TILE_BYTES (H64_KEYS * D)
@@ -231,10 +219,8 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   const u64 da0 = wgmma_desc_sw128(sK[0]);
 #endif
   const RowOut out = row_out(logits, row_off, row_n, grp, hi ? 1u : 0u);
-#if W8_WREG
   float2 wr[2][8];
   h64_lane_weights(wr, sw, tig);
-#endif
   u32 slot = 0, phase = 0;
   for (u32 c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const u32 j0 = c * H64_KEYS;
@@ -276,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
       slot = 0;
       phase ^= 1u;
     }
-    const float hsum = h64_head_sum(acc, W8_WV, sw, spec_order, tig, odd, hi);
+    const float hsum = h64_head_sum(acc, h64_reg_weights(wr), sw, spec_order, tig, odd, hi);
     store_row_logit(out, j0 + 16 * warp + gid, odd, __fmul_rn(hsum, kscale));
   }
 #else
