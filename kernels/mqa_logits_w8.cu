@@ -26,22 +26,10 @@
 
 // k32 steps per tile.
 #define W8_S (D / 32)
-// W8_PIPE = 0 (the default): each tile's MMAs, their wait, then its head sum. 1 (a tuning
-// define; D = 128 with W8_TMA only): tiles two at a time into two accumulator sets, the
-// first tile's heads summed while the second tile's MMAs run, so that a warpgroup's own
-// MMAs run beside half its epilogues; 128 accumulators a thread, the weights read from
-// shared memory each tile, three blocks per SM, three ring tiles.
-#ifndef W8_PIPE
-#define W8_PIPE 0
-#endif
 // Blocks per SM the registers must allow (D = 128 with W8_TMA: 125 registers with flat
-// keys, 128 with paged ones; W8_PIPE: 3).
+// keys, 128 with paged ones).
 #ifndef W8_MIN_BLOCKS
-#if W8_PIPE && D == 128
-#define W8_MIN_BLOCKS 3
-#else
 #define W8_MIN_BLOCKS 4
-#endif
 #endif
 // W8_TMA = 1 (D = 128, the default): both MMA operands from shared memory, the keys by
 // TMA. Thread 0 keeps the next W8_RING - 1 key tiles in flight as bulk tensor copies
@@ -60,10 +48,6 @@
 #if D != 128
 #undef W8_TMA
 #define W8_TMA 0
-#endif
-#if !W8_TMA
-#undef W8_PIPE
-#define W8_PIPE 0
 #endif
 
 // W8_LPT = 1 (the default): the launch's groups taken in reverse order, so that in a
@@ -84,7 +68,7 @@
 // 2, paged keys (decode: every tile comes from HBM once) 3, each the faster on its
 // workloads with both sizes measured in one run (benches/RESULTS.md).
 #ifndef W8_RING
-#if DSA_PAGED || W8_PIPE
+#if DSA_PAGED
 #define W8_RING 3
 #else
 #define W8_RING 2
@@ -217,79 +201,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
 #else
   auto page_of = [&](u32) { return 0; };
 #endif
-#if W8_PIPE
-  // The pipelined loop: tiles two at a time, the block's t-th tile (c = blockIdx.x +
-  // t gridDim.x) in ring tile t % W8_RING, its barriers completing phase
-  // (t / W8_RING) & 1. Both tiles' MMAs are issued, the first tile's awaited alone
-  // (wgmma_wait<1>) and its heads summed while the second's run, then the second's.
-  // (An MMA in flight across the loop's back edge, the deeper pipeline, makes ptxas
-  // serialize every wgmma: C7514.) Thread 0 issues the first W8_RING tiles, then refills
-  // a tile's ring tile with the tile W8_RING later once every thread has waited for the
-  // tile's MMAs.
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < W8_RING; ++i) {
-      const u32 ci = blockIdx.x + i * gridDim.x;
-      if (ci < nchunks)
-        w8_tma_issue(sK[i], &full[i], &kmap, ks, grp.z, ci, page_of(ci) PG_PASS);
-    }
-    page_next = page_of(blockIdx.x + W8_RING * gridDim.x);
-  }
-  const u32 jl = 16 * warp + gid + (odd ? 8 : 0);
-  const u64 db0 = wgmma_desc(sB, lbo, 128);
-  const RowOut out = row_out(logits, row_off, row_n, grp, hi ? 1u : 0u);
-  auto mma = [&](float(&acc)[64], const u32 sl) {
-    const u64 da = wgmma_desc_sw128(sK[__shfl_sync(FULL_MASK, sl, 0)]);
-#pragma unroll
-    for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_add(da, 32 * s), wgmma_desc_add(db0, 2 * s * lbo),
-                               s > 0 ? 1u : 0u);
-    wgmma_commit();
-  };
-  auto finish = [&](const float(&acc)[64], const u32 c, const float kscale) {
-    const float hsum = h64_head_sum(acc, h64_smem_weights(sw, tig), sw, spec_order, tig, odd, hi);
-    store_row_logit(out, c * H64_KEYS + 16 * warp + gid, odd, __fmul_rn(hsum, kscale));
-  };
-  // Thread 0: tile t's ring tile, once free, takes tile t + W8_RING.
-  auto refill = [&](const u32 t) {
-    const u32 sl = t % W8_RING, cr = blockIdx.x + (t + W8_RING) * gridDim.x;
-    if (cr < nchunks) {
-      mbar_wait(&empty[sl], (t / W8_RING) & 1u);
-      w8_tma_issue(sK[sl], &full[sl], &kmap, ks, grp.z, cr, page_next PG_PASS);
-    }
-    page_next = page_of(cr + gridDim.x);
-  };
-  float acc0[64], acc1[64];
-  u32 t = 0;
-#pragma unroll 1
-  for (u32 c = blockIdx.x; c < nchunks; c += 2 * gridDim.x, t += 2) {
-    const u32 cb = c + gridDim.x;
-    const bool two = cb < nchunks;
-    const u32 sa = t % W8_RING, sb = (t + 1) % W8_RING;
-    const float ka = w8_kscale(k, k_scale32, ks, grp.z, c * H64_KEYS + jl PG_PASS);
-    const float kb = w8_kscale(k, k_scale32, ks, grp.z, cb * H64_KEYS + jl PG_PASS);
-    mbar_wait(&full[sa], (t / W8_RING) & 1u);
-    wgmma_fence();
-    mma(acc0, sa);
-    if (two) mbar_wait(&full[sb], ((t + 1) / W8_RING) & 1u);
-    // Without a second tile the MMAs run on the first's ring tile again, their sums never
-    // read: no wgmma under a branch (ptxas would serialize them, C7518).
-    wgmma_fence();
-    mma(acc1, two ? sb : sa);
-    wgmma_wait<1>();
-    fence_regs(acc0);
-    mbar_arrive(&empty[sa]);
-    finish(acc0, c, ka);
-    if (tid == 0) refill(t);
-    wgmma_wait<0>();
-    fence_regs(acc1);
-    if (two) {
-      mbar_arrive(&empty[sb]);
-      finish(acc1, cb, kb);
-      if (tid == 0) refill(t + 1);
-    }
-  }
-#else
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < W8_RING - 1; ++i) {
@@ -354,7 +265,6 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     const float hsum = h64_head_sum(acc, h64_reg_weights(wr), sw, spec_order, tig, odd, hi);
     store_row_logit(out, j0 + 16 * warp + gid, odd, __fmul_rn(hsum, kscale));
   }
-#endif  // W8_PIPE
 #else
 
   // This thread's keys in a tile: 16 warp + gid (kk = 0) and + 8 (kk = 1); the next
