@@ -255,6 +255,7 @@ ab_forms() {
   ab_log="$1" ab_prec="$2"
   local list="$3" probe="$4" tests="$5" defs rc
   shift 5
+  : > "$ab_log"  # this invocation's rounds only: ab_summary reads the whole log
   ab_ran=()
   local cand=()
   IFS=';' read -ra cand <<< "$list"
