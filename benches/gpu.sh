@@ -349,7 +349,7 @@ if has ncu; then
   # Hardware counters of the first logits launch of each workload. NCU_W names the
   # workloads (v32-16k v41-chunk), NCU_ARGS further bench arguments (e.g. --precision
   # fast); NCU_SET=full takes ncu's full set, the source counters (stall reasons per SASS
-  # instruction, ncu-src-WORKLOAD.csv) among them.
+  # instruction, ncu-src-WORKLOAD.csv, summarised by benches/ncu_source.py) among them.
   for wl in ${NCU_W:-v32-16k v41-chunk}; do
     log "ncu $wl ${NCU_ARGS:-}"
     if [[ "${NCU_SET:-}" == full ]]; then
@@ -358,6 +358,7 @@ if has ncu; then
       ncu --import "$OUT/ncu-$wl.ncu-rep" --page details > "$OUT/ncu-$wl.txt" 2>&1
       ncu --import "$OUT/ncu-$wl.ncu-rep" --page source --print-source sass --csv \
         > "$OUT/ncu-src-$wl.csv" 2>&1
+      python3 benches/ncu_source.py "$OUT/ncu-src-$wl.csv" | tee -a "$OUT/summary.txt"
     else
       timeout 180 ncu --clock-control none -k regex:mqa_logits -c 1 --section SpeedOfLight \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
