@@ -352,9 +352,10 @@ if has ncu; then
   # instruction, ncu-src-WORKLOAD.csv, summarised by benches/ncu_source.py) among them.
   for wl in ${NCU_W:-v32-16k v41-chunk}; do
     log "ncu $wl ${NCU_ARGS:-}"
+    run_wl=($B/dsa-indexer bench --device cuda --json "$wl" ${NCU_ARGS:-} --reps 1)
     if [[ "${NCU_SET:-}" == full ]]; then
       timeout 300 ncu --clock-control none -k regex:mqa_logits -c 1 --set full -o "$OUT/ncu-$wl" \
-        $B/dsa-indexer bench --device cuda --json $wl ${NCU_ARGS:-} --reps 1 > "$OUT/ncu-$wl.log" 2>&1
+        "${run_wl[@]}" > "$OUT/ncu-$wl.log" 2>&1
       ncu --import "$OUT/ncu-$wl.ncu-rep" --page details > "$OUT/ncu-$wl.txt" 2>&1
       ncu --import "$OUT/ncu-$wl.ncu-rep" --page source --print-source sass --csv \
         > "$OUT/ncu-src-$wl.csv" 2>&1
@@ -362,8 +363,7 @@ if has ncu; then
     else
       timeout 180 ncu --clock-control none -k regex:mqa_logits -c 1 --section SpeedOfLight \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
-        --section Occupancy $B/dsa-indexer bench --device cuda --json $wl ${NCU_ARGS:-} --reps 1 \
-        > "$OUT/ncu-$wl.txt" 2>&1
+        --section Occupancy "${run_wl[@]}" > "$OUT/ncu-$wl.txt" 2>&1
     fi
   done
 fi

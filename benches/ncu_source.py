@@ -14,9 +14,9 @@ most samples with their leading reasons. benches/ncu_source_test.py tests it on 
 recorded excerpt.
 """
 
+import argparse
 import collections
 import csv
-import sys
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -58,32 +58,29 @@ def opcode(source):
 
 def summary(rows, per=1.0):
     """(total samples, [(reason, samples)] descending, [(opcode, executed / per)]
-    descending)."""
+    descending, the reason columns)."""
     total = sum(count(r, SAMPLES) for r in rows)
     cols = reasons(rows[0].keys()) if rows else []
     by_reason = collections.Counter({c: sum(count(r, c) for r in rows) for c in cols})
     by_op = collections.Counter()
     for r in rows:
         by_op[opcode(r["Source"])] += count(r, EXECUTED) / per
-    return total, by_reason.most_common(), by_op.most_common()
+    return total, by_reason.most_common(), by_op.most_common(), cols
 
 
 def main(argv):
-    args = list(argv)
-    per, top = 1.0, 15
-    if "--per" in args:
-        i = args.index("--per")
-        per = float(args[i + 1])
-        del args[i : i + 2]
-    if "--top" in args:
-        i = args.index("--top")
-        top = int(args[i + 1])
-        del args[i : i + 2]
-    if len(args) != 1 or per <= 0:
-        sys.exit(__doc__)
-    with open(args[0]) as f:
+    ap = argparse.ArgumentParser(description="ncu's per-instruction export, summarised.")
+    ap.add_argument("csv", help="ncu --page source --print-source sass --csv output")
+    ap.add_argument("--per", type=float, default=1.0,
+                    help="divide executed instructions by this (tiles times warps)")
+    ap.add_argument("--top", type=int, default=15, help="instructions with the most samples")
+    a = ap.parse_args(argv)
+    if a.per <= 0:
+        ap.error(f"--per must be positive, not {a.per}")
+    per, top = a.per, a.top
+    with open(a.csv) as f:
         kernel, rows = parse(f.read())
-    total, by_reason, by_op = summary(rows, per)
+    total, by_reason, by_op, cols = summary(rows, per)
     print(f"{kernel}: {total} warp-stall samples over {len(rows)} SASS instructions")
     for name, n in by_reason:
         if n:
@@ -94,7 +91,6 @@ def main(argv):
         if v:
             print(f"  {name:<12} {v:12.1f}")
     print(f"the {top} instructions with the most samples:")
-    cols = reasons(rows[0].keys()) if rows else []
     for r in sorted(rows, key=lambda r: -count(r, SAMPLES))[:top]:
         s = count(r, SAMPLES)
         lead = sorted(((count(r, c), c) for c in cols), reverse=True)[:2]
@@ -103,4 +99,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(None)

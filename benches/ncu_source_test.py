@@ -27,7 +27,7 @@ class NcuSource(unittest.TestCase):
         self.assertEqual(len(self.rows), 63)
 
     def test_the_wait_is_the_top_instruction_and_the_barrier_its_reason(self):
-        total, by_reason, _ = ncu_source.summary(self.rows)
+        total, by_reason, _, _ = ncu_source.summary(self.rows)
         top = max(self.rows, key=lambda r: ncu_source.count(r, ncu_source.SAMPLES))
         self.assertIn("WARPGROUP.DEPBAR", top["Source"])
         self.assertEqual(ncu_source.count(top, ncu_source.SAMPLES), 148615)
@@ -36,7 +36,7 @@ class NcuSource(unittest.TestCase):
         self.assertEqual(total, 491111)  # the excerpt's samples: the wait holds 30.3 %
 
     def test_four_mmas_per_tile_and_warp(self):
-        _, _, by_op = ncu_source.summary(self.rows, per=TILE_WARPS)
+        _, _, by_op, _ = ncu_source.summary(self.rows, per=TILE_WARPS)
         self.assertEqual(dict(by_op)["QGMMA"], 4.0)
 
     def test_opcodes_drop_predicates_and_modifiers(self):
