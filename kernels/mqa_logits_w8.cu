@@ -75,15 +75,6 @@
 #endif
 #endif
 static_assert(W8_RING >= 2 && W8_RING <= 3, "W8_RING: 2 or 3");
-// W8_USLOT = 1 (the default): the ring tile's A descriptor built each tile from the slot
-// as lane 0 holds it (a shuffle), which ptxas then keeps, with the descriptors, in the
-// uniform datapath: the tile's MMA section issues 36 instructions per thread instead of
-// 48 (123 registers; v32-64k fast 0.9 to 1.8 % faster, benches/RESULTS.md). 0 (a tuning
-// define): the descriptors stepped from sK[0]'s in vector registers, each moved to a
-// uniform register before its MMA.
-#ifndef W8_USLOT
-#define W8_USLOT 1
-#endif
 static_assert(W8_TMA == 1, "W8_TMA: 0 or 1");
 // One ring tile: 64 key rows of 128 bytes, 1024-byte aligned (wgmma_desc_sw128).
 #define W8_TILE_BYTES (H64_KEYS * D)
@@ -212,12 +203,8 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   }
   const u32 jl = 16 * warp + gid + (odd ? 8 : 0);
   float ksc_next = w8_kscale(k, k_scale32, ks, grp.z, blockIdx.x * H64_KEYS + jl PG_PASS);
-  // The MMAs' descriptors, stepped from sB's (wgmma_desc_add) and, under W8_USLOT=0,
-  // sK[0]'s.
+  // The queries' descriptor, stepped per k32 step (wgmma_desc_add).
   const u64 db0 = wgmma_desc(sB, lbo, 128);
-#if !W8_USLOT
-  const u64 da0 = wgmma_desc_sw128(sK[0]);
-#endif
   const RowOut out = row_out(logits, row_off, row_n, grp, hi ? 1u : 0u);
   float2 wr[2][8];
   h64_lane_weights(wr, sw, tig);
@@ -230,17 +217,15 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     mbar_wait(&full[slot], phase);
     float acc[64];
     wgmma_fence();
-    // Step s's A descriptor: the ring tile's, 32 s bytes in.
-#if W8_USLOT
-    // Every lane holds the same slot; read from lane 0 it is warp-uniform to ptxas.
+    // Step s's A descriptor: the ring tile's, 32 s bytes in. Every lane holds the same
+    // slot; read from lane 0 it is warp-uniform to ptxas, which then keeps the
+    // descriptors in the uniform datapath: the tile's MMA section issues 36 instructions
+    // per thread, against 48 with them stepped from sK[0]'s in vector registers (v32-64k
+    // fast 0.9 to 1.8 % faster, benches/RESULTS.md).
     const u64 da = wgmma_desc_sw128(sK[__shfl_sync(FULL_MASK, slot, 0)]);
-    auto da_step = [&](int s) { return wgmma_desc_add(da, 32 * s); };
-#else
-    auto da_step = [&](int s) { return wgmma_desc_add(da0, slot * W8_TILE_BYTES + 32 * s); };
-#endif
 #pragma unroll
     for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n128k32_e4m3_ss(acc, da_step(s), wgmma_desc_add(db0, 2 * s * lbo), s > 0 ? 1u : 0u);
+      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_add(da, 32 * s), wgmma_desc_add(db0, 2 * s * lbo), s > 0 ? 1u : 0u);
     wgmma_commit();
     // Thread 0 refills the previous tile's ring tile (the slot before this one, in the
     // phase that tile used) with the tile W8_RING - 1 ahead, once every thread is done
