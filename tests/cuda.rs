@@ -1718,8 +1718,10 @@ fn topk_sampled_threshold_matches_a_full_sort() {
 
 /// Rows whose sample misjudges the row, both ways: the sample's chunks hold the row's
 /// lowest scores (its threshold admits nearly every key, more than the candidate
-/// capacity) or its highest (its threshold admits fewer than K). The second collecting
-/// pass, at a rank corrected by the first pass's count, serves every such row.
+/// capacity: the second threshold from a second sample between the first one's chunks)
+/// or its highest (its threshold admits fewer than K: the second threshold from the
+/// same sample). The second collecting pass, at a rank corrected by the first pass's
+/// count, serves every such row.
 #[test]
 fn topk_resampled_threshold_serves_rows_the_sample_misjudges() {
     let Some(mut b) = gpu() else { return };
@@ -1856,14 +1858,14 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
                 }
             } else if name == "sample chunks lowest" {
                 // Every block's candidates together overflow, so no row keeps its first
-                // threshold: the first block's second pass over the whole row. The
-                // second threshold is estimated from the candidates that fit, the first
-                // CAP in the order the warps reserved their slots, which the schedule
-                // sets, so it may differ between runs. With the wide candidate memory
-                // (cluster or wide launch) its margin serves every row. With
-                // topk_ragged_f32's narrower one (no_wide_topk) a row now and then misses
-                // it (one row of nine, in 8 of 30 runs) and takes the two passes or the
-                // general path; the outputs above are the same either way.
+                // threshold: the first block's second pass over the whole row, from a
+                // second sample placed between the first one's chunks. With the wide
+                // candidate memory (cluster or wide launch) its margin serves every row.
+                // With topk_ragged_f32's narrower one (no_wide_topk: a second sample of
+                // 3,072 keys, a window of +-20 % at K = 2048) a row may miss it and take
+                // the two passes or the general path. Either way the second threshold
+                // depends on the row alone, never on which candidates the first pass
+                // kept: every run takes the same paths.
                 assert_eq!(paths.sampled, 0, "{name}, K={k}: {paths:?}");
                 if kernels::topk_wide(rows, sms, hooks) {
                     assert_eq!(paths.resampled, sampled_rows, "{name}, K={k}: {paths:?}");
@@ -1874,6 +1876,10 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
                         "{name}, K={k}: {paths:?}"
                     );
                     assert!(paths.resampled > 0, "{name}, K={k}: {paths:?}");
+                }
+                for run in 1..4 {
+                    let again = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
+                    assert_eq!(again, paths, "{name}, K={k}, run {run}: the paths differ");
                 }
             } else if name == "sample chunks highest" {
                 assert_eq!(
