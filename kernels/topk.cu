@@ -104,13 +104,6 @@
 // Rows of at most TK_ORDERED_RATIO * K keys finish a fast path with the ordered pass from
 // the exact threshold, cheaper there than the sort of the selected ids.
 #define TK_ORDERED_RATIO 16
-// The second threshold of a row whose first collecting pass overflows CAP comes from a
-// second sample (second_sample_threshold). 1 (a tuning define): from the CAP candidates
-// the first pass kept, the first in the order the warps reserved their slots, so that the
-// row's path may differ between runs.
-#ifndef TK_T2_CANDIDATES
-#define TK_T2_CANDIDATES 0
-#endif
 // Sampled rows take the bitmap of their candidates (TK_BITMAP) at every length it serves,
 // the short ones included: the ordered pass reads the whole row a second time, the bitmap
 // only the candidates. 1 (a tuning define): sampled rows of at most TK_ORDERED_RATIO * K
@@ -658,13 +651,14 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 }
 
 // The second threshold of a row whose first collecting pass found c > CAP keys >= t: a
-// second sample of S + CAP keys (chunks of 32 spread over the row midway between steps
-// of (n - 32) / CH2, so that a first sample that misjudged the row, its chunks all low,
-// does not judge it again) into sel and ckey (both free: the second pass rewrites ckey),
-// q of them >= t. The c row keys >= t stand in the proportion c / q to the sample's, so
-// its rank-q2 key, q2 = ceil(q target / c), has about `target` row keys at or above it.
-// Returns t (no higher threshold: the caller misses) when q is 0. Uses scan, h256 and
-// misc[5..7]; ends with a barrier.
+// second sample of CAP keys into ckey (free: the second pass rewrites it), chunks of 32
+// at the midpoints of CH2 equal steps over the row. Their spacing is not the first
+// sample's, so most of them lie outside its chunks and a first sample that misjudged the
+// row (its chunks all low) does not misjudge it again. q of its keys are >= t; the c row
+// keys >= t stand to them as c / q, so its rank-q2 key, q2 = ceil(q target / c), has
+// about `target` row keys at or above it (chunks that overlap the first sample's count in
+// q too, so the proportion holds). Returns t (no higher threshold: the caller misses)
+// when q is 0. Uses scan, h256 and misc[5..7]; ends with a barrier.
 template <int MODE, class Sm>
 __device__ u32 second_sample_threshold(Sm &sm, const RowSrc &src, const u32 n, const u32 t,
                                        const u32 c, const u32 target) {
@@ -692,9 +686,9 @@ __device__ u32 second_sample_threshold(Sm &sm, const RowSrc &src, const u32 n, c
 // The sampled threshold: a sample of the row into sm.sel, a threshold t from it, then one pass
 // that appends every key >= t (and its id) to ckey / cid. When that pass's count c misses
 // K .. CAP, a second pass from a threshold t2 whose count is estimated from c:
-// - c > CAP: t2 from a second sample (second_sample_threshold), of S + CAP keys at other
-//   places than the first's: q of them are >= t, so about c q2 / q of the row's keys are
-//   >= its rank-q2 key, q2 = ceil(q target / c);
+// - c > CAP: t2 from a second sample (second_sample_threshold), of CAP keys mostly at
+//   other places than the first's: q of them are >= t, so about c q2 / q of the row's
+//   keys are >= its rank-q2 key, q2 = ceil(q target / c);
 // - c < K: t2 is the sample's rank-r2 key, r2 = r * target / c.
 // Both depend on the row alone (never on which CAP of the c keys the pass kept, which the
 // schedule sets), so a row's path is the same on every run.
@@ -777,17 +771,11 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   // read c before misc[4] is reset, and ckey before the second pass overwrites it).
   u32 t2;
   if (c > CAP) {
-#if TK_T2_CANDIDATES
-    const u32 m2 = max(1u, (u32)(((u64)CAP * target) / c));
-    radix_select<false>(sm.h256, sm.misc, CAP, m2, [&](u32 i) { return sm.ckey[i]; },
-                        t2, unused);
-#else
     t2 = second_sample_threshold<MODE>(sm, src, n, t, c, target);
     if (t2 <= t) {  // no higher threshold in the second sample
       __syncthreads();
       return TK_SAMPLE_MISS;
     }
-#endif
   } else {
     const u32 r2 = (u32)min((u64)sampled, ((u64)r * target + c - 1) / max(c, 1u));
     if (r2 <= r) {  // no lower threshold in the sample

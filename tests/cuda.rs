@@ -1718,7 +1718,7 @@ fn topk_sampled_threshold_matches_a_full_sort() {
 
 /// Rows whose sample misjudges the row, both ways: the sample's chunks hold the row's
 /// lowest scores (its threshold admits nearly every key, more than the candidate
-/// capacity: the second threshold from a second sample between the first one's chunks)
+/// capacity: the second threshold from a second sample mostly outside the first's chunks)
 /// or its highest (its threshold admits fewer than K: the second threshold from the
 /// same sample). The second collecting pass, at a rank corrected by the first pass's
 /// count, serves every such row.
@@ -1859,7 +1859,7 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
             } else if name == "sample chunks lowest" {
                 // Every block's candidates together overflow, so no row keeps its first
                 // threshold: the first block's second pass over the whole row, from a
-                // second sample placed between the first one's chunks. With the wide
+                // second sample mostly outside the first one's chunks. With the wide
                 // candidate memory (cluster or wide launch) its margin serves every row.
                 // With topk_ragged_f32's narrower one (no_wide_topk: a second sample of
                 // 3,072 keys, a window of +-20 % at K = 2048) a row may miss it and take
