@@ -56,8 +56,9 @@
 //
 // The int8 path gives a_h = Y_h 2^E_h exactly (above), E_h = eq_min,h + ek_min - 256.
 // SPEC 4 then takes term_h = w_h * relu(a_h) and logit = P(term_0 .. term_31). With
-// cq_h = 2^(eq_min,h - 129) and ck = 2^(ek_min - 127) (so a_h = Y_h cq_h ck), the kernel
-// computes, per (row, key):
+// cq_h = 2^(eq_min,h - 129) and ck = 2^(ek_min - 127) (so a_h = Y_h cq_h ck), the fma
+// form (docs/numerics.md 6.7, the kernel's before the subnormal form below, which rests on
+// its guard) computes, per (row, key):
 // - v_h = w_h * cq_h once per block (per column), and m_h = v_h * -2^23 (= -v_h * 2^23);
 // - x_h = 2^23 + max(Y_h, 0) as the bits of max(acc, 0x4B000000), the accumulator having
 //   started at 0x4B000000 (2^23 as an f32; |Y| < 2^21, so acc = 0x4B000000 + Y and, for
@@ -90,8 +91,7 @@
 // The guard is evaluated once per block (f_lo, f_hi) and per key beside the int8 guard;
 // docs/numerics.md section 6.7 has it with the host model's checks.
 //
-// The default form (WGI8_SUBN, docs/numerics.md 6.8) reads the sums as subnormals
-// instead: with s = 254 - f_hi, v'_h = v_h 2^s once per block (an exponent-field add),
+// The kernel (docs/numerics.md 6.8) reads the sums as subnormals instead: with s = 254 - f_hi, v'_h = v_h 2^s once per block (an exponent-field add),
 // x_h = the bits of max(Y_h, 0) (max(Y_h, 0) 2^-149), T'_h = v'_h * x_h, and
 // L = P(T') * 2^(ek_min + f_hi - 232): an integer max and a multiply per (row, head,
 // key), no m_h and no sign rule (a zero T'_h carries w_h's sign, as SPEC 4's w_h * (+0)
@@ -155,43 +155,25 @@ static_assert(G == 2 || G == 4, "mqa_logits_wgi8: D = 64 or 128");
 // vector holds the neutral 0x0001FFFF.
 #define I8_QWIN_NONE 0x0001FFFFu
 
-// svm, the head epilogue's block constants: each column's v alone (float2 p = columns
-// 2 p, 2 p + 1), and the epilogue computes m = v * -2^23 (exact: the same bits as
-// -v * 2^23). One 8-byte shared load and two multiplies per four heads: the loop's
-// shared-memory pipe, which the wgmma's operand reads share, is its busiest unit, and a
-// 16-byte load of (v, v, m, m) takes twice the wavefronts. WGI8_SVM2=0 (tuning) restores
-// those loads for the A/B (svm is sized for them).
-#ifndef WGI8_SVM2
-#define WGI8_SVM2 1
-#endif
-// The head epilogue's form: 1, the subnormal operands (docs/numerics.md 6.8: per head an
-// integer max and a multiply, the weights' constants pre-scaled by 2^(254 - f_hi), no
-// sign rule, and the int8 path's logits stored without the NaN check, as none can be
-// NaN); 0, the fma form (6.7: per head a VIADDMNMX and an fma, the constants' products
-// by -2^23 computed per tile, the -0 rule per logit). WGI8_SUBN=0 (tuning) restores the
-// fma form for the A/B.
-#ifndef WGI8_SUBN
-#define WGI8_SUBN 1
-#endif
-static_assert(!WGI8_SUBN || WGI8_SVM2, "the subnormal form reads svm's 8-byte layout");
+// svm, the head epilogue's block constants: each column's v' (float2 p = columns 2 p,
+// 2 p + 1), one 8-byte shared load per four heads (the loop's shared-memory pipe, which
+// the wgmma's operand reads share, is its busiest unit). The epilogue reads the sums as
+// subnormal operands (docs/numerics.md 6.8: per head an integer max and a multiply, the
+// weights' constants pre-scaled by 2^(254 - f_hi), no sign rule, and the int8 path's
+// logits stored without the NaN check, as none can be NaN).
 // The subnormal form's bound on the block's weights: f_hi - f_lo <= 104 (every nonzero
 // term then normal).
 #define I8_MAX_V_SPREAD 104
-// 2^23 as an f32, and its bits: the epilogue reads max(Y + 0x4B000000, 0x4B000000) (one
-// VIADDMNMX) as the f32 2^23 + max(Y, 0).
-#define I8_MAGIC 8388608.0f
-#define I8_MAGIC_BITS 0x4B000000
 
 // ==== one key tile, int8 ====
 
 // The head epilogue of four rows (r0 .. r0 + 3) from their accumulator y (the s32 head
 // sums Y): the logits of rows r0 + hi and r0 + 2 + hi at this thread's key kk = odd,
-// into out[0], out[1]; ck: that key's scale (6.7: 2^(ek_min - 127); 6.8: 2^(ek_min + f_hi
-// - 232)); ec, the block's epilogue constant: in the fma form bit r set when every
-// weight of row r has its sign bit set (unused in the subnormal form).
-__device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *svm, const int r0,
-                                              const float ck, const u32 ec, const int tig,
-                                              const bool odd, const bool hi, float (&out)[2]) {
+// into out[0], out[1]; ck: that key's scale (docs/numerics.md 6.8: 2^(ek_min + f_hi -
+// 232)).
+__device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float2 *svm, const int r0,
+                                              const float ck, const int tig, const bool odd,
+                                              const bool hi, float (&out)[2]) {
   // Per row r and key kk: head bits 0..2 in the thread (e, then a's two bits).
   float p[WGI8_MMA_ROWS][2];
 #pragma unroll
@@ -200,9 +182,8 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const int j = 4 * r + a;
-#if WGI8_SUBN
       // svm holds v' = v 2^s; the bits of max(Y, 0) read as an f32 are max(Y, 0) 2^-149.
-      const float2 c = reinterpret_cast<const float2 *>(svm)[4 * (4 * r0 + j) + tig];
+      const float2 c = svm[4 * (4 * r0 + j) + tig];
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk) {
         const int i = 4 * j + 2 * kk;
@@ -210,22 +191,6 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
         const float x1 = __int_as_float(max(y[i + 1], 0));
         s1[kk][a] = __fadd_rn(__fmul_rn(c.x, x0), __fmul_rn(c.y, x1));
       }
-#else
-#if WGI8_SVM2
-      const float2 cv = reinterpret_cast<const float2 *>(svm)[4 * (4 * r0 + j) + tig];
-      const float4 c =
-          make_float4(cv.x, cv.y, __fmul_rn(cv.x, -I8_MAGIC), __fmul_rn(cv.y, -I8_MAGIC));
-#else
-      const float4 c = svm[4 * (4 * r0 + j) + tig];
-#endif
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const int i = 4 * j + 2 * kk;
-        const float x0 = __int_as_float(__viaddmax_s32(y[i], I8_MAGIC_BITS, I8_MAGIC_BITS));
-        const float x1 = __int_as_float(__viaddmax_s32(y[i + 1], I8_MAGIC_BITS, I8_MAGIC_BITS));
-        s1[kk][a] = __fadd_rn(__fmaf_rn(c.x, x0, c.z), __fmaf_rn(c.y, x1, c.w));
-      }
-#endif
     }
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
@@ -243,13 +208,7 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
   for (int rr = 0; rr < 2; ++rr) {
     const float send = hi ? q[2 * rr] : q[2 * rr + 1];
     const float l = __fadd_rn(hi ? q[2 * rr + 1] : q[2 * rr], __shfl_xor_sync(FULL_MASK, send, 2));
-    const float x = __fmul_rn(l, ck);
-#if WGI8_SUBN
-    out[rr] = x;
-#else
-    const bool nr = ((ec >> (r0 + 2 * rr + (hi ? 1 : 0))) & 1u) != 0u;
-    out[rr] = (x == 0.0f && nr) ? -0.0f : x;
-#endif
+    out[rr] = __fmul_rn(l, ck);
   }
 }
 
@@ -258,24 +217,19 @@ __device__ __forceinline__ void wgi8_epilogue(const int (&y)[64], const float4 *
 // mma(y, g, db, scale_d) issuing step g of one chain with B descriptor db (A, the tile's
 // keys with each key's values shifted by its group's offset from kmin[kk], its smallest
 // byte, comes from the caller), and the head epilogue above with the block's columns'
-// constants in svm (see WGI8_SVM2). Writes the logits of rows
-// 4 m + hi and 4 m + 2 + hi (out[2 m], out[2 m + 1]) at key 16 warp + gid + 8 odd; ec,
-// the block's epilogue constant: in the fma form bit r set when every weight of row r has
-// its sign bit set; in the subnormal form kc = f_hi - 105, the key's scale being
-// 2^(ek_min + kc - 127) (its exponent field clamped to at least 1, which only a block
-// without a nonzero weight reaches: its logits are zeros whatever the scale).
+// constants in svm. Writes the logits of rows 4 m + hi and 4 m + 2 + hi (out[2 m],
+// out[2 m + 1]) at key 16 warp + gid + 8 odd; ec, the block's epilogue constant
+// f_hi - 105, the key's scale being 2^(ek_min + ec - 127) (its exponent field clamped to
+// at least 1, which only a block without a nonzero weight reaches: its logits are zeros
+// whatever the scale).
 template <int R, class Mma>
 __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], const u64 db0,
-                                              const float4 *svm, const u32 ec, const int tig,
+                                              const float2 *svm, const u32 ec, const int tig,
                                               const bool odd, const bool hi,
                                               float (&out)[R / 2]) {
   constexpr u32 lbo = (R * H / 8) * 128;
   constexpr int M = R / WGI8_MMA_ROWS;
-#if WGI8_SUBN
   const float ck = __uint_as_float((u32)max((odd ? kmin[1] : kmin[0]) + (int)ec, 1) << 23);
-#else
-  const float ck = ue8m0_pow2((u32)(odd ? kmin[1] : kmin[0]), 0);
-#endif
   int y[M][64];
   wgmma_fence();
 #pragma unroll
@@ -295,7 +249,7 @@ __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], con
       wgmma_wait<0>();
     fence_regs_s32(y[m]);
     float o[2];
-    wgi8_epilogue(y[m], svm, WGI8_MMA_ROWS * m, ck, ec, tig, odd, hi, o);
+    wgi8_epilogue(y[m], svm, WGI8_MMA_ROWS * m, ck, tig, odd, hi, o);
     out[2 * m] = o[0];
     out[2 * m + 1] = o[1];
   }
@@ -305,7 +259,7 @@ __device__ __forceinline__ void wgi8_tile_mma(Mma mma, const int (&kmin)[2], con
 // next tile's prefetch), and the MMAs read A from af.
 template <int R, class Next>
 __device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[2],
-                                             const u64 db0, const float4 *svm, const u32 ec,
+                                             const u64 db0, const float2 *svm, const u32 ec,
                                              const int tig, const bool odd, const bool hi,
                                              float (&out)[R / 2], Next next) {
   fence_regs_a(af);
@@ -321,7 +275,7 @@ __device__ __forceinline__ void wgi8_tile_af(u32 (&af)[G][4], const int (&kmin)[
 template <int R, class Next>
 __device__ __forceinline__ void wgi8_tile(const u32 (&raw)[2][G], const u32 (&rsc)[2],
                                           const int (&kmin)[2], const u64 db0,
-                                          const float4 *svm, const u32 ec, const int tig,
+                                          const float2 *svm, const u32 ec, const int tig,
                                           const bool odd, const bool hi,
                                           float (&out)[R / 2], Next next) {
   u32 af[G][4];
@@ -462,14 +416,13 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   constexpr int N = R * H;  // B's columns
   __shared__ __align__(128) u8 sQ[N * D];
   __shared__ __align__(128) u8 sF[WGR_N * D];
-  __shared__ __align__(16) float4 svm[N / 2];
+  __shared__ __align__(16) float2 svm[N / 2];
   __shared__ __align__(8) float sqs[R][G * H];
   __shared__ __align__(8) float sw[R][H];
   __shared__ u32 stab[15][2];
   __shared__ u32 swq[2][WGR_THREADS / 32];
   __shared__ u32 sqwin[WGR_THREADS / 32];
   __shared__ u32 svwin[WGR_THREADS / 32];
-  __shared__ u32 sneg[R];
   __shared__ __align__(16) RowOut srow[R];
   // The int8 path's keys: pre-decoded, by TMA into the ring (the dynamic shared memory),
   // in the eight-row entry over flat keys; else the fp4 keys, decoded per tile.
@@ -495,11 +448,11 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
 
   // Thread tid takes column 128 m + tid (row 4 m + warp, head e + 2 a + 8 t of n' = lane =
   // 8 a + 2 t + e) of each four rows m: its vector's window (span, cq = 2^(eq_min - 129)),
-  // v = w cq and m = -v 2^23, the exponent window of v, and the row's weight signs. The
-  // windows are reduced over the block after a barrier.
+  // v = w cq and the exponent window of v. The windows are reduced over the block after a
+  // barrier.
   const auto head_of = [](int n) { return (n & 1) + 2 * ((n >> 3) & 3) + 8 * ((n >> 1) & 3); };
   {
-    u32 qwin = I8_QWIN_NONE, vwin = 0x0000FFFFu, negs = 0u;
+    u32 qwin = I8_QWIN_NONE, vwin = 0x0000FFFFu;
 #pragma unroll
     for (int m = 0; m < R / WGI8_MMA_ROWS; ++m) {
       const int r = WGI8_MMA_ROWS * m + warp, hh = head_of(lane), n = WGR_THREADS * m + tid;
@@ -513,18 +466,11 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
       }
       const float wv = sw[r][hh];
       const float v = __fmul_rn(wv, ue8m0_pow2(mn, 2));
-#if WGI8_SVM2
-      reinterpret_cast<float *>(&reinterpret_cast<float2 *>(svm)[n >> 1])[n & 1] = v;
-#else
-      float *vm = reinterpret_cast<float *>(&svm[n >> 1]);
-      vm[n & 1] = v;
-      vm[2 + (n & 1)] = __fmul_rn(-v, I8_MAGIC);
-#endif
+      reinterpret_cast<float *>(svm)[n] = v;
       qwin = __vminu4(qwin, mn | ((255u - mx) << 8) | ((mx - mn <= I8_MAX_SPAN ? 1u : 0u) << 16));
       const u32 f = (__float_as_uint(v) >> 23) & 0xFFu;
       // byte 0: f over the columns with a nonzero weight (255: none), byte 1: 255 - f.
       vwin = __vminu4(vwin, (wv != 0.0f ? f : 255u) | ((255u - f) << 8));
-      if (__all_sync(FULL_MASK, (__float_as_uint(wv) >> 31) != 0u)) negs |= 1u << r;
     }
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -534,7 +480,6 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
     if (lane == 0) {
       sqwin[warp] = qwin;
       svwin[warp] = vwin;
-      sneg[warp] = negs;
     }
   }
   // Each row's logits and visible keys (none past the group's rows), for the stores.
@@ -545,19 +490,17 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
     fence_mbar_init();
   }
   __syncthreads();
-  u32 bwin = sqwin[0], vwin = svwin[0], neg = sneg[0];
+  u32 bwin = sqwin[0], vwin = svwin[0];
 #pragma unroll
   for (int i = 1; i < WGR_THREADS / 32; ++i) {
     bwin = __vminu4(bwin, sqwin[i]);
     vwin = __vminu4(vwin, svwin[i]);
-    neg |= sneg[i];
   }
   const int q_lo = (int)(bwin & 0xFFu), q_hi = 255 - (int)((bwin >> 8) & 0xFFu);
   const int f_lo = (int)(vwin & 0xFFu), f_hi = 255 - (int)((vwin >> 8) & 0xFFu);
   const bool q_i8 = ((bwin >> 16) & 0xFFu) != 0u && q_hi <= I8_MAX_Q_EXP &&
                     f_lo >= I8_MIN_V_EXP && f_hi <= I8_MAX_V_EXP &&
-                    (!WGI8_SUBN || f_hi - f_lo <= I8_MAX_V_SPREAD);
-#if WGI8_SUBN
+                    f_hi - f_lo <= I8_MAX_V_SPREAD;
   // The subnormal form: this thread's columns' v scaled to v' = v 2^(254 - f_hi), an add
   // to the exponent field of each nonzero v (normal: f(v) >= f_lo >= 24, and
   // f(v) + 254 - f_hi <= 254); read by the tile loop after the barrier below.
@@ -570,20 +513,13 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
     }
   }
   const u32 ec = (u32)(f_hi - 105);
-#else
-  const u32 ec = neg;
-#endif
   // The key side of both guards as bounds on a key's smallest and largest byte.
   const int k_floor = max(I8_MIN_EXP_SUM - q_lo, I8_MIN_VK_EXP - f_lo);
   const int k_cap = I8_MAX_EXP_SUM - q_hi, kmin_cap = I8_MAX_VK_EXP - f_hi;
-  // skb[3]: the subnormal form's ec, read per tile beside the bounds (one 16-byte load)
-  // rather than held in a register across the loop.
-#if WGI8_SUBN
+  // skb[3]: ec, read per tile beside the bounds (one 16-byte load) rather than held in a
+  // register across the loop.
   __shared__ __align__(16) int skb[4];
   if (tid == 0) skb[3] = (int)ec;
-#else
-  __shared__ int skb[3];
-#endif
   if (tid == 0) {
     skb[0] = k_floor;
     skb[1] = k_cap;
@@ -644,9 +580,9 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   const u64 dq = wgmma_desc(sQ, (N / 8) * 128, 128), dring = wgmma_desc_swz(ring, D);
   u32 slot = 0, phase = 0;
   bool two_mul = false;  // some fallback tile ran the two multiplies
-  // Tiles on the int8 path (the block's others fell back); the subnormal form counts
-  // the fallback tiles instead, so that the common path carries no counter.
-  u32 n_i8 = 0u, n_fb = 0u;
+  // The block's tiles that fell back (the others took the int8 path): the common path
+  // carries no counter.
+  u32 n_fb = 0u;
   auto prefetch_raw = [&](const u32 c) {
     if (c < nchunks)
       wgr_prefetch(raw, rsc, none, k, k_scale8, ks, grp.z, c, sc_word, warp, gid, tig PG_PASS);
@@ -740,25 +676,20 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
               [&](int (&y)[64], const int g, const u64 db, const u32 scale_d) {
                 wgmma_m64n128k32_s8_ss(y, wgmma_desc_add(da, 32 * g), db, scale_d);
               },
-              kmin, dq, svm, WGI8_SUBN ? (u32)skb[3] : ec, tig, odd, hi, out);
+              kmin, dq, svm, (u32)skb[3], tig, odd, hi, out);
         } else {
-          wgi8_tile<R>(raw, rsc, kmin, dq, svm, WGI8_SUBN ? (u32)skb[3] : ec, tig, odd, hi, out,
+          wgi8_tile<R>(raw, rsc, kmin, dq, svm, (u32)skb[3], tig, odd, hi, out,
                        [&] { prefetch_raw(c + gridDim.x); });
         }
 #pragma unroll
         for (int i = 0; i < R / 2; ++i) {
-#if WGI8_SUBN
           // Inside the guard no logit is NaN (docs/numerics.md 6.5): no check.
           const u32 j = j0 + 16 * warp + gid + (odd ? 8 : 0);
           const RowOut o = srow[2 * i + (hi ? 1 : 0)];
           if (j < o.n) o.out[j] = out[i];
-#else
-          store_row_logit(srow[2 * i + (hi ? 1 : 0)], j0 + 16 * warp + gid, odd, out[i]);
-#endif
         }
-        if (!WGI8_SUBN) ++n_i8;
       } else {
-        if (WGI8_SUBN) ++n_fb;
+        ++n_fb;
         fallback_tile(c, j0);
       }
       if (PRE && ++slot == WGI8_RING) {
@@ -785,7 +716,8 @@ __device__ __forceinline__ void wgi8_block(WGI8_PARAMS, const u32 *__restrict__ 
   }
   count_fold_paths(paths, fold_q, two_mul);
   const u32 tiles = (nchunks - 1 - blockIdx.x) / gridDim.x + 1;
-  if (WGI8_SUBN && q_i8) n_i8 = tiles - n_fb;
+  // Without the query side of the guard every tile fell back.
+  const u32 n_i8 = q_i8 ? tiles - n_fb : 0u;
   count_int8_tiles(paths, n_i8, tiles - n_i8);
 }
 

@@ -1241,12 +1241,8 @@ fn int8_guard_admits(c: &Case, rows: &[usize], tile: usize) -> bool {
     let n = rows.iter().map(|&i| all[i].n).max().unwrap();
     (kc * tile..(kc * tile + kc).min(n)).all(|j| {
         let kw = ScaleWindow::of(c.ks.row(all[rows[0]].ks + j).as_slice().unwrap(), g).unwrap();
-        let epilogue = if kernels::wgi8_subnormal_epilogue() {
-            int8_path::epilogue_subnormal_admits
-        } else {
-            int8_path::epilogue_admits
-        };
-        int8_path::int8_path_admits(qw, kw, g) && epilogue(&w, &v, kw.lo)
+        int8_path::int8_path_admits(qw, kw, g)
+            && int8_path::epilogue_subnormal_admits(&w, &v, kw.lo)
     })
 }
 
@@ -1507,19 +1503,18 @@ fn int8_cases(d: usize) -> Vec<(String, Case, Int8Side)> {
     ));
     // The subnormal form's spread bound (docs/numerics.md 6.8) on heads 3 and 7, whose
     // eq_min are equal: in the block of rows 0..7, v of 2^-88 beside 2^20 (108 binades
-    // apart: the block falls back under that form); in the block of rows 8..10, 2^-84
-    // beside 2^20 (104 binades: admitted). The fma form admits both.
+    // apart: the block falls back); in the block of rows 8..10, 2^-84 beside 2^20 (104
+    // binades: admitted). 6.7's fma form, which the kernel ran before, admits both.
     let mut c = base(12);
     c.w[[0, 7]] = 2f32.powi(20);
     c.w[[0, 3]] = 2f32.powi(-88);
     c.w[[8, 7]] = 2f32.powi(20);
     c.w[[9, 3]] = -(2f32.powi(-84));
-    let side = if kernels::wgi8_subnormal_epilogue() {
-        Int8Side::Both
-    } else {
-        Int8Side::Int8
-    };
-    cases.push(("weights 108 and 104 binades apart".into(), c, side));
+    cases.push((
+        "weights 108 and 104 binades apart".into(),
+        c,
+        Int8Side::Both,
+    ));
     // A block without a nonzero weight (rows 8..10: -0, -0, +0): its logits are zeros of
     // the weights' sign, whatever the key's scale (the subnormal form clamps it).
     let mut c = base(13);

@@ -163,14 +163,6 @@ pub fn predecoded_key_bytes(dim: usize) -> usize {
     dim + 4
 }
 
-/// Whether `mqa_logits_wgi8`'s head epilogue runs its subnormal-operand form
-/// (`docs/numerics.md` 6.8: an integer max and a multiply per head score, its guard
-/// bounding the block's weights to 104 binades), the default, or the fma form of 6.7
-/// under a `WGI8_SUBN=0` define (`tuning`; the kernel reads the same define).
-pub fn wgi8_subnormal_epilogue() -> bool {
-    define_in("WGI8_SUBN", 0..=1) != Some(0)
-}
-
 /// Key tiles in the ring into which `mqa_logits_wgi8_r8` copies the pre-decoded keys by
 /// TMA (the kernel's `WGI8_RING`: 2, or a `WGI8_RING=3` define under `tuning`).
 pub fn wgi8_ring_tiles() -> usize {
