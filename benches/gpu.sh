@@ -275,9 +275,12 @@ ab_round() {
       --precision "$ab_prec" "$@" --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$ab_log"
   done
 }
-# ab_summary: each line of ab_log's runs as form, workload and times, into the summary.
+# ab_summary [LOG [FIELD]]: each run of LOG (default ab_log), a line of its form,
+# workload and times (and FIELD's value, a JSON key of integers), into the summary.
 ab_summary() {
-  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"(median|logits|select)_ms":[0-9.]+' "$ab_log" \
+  local fields='"(median|logits|select)_ms":[0-9.]+'
+  [ -n "${2:-}" ] && fields="$fields|\"$2\":[0-9]+"
+  grep -oE '^\[[^]]*\]|"name":"[^"]*"|'"$fields" "${1:-$ab_log}" \
     | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 }
 
@@ -339,8 +342,7 @@ if has select; then
   sel_round 60 full v41-chunk
   sel_round 120 fast v32-64k v32-16k
   sel_round 120 full v32-64k v41-1m v41-1m-256m
-  grep -oE '^\[[^]]*\]|"name":"[^"]*"|"logits_slots":[0-9]+|"(median|logits|select)_ms":[0-9.]+' "$OUT/select.txt" \
-    | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
+  ab_summary "$OUT/select.txt" logits_slots
 fi
 
 if has ncu; then
