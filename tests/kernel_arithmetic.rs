@@ -1117,9 +1117,10 @@ fn epilogue_sample(rng: &mut impl Rng, n: usize, w_spread: i32) -> Option<Epilog
     })
 }
 
-/// The int8 kernel's head epilogue (`int8_path::epilogue_logit`: one fma per head from
-/// the accumulator's bits, the pairwise head sum, one multiply by the key's scale, the
-/// sign of a zero from the weights) against SPEC 4's steps 2 to 4 over 32 heads
+/// The head epilogue's fma form (`int8_path::epilogue_logit`, `docs/numerics.md` 6.7, the
+/// int8 kernel's before the subnormal form, whose guard rests on this one: one fma per
+/// head from the accumulator's bits, the pairwise head sum, one multiply by the key's
+/// scale, the sign of a zero from the weights) against SPEC 4's steps 2 to 4 over 32 heads
 /// ([`epilogue_sample`]): wherever every head's pair and the epilogue's guard admit
 /// (`docs/numerics.md` 6.7), bitwise. Draws cover the whole exponent range.
 #[test]

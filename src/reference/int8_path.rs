@@ -253,8 +253,10 @@ pub fn epilogue_admits(w: &[f32], v: &[f32], ek_min: u8) -> bool {
         && k + hi <= EPI_MAX_VK_EXP
 }
 
-/// The kernel's head epilogue for one (row, key), from the int32 head sums `y` (one per
-/// head, a power-of-two count), the heads' `eq_min`, the weights `w` and the key's
+/// The head epilogue's fma form (`docs/numerics.md` 6.7; the kernel's before the
+/// subnormal-operand form, [`epilogue_logit_subnormal`], whose guard adds one bound to
+/// this one's) for one (row, key), from the int32 head sums `y` (one per head, a
+/// power-of-two count), the heads' `eq_min`, the weights `w` and the key's
 /// `ek_min`: `T_h = fma(v_h, 2^23 + max(y_h, 0), -v_h 2^23)`, `L = P(T) * 2^(ek_min - 127)`,
 /// and `-0` for a zero `L` when every weight has its sign bit set. Where
 /// [`epilogue_admits`] holds and every head's pair is admitted ([`int8_pair_admits`]),
