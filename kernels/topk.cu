@@ -650,6 +650,27 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
   return prefix;
 }
 
+// A sample of CH chunks of 32 keys into dst: chunk c, the 32 keys from start(c), at
+// dst[32 c ..], warp w taking chunks w, w + WARPS, ..., L of them in flight per lane at a
+// time; on_key(k) sees each key this thread loads. No barrier.
+template <int MODE, u32 CH, u32 L, class Start, class OnKey>
+__device__ __forceinline__ void load_sample(u32 *dst, const RowSrc &src, const Start start,
+                                            const OnKey on_key) {
+  constexpr u32 WARPS = TK_THREADS / 32;
+  static_assert(CH % (L * WARPS) == 0, "whole rounds of sample chunks per warp");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (u32 c0 = warp; c0 < CH; c0 += L * WARPS) {
+    u32 v[L];
+#pragma unroll
+    for (u32 i = 0; i < L; ++i) v[i] = load_key<MODE>(src, start(c0 + i * WARPS) + lane);
+#pragma unroll
+    for (u32 i = 0; i < L; ++i) {
+      dst[(c0 + i * WARPS) * 32 + lane] = v[i];
+      on_key(v[i]);
+    }
+  }
+}
+
 // The second threshold of a row whose first collecting pass found c > CAP keys >= t: a
 // second sample of CAP keys into ckey (free: the second pass rewrites it), chunks of 32
 // at the midpoints of CH2 equal steps over the row. Their spacing is not the first
@@ -662,21 +683,15 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 template <int MODE, class Sm>
 __device__ u32 second_sample_threshold(Sm &sm, const RowSrc &src, const u32 n, const u32 t,
                                        const u32 c, const u32 target) {
-  constexpr u32 S2 = Sm::cap, CH2 = S2 / 32, WARPS = TK_THREADS / 32;
+  constexpr u32 S2 = Sm::cap, CH2 = S2 / 32;
   static_assert(S2 % 32 == 0, "second sample chunks");
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   u32 q = 0;
-  for (u32 ch = warp; ch < CH2; ch += WARPS) {
-    const u32 k = load_key<MODE>(src, (u32)(((u64)(2 * ch + 1) * (n - 32)) / (2 * CH2)) + lane);
-    sm.ckey[ch * 32 + lane] = k;
-    q += k >= t;
-  }
+  load_sample<MODE, CH2, 1>(
+      sm.ckey, src, [&](const u32 ch) { return (u32)(((u64)(2 * ch + 1) * (n - 32)) / (2 * CH2)); },
+      [&](const u32 k) { q += k >= t; });
   u32 total;
-  block_exclusive_scan(q, sm.scan, &total);
-  if (total == 0u) {
-    __syncthreads();
-    return t;
-  }
+  block_exclusive_scan(q, sm.scan, &total);  // ends with a barrier
+  if (total == 0u) return t;  // the caller's miss path runs the barrier before any reset
   const u32 q2 = (u32)(((u64)total * target + c - 1) / c);  // in 1 .. total
   u32 t2, unused;
   radix_select<false>(sm.h256, sm.misc, S2, q2, [&](u32 i) { return sm.ckey[i]; }, t2, unused);
@@ -713,23 +728,15 @@ __device__ u32 second_sample_threshold(Sm &sm, const RowSrc &src, const u32 n, c
 template <int MODE, int CL = 1, class Sm>
 __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const u32 K) {
   constexpr u32 CAP = Sm::cap;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  constexpr u32 S = TK_SEL_CAP, CH = S / 32, WARPS = TK_THREADS / 32, PER = CH / WARPS;
-  static_assert(CH % WARPS == 0, "sample chunks per warp");
+  const int tid = threadIdx.x;
+  constexpr u32 S = TK_SEL_CAP, CH = S / 32, PER = CH / (TK_THREADS / 32);
   // Chunks spread evenly: chunk c's first key. The wide memory's kernels (at most 3
   // blocks per SM, registers to spare) load a warp's chunks together; the others, at 32
   // registers, one at a time.
-  const auto chunk_start = [&](const u32 c) { return (u32)(((u64)c * (n - 32)) / (CH - 1)); };
-  if constexpr (CAP == TK_WIDE_CAP) {
-    u32 v[PER];
-#pragma unroll
-    for (u32 i = 0; i < PER; ++i) v[i] = load_key<MODE>(src, chunk_start(warp + i * WARPS) + lane);
-#pragma unroll
-    for (u32 i = 0; i < PER; ++i) sm.sel[(warp + i * WARPS) * 32 + lane] = v[i];
-  } else {
-    for (u32 c = warp; c < CH; c += WARPS)
-      sm.sel[c * 32 + lane] = load_key<MODE>(src, chunk_start(c) + lane);
-  }
+  constexpr u32 L = CAP == TK_WIDE_CAP ? PER : 1;
+  load_sample<MODE, CH, L>(
+      sm.sel, src, [&](const u32 c) { return (u32)(((u64)c * (n - 32)) / (CH - 1)); },
+      [](u32) {});
   if (tid < 8) sm.misc[tid] = 0;
   __syncthreads();
   const u32 target = 3u * K <= CAP ? CAP / 2 : (K + CAP) / 2;
