@@ -57,7 +57,8 @@
 #
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
 # #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, WGI8_R8_MIN_BLOCKS, W16_MIN_BLOCKS,
-#   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_RAGGED_MIN_BLOCKS, TK_BITMAP (0: sampled
+#   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_SAMPLE_LOADS (sample chunks in flight per
+#   warp in the narrow top-k's sample, 1), TK_RAGGED_MIN_BLOCKS, TK_BITMAP (0: sampled
 #   rows sort their selected ids instead of scanning a bitmap), TK_SAMPLED_ORDERED (1:
 #   sampled rows of at most 16 * K keys end with the ordered pass), TK_STOP (profiling:
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
@@ -317,31 +318,37 @@ if has altfast; then
 fi
 
 if has select; then
-  # Each tile's selection on a stream of its own beside the next tile's logits, two
-  # logits slots of half the budget (SELECT_STREAM=1: the stream at the default priority,
-  # 2: at the device's greatest; host side, docs/cuda.md "The selection beside the next
-  # tile's logits") against the default, in alternating processes: each form's tests of
-  # runs of many tiles first (every budget, the plan's peak, random batches of both
-  # classes, the golden vectors, paged keys, the engine entry, decode), then rounds on the
-  # workloads of several tiles (select.txt, and the summary).
+  # SEL_FORMS (';'-separated define sets of the selection) beside the default in
+  # alternating processes: by default each tile's selection on a stream of its own beside
+  # the next tile's logits, two logits slots of half the budget (SELECT_STREAM=1: the
+  # stream at the default priority, 2: at the device's greatest; host side, docs/cuda.md
+  # "The selection beside the next tile's logits"). Each form's tests first (SEL_FILTER:
+  # by default the runs of many tiles: every budget, the plan's peak, random batches of
+  # both classes, the golden vectors, paged keys, the engine entry, decode), then the
+  # rounds of SEL_ROUNDS (';'-separated "SECONDS PRECISION WORKLOAD..."; by default the
+  # workloads of several tiles) into select.txt, and the summary.
   # SEL_TESTS=0: the rounds alone, the forms' tests left to another call.
-  log "selection stream A/B"
+  sel_forms="${SEL_FORMS:-SELECT_STREAM=1;SELECT_STREAM=2}"
+  log "selection A/B: $sel_forms"
+  IFS=';' read -ra sel_list <<< "$sel_forms"
   if [ "${SEL_TESTS:-1}" != 0 ]; then
-    for defs in "SELECT_STREAM=1" "SELECT_STREAM=2"; do
-      knob_tests "$defs" same_bits selection_stream plan_and_measured_peak random_batches golden paged engine_api decode
+    for defs in "${sel_list[@]}"; do
+      # shellcheck disable=SC2086
+      knob_tests "$defs" ${SEL_FILTER:-same_bits selection_stream plan_and_measured_peak random_batches golden paged engine_api decode}
     done
   fi
   sel_round() {  # sel_round SECONDS PRECISION WORKLOAD...: the default, then each form
     local secs="$1" prec="$2"; shift 2
-    for defs in "" "SELECT_STREAM=1" "SELECT_STREAM=2"; do
+    for defs in "" "${sel_list[@]}"; do
       DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json \
         --precision "$prec" "$@" --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/select.txt"
     done
   }
-  sel_round 60 full v41-chunk v41-chunk-source
-  sel_round 60 full v41-chunk
-  sel_round 120 fast v32-64k v32-16k
-  sel_round 120 full v32-64k v41-1m v41-1m-256m
+  IFS=';' read -ra sel_rounds <<< "${SEL_ROUNDS:-60 full v41-chunk v41-chunk-source;60 full v41-chunk;120 fast v32-64k v32-16k;120 full v32-64k v41-1m v41-1m-256m}"
+  for r in "${sel_rounds[@]}"; do
+    # shellcheck disable=SC2086
+    sel_round $r
+  done
   ab_summary "$OUT/select.txt" logits_slots
 fi
 

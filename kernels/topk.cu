@@ -79,6 +79,15 @@
 #ifndef TK_UNROLL
 #define TK_UNROLL 4
 #endif
+// Sample chunks in flight per warp in the sample of a row by the kernels of TK_CAND_CAP
+// candidates (topk_ragged_f32, topk_segments_f32: 32 registers; the wide memory's kernels
+// load a warp's eight at once); 2, 4, 8: a tuning define.
+#ifndef TK_SAMPLE_LOADS
+#define TK_SAMPLE_LOADS 1
+#endif
+static_assert(TK_SAMPLE_LOADS == 1 || TK_SAMPLE_LOADS == 2 || TK_SAMPLE_LOADS == 4 ||
+                  TK_SAMPLE_LOADS == 8,
+              "TK_SAMPLE_LOADS: 1, 2, 4 or 8 (divisors of a warp's eight sample chunks)");
 // Sampled rows of at most 32 * TK_SEL_CAP keys emit their selected ids from a bitmap of
 // the row in shared memory instead of sorting them (0: the sort, a tuning define).
 #ifndef TK_BITMAP
@@ -732,8 +741,8 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   constexpr u32 S = TK_SEL_CAP, CH = S / 32, PER = CH / (TK_THREADS / 32);
   // Chunks spread evenly: chunk c's first key. The wide memory's kernels (at most 3
   // blocks per SM, registers to spare) load a warp's chunks together; the others, at 32
-  // registers, one at a time.
-  constexpr u32 L = CAP == TK_WIDE_CAP ? PER : 1;
+  // registers, TK_SAMPLE_LOADS at a time.
+  constexpr u32 L = CAP == TK_WIDE_CAP ? PER : TK_SAMPLE_LOADS;
   load_sample<MODE, CH, L>(
       sm.sel, src, [&](const u32 c) { return (u32)(((u64)c * (n - 32)) / (CH - 1)); },
       [](u32) {});

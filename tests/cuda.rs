@@ -1865,6 +1865,8 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
                 if kernels::topk_wide(rows, sms, hooks) {
                     assert_eq!(paths.resampled, sampled_rows, "{name}, K={k}: {paths:?}");
                 } else {
+                    // Shown under --nocapture: which path each narrow-memory row took.
+                    eprintln!("narrow memory, {name}, K={k}: {paths:?}");
                     assert_eq!(
                         paths.resampled + paths.two_pass + paths.general,
                         sampled_rows,
