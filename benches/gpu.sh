@@ -357,18 +357,21 @@ if has ncu; then
   # workloads (v32-16k v41-chunk), NCU_ARGS further bench arguments (e.g. --precision
   # fast); NCU_SET=full takes ncu's full set, the source counters (stall reasons per SASS
   # instruction, ncu-src-WORKLOAD.csv, summarised by benches/ncu_source.py) among them.
+  ncu_first() {  # ncu_first SECONDS NCU_ARGS...: the first logits launch of a process
+    local secs="$1"; shift
+    timeout "$secs" ncu --clock-control none -k regex:mqa_logits -c 1 "$@"
+  }
   for wl in ${NCU_W:-v32-16k v41-chunk}; do
     log "ncu $wl ${NCU_ARGS:-}"
     run_wl=($B/dsa-indexer bench --device cuda --json "$wl" ${NCU_ARGS:-} --reps 1)
     if [[ "${NCU_SET:-}" == full ]]; then
-      timeout 300 ncu --clock-control none -k regex:mqa_logits -c 1 --set full -o "$OUT/ncu-$wl" \
-        "${run_wl[@]}" > "$OUT/ncu-$wl.log" 2>&1
+      ncu_first 300 --set full -o "$OUT/ncu-$wl" "${run_wl[@]}" > "$OUT/ncu-$wl.log" 2>&1
       ncu --import "$OUT/ncu-$wl.ncu-rep" --page details > "$OUT/ncu-$wl.txt" 2>&1
       ncu --import "$OUT/ncu-$wl.ncu-rep" --page source --print-source sass --csv \
         > "$OUT/ncu-src-$wl.csv" 2>&1
       python3 benches/ncu_source.py "$OUT/ncu-src-$wl.csv" | tee -a "$OUT/summary.txt"
     else
-      timeout 180 ncu --clock-control none -k regex:mqa_logits -c 1 --section SpeedOfLight \
+      ncu_first 180 --section SpeedOfLight \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section Occupancy "${run_wl[@]}" > "$OUT/ncu-$wl.txt" 2>&1
     fi
