@@ -80,10 +80,13 @@
 #define TK_UNROLL 4
 #endif
 // Sample chunks in flight per warp in the sample of a row by the kernels of TK_CAND_CAP
-// candidates (topk_ragged_f32, topk_segments_f32: 32 registers; the wide memory's kernels
-// load a warp's eight at once); 2, 4, 8: a tuning define.
+// candidates (topk_ragged_f32, topk_segments_f32: 32 registers, 16 bytes of spill at
+// every setting): all eight of a warp at once, as the wide memory's kernels load them.
+// One at a time waits eight memory latencies before the threshold can start (v32-64k
+// fast's selection 0.7 to 1.1 % slower in a same-run A/B, benches/RESULTS.md); 1, 2, 4:
+// a tuning define.
 #ifndef TK_SAMPLE_LOADS
-#define TK_SAMPLE_LOADS 1
+#define TK_SAMPLE_LOADS 8
 #endif
 static_assert(TK_SAMPLE_LOADS == 1 || TK_SAMPLE_LOADS == 2 || TK_SAMPLE_LOADS == 4 ||
                   TK_SAMPLE_LOADS == 8,
@@ -739,9 +742,9 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   constexpr u32 CAP = Sm::cap;
   const int tid = threadIdx.x;
   constexpr u32 S = TK_SEL_CAP, CH = S / 32, PER = CH / (TK_THREADS / 32);
-  // Chunks spread evenly: chunk c's first key. The wide memory's kernels (at most 3
-  // blocks per SM, registers to spare) load a warp's chunks together; the others, at 32
-  // registers, TK_SAMPLE_LOADS at a time.
+  // Chunks spread evenly: chunk c's first key. A warp's chunks are loaded together in
+  // the wide memory's kernels (at most 3 blocks per SM, registers to spare), and
+  // TK_SAMPLE_LOADS at a time in the others.
   constexpr u32 L = CAP == TK_WIDE_CAP ? PER : TK_SAMPLE_LOADS;
   load_sample<MODE, CH, L>(
       sm.sel, src, [&](const u32 c) { return (u32)(((u64)c * (n - 32)) / (CH - 1)); },

@@ -1854,26 +1854,14 @@ fn topk_cluster_rows_match_a_full_sort_and_the_reference() {
             } else if name == "sample chunks lowest" {
                 // Every block's candidates together overflow, so no row keeps its first
                 // threshold: the first block's second pass over the whole row, from a
-                // second sample mostly outside the first one's chunks. With the wide
-                // candidate memory (cluster or wide launch) its margin serves every row.
-                // With topk_ragged_f32's narrower one (no_wide_topk: a second sample of
-                // 3,072 keys, a window of +-20 % at K = 2048) a row may miss it and take
-                // the two passes or the general path. Either way the second threshold
+                // second sample mostly outside the first one's chunks. Its margin serves
+                // every row, with the wide candidate memory (cluster or wide launch) and
+                // with topk_ragged_f32's narrower one (no_wide_topk: a second sample of
+                // 3,072 keys, a window of +-20 % at K = 2048). The second threshold
                 // depends on the row alone, never on which candidates the first pass
                 // kept: every run takes the same paths.
                 assert_eq!(paths.sampled, 0, "{name}, K={k}: {paths:?}");
-                if kernels::topk_wide(rows, sms, hooks) {
-                    assert_eq!(paths.resampled, sampled_rows, "{name}, K={k}: {paths:?}");
-                } else {
-                    // Shown under --nocapture: which path each narrow-memory row took.
-                    eprintln!("narrow memory, {name}, K={k}: {paths:?}");
-                    assert_eq!(
-                        paths.resampled + paths.two_pass + paths.general,
-                        sampled_rows,
-                        "{name}, K={k}: {paths:?}"
-                    );
-                    assert!(paths.resampled > 0, "{name}, K={k}: {paths:?}");
-                }
+                assert_eq!(paths.resampled, sampled_rows, "{name}, K={k}: {paths:?}");
                 for run in 1..4 {
                     let again = check_select_by_sort(&mut b, &c, &lens, &scores, k, name);
                     assert_eq!(again, paths, "{name}, K={k}, run {run}: the paths differ");
