@@ -80,8 +80,9 @@
 #define TK_UNROLL 4
 #endif
 // Sample chunks in flight per warp in the sample of a row by the kernels of TK_CAND_CAP
-// candidates (topk_ragged_f32, topk_segments_f32: 32 registers, 16 bytes of spill at
-// every setting): all eight of a warp at once, as the wide memory's kernels load them.
+// candidates (topk_ragged_f32, topk_segments_f32: 32 registers; ptxas spills 16 bytes in
+// the first at every setting, 16 in the second at 8 and 32 at 1): all eight of a warp at
+// once, as the wide memory's kernels load them.
 // One at a time waits eight memory latencies before the threshold can start (v32-64k
 // fast's selection 0.7 to 1.1 % slower in a same-run A/B, benches/RESULTS.md); 1, 2, 4:
 // a tuning define.
