@@ -225,7 +225,8 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
     const u64 da = wgmma_desc_sw128(sK[__shfl_sync(FULL_MASK, slot, 0)]);
 #pragma unroll
     for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_add(da, 32 * s), wgmma_desc_add(db0, 2 * s * lbo), s > 0 ? 1u : 0u);
+      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_add(da, 32 * s), wgmma_desc_add(db0, 2 * s * lbo),
+                               s > 0 ? 1u : 0u);
     wgmma_commit();
     // Thread 0 refills the previous tile's ring tile (the slot before this one, in the
     // phase that tile used) with the tile W8_RING - 1 ahead, once every thread is done

@@ -91,7 +91,8 @@
 // The guard is evaluated once per block (f_lo, f_hi) and per key beside the int8 guard;
 // docs/numerics.md section 6.7 has it with the host model's checks.
 //
-// The kernel (docs/numerics.md 6.8) reads the sums as subnormals instead: with s = 254 - f_hi, v'_h = v_h 2^s once per block (an exponent-field add),
+// The kernel (docs/numerics.md 6.8) reads the sums as subnormals instead: with
+// s = 254 - f_hi, v'_h = v_h 2^s once per block (an exponent-field add),
 // x_h = the bits of max(Y_h, 0) (max(Y_h, 0) 2^-149), T'_h = v'_h * x_h, and
 // L = P(T') * 2^(ek_min + f_hi - 232): an integer max and a multiply per (row, head,
 // key), no m_h and no sign rule (a zero T'_h carries w_h's sign, as SPEC 4's w_h * (+0)
