@@ -31,16 +31,6 @@
 #ifndef W8_MIN_BLOCKS
 #define W8_MIN_BLOCKS 4
 #endif
-// W8_COOP = 0 (the default): one warpgroup per block, its own key tiles. 1 (a tuning
-// define, host and kernel; flat keys at D = 128 only, kernels::w8_coop): four warpgroups
-// per block (512 threads, one block per SM) share the group's queries and a ring of
-// 256-key stages, warpgroup w taking the stage's keys 64 w .. 64 w + 63; thread 0 issues
-// a stage as four boxes on one barrier. 2: the same with a fifth warpgroup, the
-// producer, whose first thread issues every stage (W8_PRODUCER below). The block's shared
-// memory is dynamic (kernels::w8_smem_bytes).
-#ifndef W8_COOP
-#define W8_COOP 0
-#endif
 // W8_TMA = 1 (D = 128, the default): both MMA operands from shared memory, the keys by
 // TMA. Thread 0 keeps the next W8_RING - 1 key tiles in flight as bulk tensor copies
 // (one per tile, or one per page for pages of fewer than 64 keys) into a ring of tiles
@@ -58,10 +48,6 @@
 #if D != 128
 #undef W8_TMA
 #define W8_TMA 0
-#endif
-#if !W8_TMA || DSA_PAGED
-#undef W8_COOP
-#define W8_COOP 0
 #endif
 
 // W8_LPT = 1 (the default): the launch's groups taken in reverse order, so that in a
@@ -133,7 +119,6 @@ __device__ __forceinline__ float w8_kscale(const u8 *k, const float *k_scale32, 
 
 // ==== kernel ====
 
-#if !W8_COOP
 // block: rows grp.x + [0, 2) x 64 heads x keys 64 c + [0, 64) -> logits[row, key]
 // (grp = groups[group0 + blockIdx.y], one warpgroup; c = blockIdx.x, + gridDim.x, ...)
 extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_logits_w8(
@@ -302,161 +287,3 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   }
 #endif
 }
-
-#else  // W8_COOP
-
-// Warpgroups per block and keys per stage. W8_COOP = 2: a fifth warpgroup, the
-// producer, whose one thread issues the ring's copies (DeepGEMM's block shape): the
-// consumers never wait on a stage's release, and `setmaxnreg` moves the producer's
-// registers to them (W8_PRODUCER_REGS each to the producer, W8_CONSUMER_REGS to the
-// consumers: 128 x 24 + 512 x 112 <= 640 x 96, the launch's count at one block of 640
-// threads per SM).
-#define W8_WGS 4
-#define W8_PRODUCER (W8_COOP == 2)
-#define W8_THREADS ((W8_WGS + W8_PRODUCER) * H64_THREADS)
-#define W8_PRODUCER_REGS 24
-#define W8_CONSUMER_REGS 112
-#define W8_STAGE_KEYS (W8_WGS * H64_KEYS)
-#define W8_STAGE_BYTES (W8_WGS * W8_TILE_BYTES)
-// The block's dynamic shared memory (kernels::w8_smem_bytes adds 1024 bytes of slack for
-// the alignment): the ring's stages (1024-byte aligned), the queries, the weights, the
-// ring's barriers.
-#define W8_SMEM_B (W8_RING * W8_STAGE_BYTES)
-#define W8_SMEM_W (W8_SMEM_B + H64_N * D)
-#define W8_SMEM_BAR (W8_SMEM_W + H64_ROWS * H * 4)
-
-// block: rows grp.x + [0, 2) x 64 heads x keys 256 st + [0, 256) -> logits[row, key]
-// (grp = groups[group0 + blockIdx.y]; st = blockIdx.x, + gridDim.x, ...; warpgroup w
-// the keys 256 st + 64 w + [0, 64), the two-row kernel's tile c = 4 st + w).
-extern "C" __global__ void __launch_bounds__(W8_THREADS, 1) mqa_logits_w8(
-    const u8 *__restrict__ q, const u8 *__restrict__ q_scale, const u8 *__restrict__ k,
-    const u8 *__restrict__ k_scale8, const float *__restrict__ k_scale32,
-    const float *__restrict__ w, const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks,
-    const u64 *__restrict__ row_off, const uint4 *__restrict__ groups, u32 group0,
-    float *__restrict__ logits, u32 *__restrict__ paths LG_PAGED_PARAMS W8_TMA_PARAM) {
-  extern __shared__ u8 w8_dsm[];
-  u8 *const sm = w8_dsm + ((1024u - (smem_u32(w8_dsm) & 1023u)) & 1023u);
-  u8(*const sK)[W8_STAGE_BYTES] = reinterpret_cast<u8(*)[W8_STAGE_BYTES]>(sm);
-  u8 *const sB = sm + W8_SMEM_B;
-  float(*const sw)[H] = reinterpret_cast<float(*)[H]>(sm + W8_SMEM_W);
-  u64 *const full = reinterpret_cast<u64 *>(sm + W8_SMEM_BAR);
-  u64 *const empty = full + W8_RING;
-
-  const uint4 grp = groups[group0 + (W8_LPT ? gridDim.y - 1 - blockIdx.y : blockIdx.y)];
-  const u32 nchunks = (grp.z + H64_KEYS - 1) / H64_KEYS;
-  const u32 nstages = (nchunks + W8_WGS - 1) / W8_WGS;
-  if (blockIdx.x >= nstages) return;
-  const u32 ks = row_ks[grp.x];
-  const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3;
-  // This thread's warpgroup, warp-uniform to ptxas (read from lane 0).
-  const u32 wg = __shfl_sync(FULL_MASK, (u32)tid >> 7, 0);
-  const int gid = lane >> 2, tig = lane & 3;
-  const bool odd = (tig & 1) != 0, hi = (tig & 2) != 0;
-  auto row_of = [&](u32 r) { return grp.x + min(r, grp.y - 1); };
-
-  // The weights and the queries, every thread of the block (h64_stage_weights' test).
-  bool big_w = false;
-  for (int t = tid; t < H64_ROWS * H; t += W8_THREADS) {
-    const float wt = w[(u64)row_of((u32)(t / H)) * H + t % H];
-    sw[t / H][t % H] = wt;
-    big_w = big_w || !(fabsf(wt) < 0x1p96f);
-  }
-  for (int t = tid; t < H64_N * 4; t += W8_THREADS) {
-    const int n = t / 4, tg = t % 4;
-    u32 x[H64_WORDS];
-    h64_load(x, q + ((u64)row_of(n / H) * H + n % H) * D, tg);
-    *reinterpret_cast<uint4 *>(&sB[wg_off(n, 2 * tg, H64_N)]) = make_uint4(x[0], x[1], x[2], x[3]);
-    *reinterpret_cast<uint4 *>(&sB[wg_off(n, 2 * tg + 1, H64_N)]) = make_uint4(x[4], x[5], x[6], x[7]);
-  }
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < W8_RING; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], W8_WGS * H64_THREADS);
-    }
-    fence_mbar_init();
-  }
-  fence_proxy_async();
-  const bool spec_order = __syncthreads_or(big_w) != 0;  // block-uniform
-  constexpr u32 lbo = (H64_N / 8) * 128;  // chunk to chunk
-
-  // Thread 0: stage st's four key tiles into ring stage `sl`, on one barrier (rows past
-  // the buffer read as zeros; rows past the group's keys are never stored).
-  auto issue = [&](const u32 sl, const u32 st) {
-    mbar_arrive_expect_tx(&full[sl], W8_STAGE_BYTES);
-#pragma unroll
-    for (int t = 0; t < W8_WGS; ++t)
-      tma_load_2d(&sK[sl][t * W8_TILE_BYTES], &kmap, &full[sl], 0,
-                  (int)(ks + st * W8_STAGE_KEYS + t * H64_KEYS));
-  };
-  // Ring stage i % W8_RING holds the block's i-th stage, landed when full[i % W8_RING]
-  // completes its phase i / W8_RING, free again when empty[...] completes the same phase.
-#if W8_PRODUCER
-  // The producer's first thread issues every stage, each once the consumers have
-  // released its ring stage's previous use; the producer's other threads are done.
-  if (wg == W8_WGS) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(W8_PRODUCER_REGS));
-    if (tid == W8_WGS * H64_THREADS) {
-      u32 i = 0;
-      for (u32 st = blockIdx.x; st < nstages; st += gridDim.x, ++i) {
-        const u32 sl = i % W8_RING;
-        if (i >= W8_RING) mbar_wait(&empty[sl], ((i / W8_RING) - 1u) & 1u);
-        issue(sl, st);
-      }
-    }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(W8_CONSUMER_REGS));
-#else
-  // Thread 0 issues the first W8_RING - 1, then refills the previous stage's ring stage
-  // once it has issued the current stage's MMAs (the two-row kernel's protocol).
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < W8_RING - 1; ++i) {
-      const u32 si = blockIdx.x + i * gridDim.x;
-      if (si < nstages) issue(i, si);
-    }
-  }
-#endif
-  const u32 jl = 16 * warp + gid + (odd ? 8 : 0);
-  const u32 jw = wg * H64_KEYS + jl;  // this lane's key in a stage
-  float ksc_next = w8_kscale(k, k_scale32, ks, grp.z, blockIdx.x * W8_STAGE_KEYS + jw);
-  const u64 db0 = wgmma_desc(sB, lbo, 128);
-  const RowOut out = row_out(logits, row_off, row_n, grp, hi ? 1u : 0u);
-  float2 wr[2][8];
-  h64_lane_weights(wr, sw, tig);
-  u32 slot = 0, phase = 0;
-  for (u32 st = blockIdx.x; st < nstages; st += gridDim.x) {
-    const u32 j0 = st * W8_STAGE_KEYS + wg * H64_KEYS;
-    const float kscale = ksc_next;
-    if (st + gridDim.x < nstages)
-      ksc_next = w8_kscale(k, k_scale32, ks, grp.z, (st + gridDim.x) * W8_STAGE_KEYS + jw);
-    mbar_wait(&full[slot], phase);
-    float acc[64];
-    wgmma_fence();
-    const u64 da = wgmma_desc_sw128(&sK[__shfl_sync(FULL_MASK, slot, 0)][wg * W8_TILE_BYTES]);
-#pragma unroll
-    for (int s = 0; s < W8_S; ++s)
-      wgmma_m64n128k32_e4m3_ss(acc, wgmma_desc_add(da, 32 * s), wgmma_desc_add(db0, 2 * s * lbo),
-                               s > 0 ? 1u : 0u);
-    wgmma_commit();
-    if (!W8_PRODUCER && tid == 0) {
-      const u32 sn = st + (W8_RING - 1) * gridDim.x;
-      const u32 prev = slot == 0 ? W8_RING - 1 : slot - 1;
-      if (sn < nstages) {
-        if (st != blockIdx.x) mbar_wait(&empty[prev], slot == 0 ? phase ^ 1u : phase);
-        issue(prev, sn);
-      }
-    }
-    wgmma_wait<0>();
-    fence_regs(acc);
-    mbar_arrive(&empty[slot]);
-    if (++slot == W8_RING) {
-      slot = 0;
-      phase ^= 1u;
-    }
-    const float hsum = h64_head_sum(acc, h64_reg_weights(wr), sw, spec_order, tig, odd, hi);
-    store_row_logit(out, j0 + 16 * warp + gid, odd, __fmul_rn(hsum, kscale));
-  }
-}
-#endif  // W8_COOP

@@ -18,7 +18,7 @@
 //!   separated by spaces): occupancy and tile numbers for experiments (`LG_ROWS`,
 //!   `LG_PER_BLOCK`, `LG_MIN_WAVES`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`,
 //!   `TK_SAMPLE_LOADS`, `TK_BITMAP`, `TK_SEG_ALIGN`, `TK_SPLIT_MIN_KEYS`, `W8_RING`,
-//!   `W8_TMA`, `W8_LPT`, `W8_COOP`, and `TK_STOP` for profiling a phase) and the host's
+//!   `W8_TMA`, `W8_LPT`, and `TK_STOP` for profiling a phase) and the host's
 //!   `SELECT_STREAM` ([`select_stream`]),
 //!   prepended to every kernel source as `#define`s. Without the feature the variable
 //!   is never read, so a stray one in a serving process changes nothing.
@@ -128,52 +128,6 @@ pub fn logits_on_fp8_accumulator(v: Variant, hooks: Hooks) -> bool {
 /// Rows per `mqa_logits_w16` and `mqa_logits_w8` block (`H64_ROWS` in
 /// `logits_e4m3_h64.cuh`: 2 rows x 64 heads = one 128-column MMA).
 pub const LOGITS_W16_ROWS: usize = 2;
-
-/// Whether variant `v`'s `mqa_logits_w8` runs four warpgroups per block over 256-key
-/// stages (`W8_COOP` in `kernels/mqa_logits_w8.cu`): under the `W8_COOP=1` define
-/// (`tuning` feature), over flat keys at `D = 128` with the keys by TMA ([`w8_tma`]);
-/// host and kernel both read the define.
-pub fn w8_coop(v: Variant) -> bool {
-    matches!(
-        v,
-        Variant::Logits {
-            groups: 4,
-            paged: false,
-            ..
-        }
-    ) && w8_tma()
-        && define_in("W8_COOP", 0..=2).is_some_and(|c| c >= 1)
-}
-
-/// Whether [`w8_coop`]'s block has a fifth warpgroup, the producer, that issues the
-/// ring's copies (`W8_COOP=2`).
-pub fn w8_producer(v: Variant) -> bool {
-    w8_coop(v) && define_in("W8_COOP", 0..=2) == Some(2)
-}
-
-/// Key tiles a block of logits entry `entry` takes per step: `mqa_logits_w8`'s stages
-/// under [`w8_coop`] (`W8_WGS`), else 1.
-pub fn w8_tiles_per_stage(entry: LogitsEntry, v: Variant) -> usize {
-    if entry == LogitsEntry::W8 && w8_coop(v) {
-        4
-    } else {
-        1
-    }
-}
-
-/// Dynamic shared memory of a launch of logits entry `entry` for variant `v`:
-/// `mqa_logits_w8` under [`w8_coop`] takes all of its shared memory so (its ring of
-/// `W8_RING` stages of four 64-key tiles, 2 unless the define says otherwise; the
-/// queries; the weights; the ring's barriers; 1024 bytes of slack for the ring's
-/// alignment); every other entry none.
-pub fn w8_smem_bytes(entry: LogitsEntry, v: Variant) -> u32 {
-    if w8_tiles_per_stage(entry, v) == 1 {
-        return 0;
-    }
-    let ring = define_in("W8_RING", 2..=3).unwrap_or(2);
-    let (keys, rows, heads, dim) = (LOGITS_KEYS, LOGITS_W16_ROWS, 64, 128);
-    (ring * 4 * keys * dim + rows * heads * dim + rows * heads * 4 + 2 * ring * 8 + 1024) as u32
-}
 
 /// Rows per `mqa_logits_wgr` block (`WGR_ROWS` in `logits_wgr.cuh`: 2 rows x 32 heads =
 /// one 64-column MMA).
@@ -566,9 +520,7 @@ pub fn logits_kernel_for(v: Variant, hooks: Hooks, wide: bool) -> (LogitsEntry, 
             };
         }
         if fast {
-            let wgs = w8_tiles_per_stage(LogitsEntry::W8, v) + usize::from(w8_producer(v));
-            let threads = wgs * LOGITS_WG_THREADS;
-            return (LogitsEntry::W8, LOGITS_W16_ROWS, threads);
+            return (LogitsEntry::W8, LOGITS_W16_ROWS, LOGITS_WG_THREADS);
         }
         return (LogitsEntry::W16, LOGITS_W16_ROWS, LOGITS_WG_THREADS);
     }

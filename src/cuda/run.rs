@@ -547,16 +547,13 @@ impl Run {
         if g.chunks > 0 && a.logits != 0 {
             let (entry, threads) = g.logits;
             let f = dev.function(sh.logits_variant(), entry.name())?;
-            // Blocks walk key tiles, or stages of several under W8_COOP.
-            let stage = kernels::w8_tiles_per_stage(entry, sh.logits_variant());
-            let units = (g.chunks as usize).div_ceil(stage);
             let per_block = kernels::logits_launch_tiles_per_block(
                 entry,
-                units,
+                g.chunks as usize,
                 g.groups.len(),
                 dev.sm_count(),
             );
-            let gx = units.div_ceil(per_block) as u32;
+            let gx = (g.chunks as usize).div_ceil(per_block) as u32;
             let lpaths = a.paths + 4 * kernels::TOPK_PATHS.len() as u64;
             // Pre-decoded keys: their scale windows, the map of their s8 operands and the
             // ring the entry copies them into; else the keys' own map, if the entry takes
@@ -572,11 +569,7 @@ impl Run {
             } else {
                 let map =
                     launch::key_tensor_map(entry, sh.logits_variant(), p.k, p.k_bytes, sh.paged)?;
-                (
-                    None,
-                    map,
-                    kernels::w8_smem_bytes(entry, sh.logits_variant()),
-                )
+                (None, map, 0)
             };
             let args = LogitsArgs {
                 q: p.q,
