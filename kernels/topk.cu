@@ -35,6 +35,7 @@
 // Threads per top-k block (kernels::TOPK_THREADS): the shared-memory row's digit scan
 // gives each thread 4 of the TK_BINS bins.
 #define TK_THREADS 512
+#define TK_WARPS (TK_THREADS / 32)
 // Consecutive ids per thread in the ordered pass: two 16-byte loads of the shared-memory
 // row (kernels::TOPK_CHUNK = TK_THREADS * TK_ITEMS).
 #define TK_ITEMS 8
@@ -669,16 +670,15 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 template <int MODE, u32 CH, u32 L, class Start, class OnKey>
 __device__ __forceinline__ void load_sample(u32 *dst, const RowSrc &src, const Start start,
                                             const OnKey on_key) {
-  constexpr u32 WARPS = TK_THREADS / 32;
-  static_assert(CH % (L * WARPS) == 0, "whole rounds of sample chunks per warp");
+  static_assert(CH % (L * TK_WARPS) == 0, "whole rounds of sample chunks per warp");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (u32 c0 = warp; c0 < CH; c0 += L * WARPS) {
+  for (u32 c0 = warp; c0 < CH; c0 += L * TK_WARPS) {
     u32 v[L];
 #pragma unroll
-    for (u32 i = 0; i < L; ++i) v[i] = load_key<MODE>(src, start(c0 + i * WARPS) + lane);
+    for (u32 i = 0; i < L; ++i) v[i] = load_key<MODE>(src, start(c0 + i * TK_WARPS) + lane);
 #pragma unroll
     for (u32 i = 0; i < L; ++i) {
-      dst[(c0 + i * WARPS) * 32 + lane] = v[i];
+      dst[(c0 + i * TK_WARPS) * 32 + lane] = v[i];
       on_key(v[i]);
     }
   }
@@ -742,7 +742,7 @@ template <int MODE, int CL = 1, class Sm>
 __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const u32 K) {
   constexpr u32 CAP = Sm::cap;
   const int tid = threadIdx.x;
-  constexpr u32 S = TK_SEL_CAP, CH = S / 32, PER = CH / (TK_THREADS / 32);
+  constexpr u32 S = TK_SEL_CAP, CH = S / 32, PER = CH / TK_WARPS;
   // Chunks spread evenly: chunk c's first key. A warp's chunks are loaded together in
   // the wide memory's kernels (at most 3 blocks per SM, registers to spare), and
   // TK_SAMPLE_LOADS at a time in the others.
