@@ -665,8 +665,8 @@ __device__ u32 sample_threshold_22(Sm &sm, const u32 r, u32 &sampled) {
 }
 
 // A sample of CH chunks of 32 keys into dst: chunk c, the 32 keys from start(c), at
-// dst[32 c ..], warp w taking chunks w, w + WARPS, ..., L of them in flight per lane at a
-// time; on_key(k) sees each key this thread loads. No barrier.
+// dst[32 c ..], warp w taking chunks w, w + TK_WARPS, ..., L of them in flight per lane
+// at a time; on_key(k) sees each key this thread loads. No barrier.
 template <int MODE, u32 CH, u32 L, class Start, class OnKey>
 __device__ __forceinline__ void load_sample(u32 *dst, const RowSrc &src, const Start start,
                                             const OnKey on_key) {
