@@ -86,13 +86,10 @@
 // once, as the wide memory's kernels load them.
 // One at a time waits eight memory latencies before the threshold can start (v32-64k
 // fast's selection 0.7 to 1.1 % slower in a same-run A/B, benches/RESULTS.md); 1, 2, 4:
-// a tuning define.
+// a tuning define (load_sample asserts that it divides a warp's chunks).
 #ifndef TK_SAMPLE_LOADS
 #define TK_SAMPLE_LOADS 8
 #endif
-static_assert(TK_SAMPLE_LOADS == 1 || TK_SAMPLE_LOADS == 2 || TK_SAMPLE_LOADS == 4 ||
-                  TK_SAMPLE_LOADS == 8,
-              "TK_SAMPLE_LOADS: 1, 2, 4 or 8 (divisors of a warp's eight sample chunks)");
 // Sampled rows of at most 32 * TK_SEL_CAP keys emit their selected ids from a bitmap of
 // the row in shared memory instead of sorting them (0: the sort, a tuning define).
 #ifndef TK_BITMAP
