@@ -319,35 +319,26 @@ fi
 
 if has select; then
   # SEL_FORMS (';'-separated define sets of the selection) beside the default in
-  # alternating processes: by default each tile's selection on a stream of its own beside
-  # the next tile's logits, two logits slots of half the budget (SELECT_STREAM=1: the
-  # stream at the default priority, 2: at the device's greatest; host side, docs/cuda.md
-  # "The selection beside the next tile's logits"). Each form's tests first (SEL_FILTER:
-  # by default the runs of many tiles: every budget, the plan's peak, random batches of
-  # both classes, the golden vectors, paged keys, the engine entry, decode), then the
-  # rounds of SEL_ROUNDS (';'-separated "SECONDS PRECISION WORKLOAD..."; by default the
-  # workloads of several tiles) into select.txt, and the summary.
+  # alternating processes (ab_forms, ab_round): by default each tile's selection on a
+  # stream of its own beside the next tile's logits, two logits slots of half the budget
+  # (SELECT_STREAM=1: the stream at the default priority, 2: at the device's greatest;
+  # host side, docs/cuda.md "The selection beside the next tile's logits"). Each form's
+  # one v41-chunk probe, then its tests (SEL_FILTER: by default the runs of many tiles:
+  # every budget, the plan's peak, random batches of both classes, the golden vectors,
+  # paged keys, the engine entry, decode), then the rounds of SEL_ROUNDS (';'-separated
+  # "SECONDS PRECISION WORKLOAD..."; by default the workloads of several tiles) into
+  # select.txt, and the summary.
   # SEL_TESTS=0: the rounds alone, the forms' tests left to another call.
   sel_forms="${SEL_FORMS:-SELECT_STREAM=1;SELECT_STREAM=2}"
   log "selection A/B: $sel_forms"
-  IFS=';' read -ra sel_list <<< "$sel_forms"
-  if [ "${SEL_TESTS:-1}" != 0 ]; then
-    for defs in "${sel_list[@]}"; do
-      # shellcheck disable=SC2086
-      knob_tests "$defs" ${SEL_FILTER:-same_bits selection_stream plan_and_measured_peak random_batches golden paged engine_api decode}
-    done
-  fi
-  sel_round() {  # sel_round SECONDS PRECISION WORKLOAD...: the default, then each form
-    local secs="$1" prec="$2"; shift 2
-    for defs in "" "${sel_list[@]}"; do
-      DSA_CUDA_DEFINES="$defs" timeout "$secs" $B/dsa-indexer bench --device cuda --json \
-        --precision "$prec" "$@" --reps 5 2>&1 | sed "s/^/[${defs:-default}] /" >> "$OUT/select.txt"
-    done
-  }
+  # shellcheck disable=SC2086
+  ab_forms "$OUT/select.txt" full "$sel_forms" v41-chunk "${SEL_TESTS:-1}" \
+    ${SEL_FILTER:-same_bits selection_stream plan_and_measured_peak random_batches golden paged engine_api decode}
   IFS=';' read -ra sel_rounds <<< "${SEL_ROUNDS:-60 full v41-chunk v41-chunk-source;60 full v41-chunk;120 fast v32-64k v32-16k;120 full v32-64k v41-1m v41-1m-256m}"
   for r in "${sel_rounds[@]}"; do
+    read -r secs ab_prec wls <<< "$r"  # ab_round runs at ab_prec
     # shellcheck disable=SC2086
-    sel_round $r
+    ab_round "$secs" $wls
   done
   ab_summary "$OUT/select.txt" logits_slots
 fi
