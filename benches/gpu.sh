@@ -165,9 +165,10 @@ fi
 if has knobs; then
   # The fast kernel's other forms at D = 128, on its tests (about 2 minutes each): the
   # other ring size of each layout (flat keys take 2 tiles, paged 3), the keys in
-  # registers, the groups in launch order.
+  # registers, the groups in launch order. KNOBS (space-separated define sets) names
+  # others, or some of these.
   log "fast-kernel forms"
-  for defs in "W8_RING=3" "W8_RING=2" "W8_TMA=0" "W8_LPT=0"; do
+  for defs in ${KNOBS:-W8_RING=3 W8_RING=2 W8_TMA=0 W8_LPT=0}; do
     knob_tests "$defs" fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
   done
 fi
