@@ -143,7 +143,7 @@
 #endif
 // Which tile row each block of topk_ragged_f32 and topk_short_f32 serves (a tuning
 // define): 0 in order; 1 alternately from the tile's two ends; 2 a stride near 0.618 of
-// the tile, coprime to it. A tile's rows are in ascending length, so in order the blocks
+// the tile, coprime to it; 3 in reverse, the longest rows first. A tile's rows are in ascending length, so in order the blocks
 // resident together have rows of about one length and go through their phases (the
 // sample, the collecting pass, the selection in shared memory, the ids out) in step: the
 // memory is idle while they all work in shared memory. The other orders mix the lengths.
@@ -1237,6 +1237,8 @@ __device__ __forceinline__ u32 tile_row(const u32 b, const u32 nb) {
     if (x == 1u) break;
   }
   return (u32)(((u64)b * s) % nb);
+#elif TK_ROW_ORDER == 3
+  return nb - 1u - b;
 #else
   (void)nb;
   return b;
