@@ -141,21 +141,6 @@
 #ifndef TK_SAMPLED
 #define TK_SAMPLED 1
 #endif
-// Which tile row each block of topk_ragged_f32 and topk_short_f32 serves (a tuning
-// define): 0 in order; 1 alternately from the tile's two ends; 2 a stride near 0.618 of
-// the tile, coprime to it; 3 in reverse, the longest rows first. A tile's rows are in ascending length, so in order the blocks
-// resident together have rows of about one length and go through their phases (the
-// sample, the collecting pass, the selection in shared memory, the ids out) in step: the
-// memory is idle while they all work in shared memory. The other orders mix the lengths.
-#ifndef TK_ROW_ORDER
-#define TK_ROW_ORDER 0
-#endif
-// How a sampled row's bitmap emits its ids (a tuning define): 0 each thread writes the
-// ids of its run of words to global memory; 1 it stages them in shared memory, and the
-// block writes them out in coalesced rows.
-#ifndef TK_EMIT_STAGE
-#define TK_EMIT_STAGE 0
-#endif
 static_assert(TK_THREADS % 32 == 0 && TK_THREADS <= 1024, "block size");
 static_assert(TK_THREADS * TK_ITEMS <= 65535, "per-chunk counts are packed in 16 bits");
 static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thread");
@@ -949,7 +934,11 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
 #if TK_BITMAP
   // A sampled row of at most 32 TK_SEL_CAP keys: every candidate came from the one pass,
   // and sel (free since the sample) holds a bit per key: the K selected ids come out in
-  // ascending order from a scan of the bits, no sort.
+  // ascending order from a scan of the bits, no sort. Each thread puts the ids of its
+  // run of words in place in shared memory, and the block copies them out a row at a
+  // time: written straight from the scan, a warp's stores spread over four times the
+  // lines and wait on its lane with the most ids (v32-64k fast's selection 8 % slower,
+  // benches/RESULTS.md).
   if (sampled != TK_SAMPLE_MISS && n <= 32u * TK_SEL_CAP) {
     u32 *bits = sm.sel;
     const u32 words = (n + 31u) / 32u;
@@ -966,7 +955,6 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
     u32 total;
     u32 c = block_exclusive_scan(cnt, sm.scan, &total);  // total == K
     (void)total;
-#if TK_EMIT_STAGE
     // ckey is dead since the bits were marked: it takes the K ids in order (K <= ncand
     // <= CAP), and the block writes them out row-wise.
     for (u32 w = w0; w < w1; ++w)
@@ -978,19 +966,6 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
       if (out_page && c2 < page_cols)
         out_page[c2] = c2 < K ? (k_slots ? k_slots[ks + j] : (i32)(ks + j)) : -1;
     }
-#else
-    for (u32 w = w0; w < w1; ++w) {
-      for (u32 b = bits[w]; b != 0u; b &= b - 1u, ++c) {
-        const i32 j = out_id<MODE>(src, w * 32u + (u32)(__ffs(b) - 1));
-        if (c < out_cols) out_ids[c] = j;
-        if (out_page && c < page_cols) out_page[c] = k_slots ? k_slots[ks + j] : (i32)(ks + j);
-      }
-    }
-    for (u32 c2 = K + tid; c2 < out_cols; c2 += TK_THREADS) {
-      out_ids[c2] = -1;
-      if (out_page && c2 < page_cols) out_page[c2] = -1;
-    }
-#endif
     if (out_page)
       for (u32 c2 = out_cols + tid; c2 < page_cols; c2 += TK_THREADS) out_page[c2] = -1;
     return TK_DONE;
@@ -1221,31 +1196,7 @@ __device__ __forceinline__ void consumer_bitmap(u32 *bitmap, const i32 *cblocks,
   __syncthreads();
 }
 
-// The tile row of block b of nb (TK_ROW_ORDER): a permutation of 0 .. nb-1.
-__device__ __forceinline__ u32 tile_row(const u32 b, const u32 nb) {
-#if TK_ROW_ORDER == 1
-  return (b & 1u) ? nb - 1u - (b >> 1) : b >> 1;
-#elif TK_ROW_ORDER == 2
-  u32 s = (u32)(((u64)nb * 2654435769ull) >> 32) | 1u;  // about 0.618 nb, in 1 .. nb
-  for (;; ++s) {
-    u32 x = nb, y = s;
-    while (y != 0u) {
-      const u32 r = x % y;
-      x = y;
-      y = r;
-    }
-    if (x == 1u) break;
-  }
-  return (u32)(((u64)b * s) % nb);
-#elif TK_ROW_ORDER == 3
-  return nb - 1u - b;
-#else
-  (void)nb;
-  return b;
-#endif
-}
-
-// Top-k of one tile's rows (row = row0 + tile_row(blockIdx.x)) over their f32 logits. The host
+// Top-k of one tile's rows (row = row0 + blockIdx.x) over their f32 logits. The host
 // splits a tile's rows by length: topk_short_f32 takes the rows of n <= row_cap keys,
 // with the row's keys in shared memory; topk_ragged_f32 the rows of n >= n_min, with
 // passes over global memory and more blocks per SM. A block whose row is the other
@@ -1260,7 +1211,7 @@ __device__ __forceinline__ void topk_tile_row(
     const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
     u32 block_size, u32 bitmap_words, u32 n_min, u32 row_cap, u32 *__restrict__ paths,
     u32 *smem) {
-  const u32 row = row0 + (CL > 1 ? blockIdx.y : WIDE ? blockIdx.x : tile_row(blockIdx.x, gridDim.x));
+  const u32 row = row0 + (CL > 1 ? blockIdx.y : blockIdx.x);
   const u32 n = row_n[row];
   if (TK_STOP == 9 || (SHORT ? n > row_cap : n < n_min)) return;
   // A cluster's other blocks serve sampled rows only; the first selects any other alone.
