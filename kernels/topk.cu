@@ -268,6 +268,9 @@ static_assert(TK_WIDE_CAP >= TK_BINS && TK_CAND_CAP >= TK_BINS, "hist shares cke
 // at most K keys are candidates (every one is selected; T and take unset). GE: stop at the
 // first digit whose keys are all taken, with T its lowest key and take = ~0u (every key
 // >= T is taken: the callers' `key > T` or `key == T` and one of the first `take` ties).
+// Such a T holds only for a caller that compares the `count` keys alone: a key of the row
+// that is not among them may lie between T and the lowest key taken (a threshold bin's
+// keys all taken: T is the lowest key of the top digit, below the bin).
 // Uses h256 and misc[5..7]; ends with a barrier.
 template <bool EARLY, bool GE = false, class F>
 __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 &T, u32 &take) {
@@ -864,6 +867,15 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
 // (outputs written), or TK_THRESHOLD (exact K-th key in *T_out, ties to take in
 // *take_out: the ordered pass finishes, cheaper than the sort for rows of at most
 // TK_ORDERED_RATIO * K keys).
+// Whether topk_row_fast's row of n keys ends in the ordered pass (TK_THRESHOLD) rather
+// than the bitmap or the sort of its candidates; sampled: sampled_candidates' result.
+// topk_row_fast spells it out where it branches, which keeps the default build's code as
+// it was measured; the two must agree.
+__device__ __forceinline__ bool ordered_row(const u32 n, const u32 K, const int sampled) {
+  const bool bitmap_row =
+      TK_BITMAP && !TK_SAMPLED_ORDERED && sampled != TK_SAMPLE_MISS && n <= 32u * TK_SEL_CAP;
+  return n <= (u32)TK_ORDERED_RATIO * K && !bitmap_row;
+}
 #define TK_FALLBACK 0
 #define TK_DONE 1
 #define TK_THRESHOLD 2
@@ -954,12 +966,19 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
   const u32 ncand = sm.misc[4];
   // Exact threshold among the bin's keys, then the lowest ids among its ties.
   u32 T, take;
+#if TK_RADIX_GE
+  // The ordered pass compares every key of the row with T: its rows stop at no digit.
+  if (ordered_row(n, K, sampled))
+    radix_select<false>(sm.h256, sm.misc, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T,
+                        take);
+  else
+#endif
   radix_select<false, TK_RADIX_GE>(sm.h256, sm.misc, ncand, need,
                                    [&](u32 i) { return sm.ckey[i]; }, T, take);
   if (TK_STOP == 3 && sampled != TK_SAMPLE_MISS) return TK_DONE;
   const bool bitmap_row =
       TK_BITMAP && !TK_SAMPLED_ORDERED && sampled != TK_SAMPLE_MISS && n <= 32u * TK_SEL_CAP;
-  if (n <= (u32)TK_ORDERED_RATIO * K && !bitmap_row) {
+  if (n <= (u32)TK_ORDERED_RATIO * K && !bitmap_row) {  // ordered_row(n, K, sampled)
     *T_out = T;
     *take_out = take;
     return TK_THRESHOLD;
