@@ -420,20 +420,26 @@ if has sanitize; then
   # with the exit status, the tool's error count and its hazards (racecheck); a line
   # with a nonzero rc, errors, hazards or TIMEOUT fails the part. memcheck takes every
   # GPU test; racecheck the shared-memory row's top-k, the boundary sizes (every
-  # kernel's shared-memory staging at its tile edges) and one row on the cluster top-k
-  # (its distributed shared memory); initcheck and synccheck the special values and the
-  # golden files, which reach every kernel, synccheck also the cluster's row. The timeouts cap the
-  # part at 875 s; SAN_ONLY="NAME ..." runs only the named runs (memcheck, racecheck: the
-  # boundary sizes, about 290 s alone; racecheck-topk: the shared-memory row and the
-  # cluster's row; initcheck, synccheck, run-memcheck), so that the part can run in two
-  # halves of under 10 minutes, SAN_ONLY="racecheck racecheck-topk" and the rest. A
-  # TIMEOUT line asks for a narrower filter, not a longer cap.
+  # kernel's shared-memory staging at its tile edges, in three tests) and one row on the
+  # cluster top-k (its distributed shared memory); initcheck and synccheck the special
+  # values and the golden files, which reach every kernel, synccheck also the cluster's
+  # row. SAN_ONLY="NAME ..." runs only the named runs, a name also taking those it
+  # prefixes up to a '-' (memcheck; racecheck-bounds-logits, -topk and -split: the
+  # boundary sizes' three tests; racecheck-topk: the shared-memory row and the cluster's
+  # row; initcheck, synccheck, run-memcheck). The timeouts cap the part at 1,115 s, so it
+  # runs in two calls of under 10 minutes: SAN_ONLY=racecheck-bounds (540 s at most), and
+  # SAN_ONLY="memcheck racecheck-topk initcheck synccheck run-memcheck" (575 s at most).
+  # A TIMEOUT line asks for a narrower filter, not a longer cap.
   log "compute-sanitizer"
   mkdir -p "$OUT/sanitize"
   san_fail=0 san_runs=0
   san() {  # san NAME TOOL SECONDS COMMAND...
     local name="$1" tool="$2" secs="$3"; shift 3
-    [ -n "${SAN_ONLY:-}" ] && [[ " $SAN_ONLY " != *" $name "* ]] && return
+    if [ -n "${SAN_ONLY:-}" ]; then
+      local want picked=0
+      for want in $SAN_ONLY; do [[ "$name" == "$want" || "$name" == "$want"-* ]] && picked=1; done
+      [ $picked = 1 ] || return 0
+    fi
     san_runs=$((san_runs + 1))
     local logf="$OUT/sanitize/$name.txt"
     DSA_REQUIRE_GPU=1 timeout "$secs" compute-sanitizer --tool "$tool" --error-exitcode 1 \
@@ -453,7 +459,9 @@ if has sanitize; then
   }
   T="$B/cuda --test-threads=1"
   san memcheck memcheck 240 $T
-  san racecheck racecheck 300 $T --exact boundary_sizes_from_the_kernel_constants
+  san racecheck-bounds-logits racecheck 180 $T --exact boundary_sizes_of_the_logits_tiles
+  san racecheck-bounds-topk racecheck 180 $T --exact boundary_sizes_of_the_topk_rows
+  san racecheck-bounds-split racecheck 180 $T --exact boundary_sizes_of_split_rows_and_source_layers
   san racecheck-topk racecheck 240 $T --exact topk_short_rows_in_shared_memory_match_a_full_sort \
     topk_cluster_one_row_for_the_sanitizers
   san initcheck initcheck 25 $T special_values golden_vectors

@@ -790,8 +790,11 @@ impl Case {
     }
 }
 
+// The boundary sizes come in three tests, so that each runs to its end under racecheck
+// (benches/gpu.sh sanitize) in a few minutes: the logits tiles, the top-k rows, the rows
+// split across blocks and the source layers.
 #[test]
-fn boundary_sizes_from_the_kernel_constants() {
+fn boundary_sizes_of_the_logits_tiles() {
     let Some(mut b) = gpu() else { return };
     let v = Variant::logits(32, 2, Format::E2m1, Format::E2m1, false, Precision::Full);
     // Rows per block of the launches whose row groups are not wide, and of those that are.
@@ -799,7 +802,7 @@ fn boundary_sizes_from_the_kernel_constants() {
         kernels::logits_kernel_for(v, b.device().hooks(), false).1,
         kernels::logits_kernel_for(v, b.device().hooks(), true).1,
     );
-    let (kc, chunk) = (kernels::LOGITS_KEYS, kernels::TOPK_CHUNK);
+    let kc = kernels::LOGITS_KEYS;
     let mut row_counts = vec![1, r - 1, r, r + 1, rw - 1, rw, rw + 1, 2 * rw + 3];
     row_counts.sort_unstable();
     row_counts.dedup();
@@ -817,6 +820,25 @@ fn boundary_sizes_from_the_kernel_constants() {
             }
         }
     }
+    // Row groups of the mma.sync kernel, +-1: H < 32 (8 rows a block) and H = 64 (4).
+    for (h, d, k, seed) in [(8usize, 64usize, 5usize, 700u64), (64, 128, 7, 600)] {
+        let rg = kernels::logits_rows(h);
+        for rows in [rg - 1, rg, rg + 1, 2 * rg + 1] {
+            let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
+            let c = Case::random(batch, h, d, seed + rows as u64);
+            check_exact(
+                &mut b,
+                &format!("H={h} rows={rows}"),
+                &c.problem(Params::new(k), Role::Plain),
+            );
+        }
+    }
+}
+
+#[test]
+fn boundary_sizes_of_the_topk_rows() {
+    let Some(mut b) = gpu() else { return };
+    let chunk = kernels::TOPK_CHUNK;
     // Rows around the top-k kernel's chunk (its ordered pass), K around n.
     for n in [chunk - 1, chunk, chunk + 1] {
         let batch = Batch::explicit(&[n + 1], &[0, 0], &[n - 1, n], 1).unwrap();
@@ -853,19 +875,11 @@ fn boundary_sizes_from_the_kernel_constants() {
             &c.problem(Params::new(k), Role::Plain),
         );
     }
-    // Row groups of the mma.sync kernel, +-1: H < 32 (8 rows a block) and H = 64 (4).
-    for (h, d, k, seed) in [(8usize, 64usize, 5usize, 700u64), (64, 128, 7, 600)] {
-        let rg = kernels::logits_rows(h);
-        for rows in [rg - 1, rg, rg + 1, 2 * rg + 1] {
-            let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
-            let c = Case::random(batch, h, d, seed + rows as u64);
-            check_exact(
-                &mut b,
-                &format!("H={h} rows={rows}"),
-                &c.problem(Params::new(k), Role::Plain),
-            );
-        }
-    }
+}
+
+#[test]
+fn boundary_sizes_of_split_rows_and_source_layers() {
+    let Some(mut b) = gpu() else { return };
     // Few long rows: the top-k splits each row across blocks (segments + merge) where a
     // row has more than 64 K keys (K = 1 and 64; at K = 700 the rows stay whole).
     let batch = Batch::explicit(&[20000], &[0, 0, 0], &[19999, 10000, 5], 1).unwrap();
