@@ -107,19 +107,6 @@
 #ifndef TK_STOP
 #define TK_STOP 0
 #endif
-// L2 prefetch for the sampled path's collecting pass over f32 logits (tuning defines):
-// TK_PREFETCH 0 off; P > 0: before its sample a row asks L2 for the first P rounds of the
-// pass (P * TK_UNROLL * TK_THREADS 16-byte loads), one bulk prefetch by thread 0, so that
-// the row's bytes are on their way while the block works in shared memory. With
-// TK_PREFETCH_AHEAD=1 each round of the pass also asks for the round P ahead: more bytes
-// in flight than the block's registers hold (ptxas spills 28 more bytes in
-// topk_ragged_f32).
-#ifndef TK_PREFETCH
-#define TK_PREFETCH 0
-#endif
-#ifndef TK_PREFETCH_AHEAD
-#define TK_PREFETCH_AHEAD 0
-#endif
 // The exact selections' radix select stops at the first digit whose keys are all taken
 // (a tuning define, 1): T is then that digit's lowest key and every key >= T is taken
 // (take = ~0u), one or two passes fewer than the four that pin T down when the K-th key
@@ -518,17 +505,6 @@ __device__ __forceinline__ bool sampled_count_fits(Sm &sm, const u32 K) {
   return fits;
 }
 
-// The 16-byte units [a, min(b, n4)) of a row read as float4, asked for in L2 (one
-// thread's bulk prefetch; a hint, nothing waits on it).
-__device__ __forceinline__ void prefetch_l2_row4(const float4 *row4, const u32 a, u32 b,
-                                                 const u32 n4) {
-  b = min(b, n4);
-  if (a < b)
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row4 + a),
-                 "r"(16u * (b - a))
-                 : "memory");
-}
-
 // The collecting pass of the sampled threshold: appends every key >= t of the row (and
 // its id) to ckey / cid, the first CAP of them, and counts them all in misc[4]
 // (which the caller has zeroed). t >= 1: key 0 ("not a candidate") is never collected.
@@ -551,9 +527,6 @@ __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, cons
     const u32 n4 = (n + 3u) / 4u;
     constexpr int V = TK_UNROLL;  // 16-byte loads in flight per thread
     for (u32 base = 0; base < n4; base += V * TK_THREADS) {
-      if (TK_PREFETCH > 0 && TK_PREFETCH_AHEAD && tid == 0)
-        prefetch_l2_row4(row4, base + TK_PREFETCH * V * TK_THREADS,
-                         base + (TK_PREFETCH + 1) * V * TK_THREADS, n4);
       float4 v[V];
 #pragma unroll
       for (int u = 0; u < V; ++u) {
@@ -790,12 +763,6 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
   // the wide memory's kernels (at most 3 blocks per SM, registers to spare), and
   // TK_SAMPLE_LOADS at a time in the others.
   constexpr u32 L = CAP == TK_WIDE_CAP ? PER : TK_SAMPLE_LOADS;
-  // The first rounds of the collecting pass, when it will read float4 (collect_at_least).
-  if (TK_PREFETCH > 0 && CL == 1 && MODE == 0 && tid == 0 && src.bitmap == nullptr &&
-      (src.lo & 3u) == 0u)
-    prefetch_l2_row4(
-        reinterpret_cast<const float4 *>(reinterpret_cast<const float *>(src.scores) + src.lo),
-        0u, TK_PREFETCH * TK_UNROLL * TK_THREADS, (n + 3u) / 4u);
   load_sample<MODE, CH, L>(
       sm.sel, src, [&](const u32 c) { return (u32)(((u64)c * (n - 32)) / (CH - 1)); },
       [](u32) {});
