@@ -110,7 +110,8 @@
 // The exact selections' radix select stops at the first digit whose keys are all taken
 // (a tuning define, 1): T is then that digit's lowest key and every key >= T is taken
 // (take = ~0u), one or two passes fewer than the four that pin T down when the K-th key
-// is alone in its digit, as it mostly is by the third. 0: always four passes.
+// is alone in its digit, as it mostly is by the third; rows that end in the ordered pass
+// (ordered_row) keep the four. 0: always four passes.
 #ifndef TK_RADIX_GE
 #define TK_RADIX_GE 0
 #endif
@@ -828,12 +829,6 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
 
 // ==== the fast paths ====
 
-// The sampled threshold or the two passes, then the exact selection in shared memory.
-// The general path is needed for K above TK_SEL_CAP, or more than CAP keys in the
-// threshold bin. Returns TK_FALLBACK (nothing written: the general path), TK_DONE
-// (outputs written), or TK_THRESHOLD (exact K-th key in *T_out, ties to take in
-// *take_out: the ordered pass finishes, cheaper than the sort for rows of at most
-// TK_ORDERED_RATIO * K keys).
 // Whether topk_row_fast's row of n keys ends in the ordered pass (TK_THRESHOLD) rather
 // than the bitmap or the sort of its candidates; sampled: sampled_candidates' result.
 // topk_row_fast spells it out where it branches, which keeps the default build's code as
@@ -843,6 +838,13 @@ __device__ __forceinline__ bool ordered_row(const u32 n, const u32 K, const int 
       TK_BITMAP && !TK_SAMPLED_ORDERED && sampled != TK_SAMPLE_MISS && n <= 32u * TK_SEL_CAP;
   return n <= (u32)TK_ORDERED_RATIO * K && !bitmap_row;
 }
+
+// The sampled threshold or the two passes, then the exact selection in shared memory.
+// The general path is needed for K above TK_SEL_CAP, or more than CAP keys in the
+// threshold bin. Returns TK_FALLBACK (nothing written: the general path), TK_DONE
+// (outputs written), or TK_THRESHOLD (exact K-th key in *T_out, ties to take in
+// *take_out: the ordered pass finishes, cheaper than the sort for rows of at most
+// TK_ORDERED_RATIO * K keys).
 #define TK_FALLBACK 0
 #define TK_DONE 1
 #define TK_THRESHOLD 2
