@@ -829,6 +829,25 @@ __device__ int sampled_candidates(Sm &sm, const RowSrc &src, const u32 n, const 
 
 // ==== the fast paths ====
 
+// A fast path's K selected local ids, ascending, id_at(c) for c < K, written out: raw ids
+// (out_cols of them) and page slots (page_cols), -1 past K. The block's threads stride
+// the columns.
+template <int MODE, class F>
+__device__ __forceinline__ void write_sorted_ids(const F id_at, const RowSrc &src, const u32 K,
+                                                 i32 *out_ids, const u32 out_cols,
+                                                 i32 *out_page, const u32 page_cols,
+                                                 const i32 *k_slots, const u32 ks) {
+  const int tid = threadIdx.x;
+  for (u32 c = tid; c < out_cols; c += TK_THREADS) {
+    const i32 j = c < K ? out_id<MODE>(src, id_at(c)) : -1;
+    out_ids[c] = j;
+    if (out_page && c < page_cols)
+      out_page[c] = c < K ? (k_slots ? k_slots[ks + j] : (i32)(ks + j)) : -1;
+  }
+  if (out_page)
+    for (u32 c = out_cols + tid; c < page_cols; c += TK_THREADS) out_page[c] = -1;
+}
+
 // Whether topk_row_fast's row of n keys ends in the ordered pass (TK_THRESHOLD) rather
 // than the bitmap or the sort of its candidates; sampled: sampled_candidates' result.
 // topk_row_fast spells it out where it branches, which keeps the default build's code as
@@ -999,14 +1018,8 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
     for (u32 w = w0; w < w1; ++w)
       for (u32 b = bits[w]; b != 0u; b &= b - 1u, ++c) sm.ckey[c] = w * 32u + (u32)(__ffs(b) - 1);
     __syncthreads();
-    for (u32 c2 = tid; c2 < out_cols; c2 += TK_THREADS) {
-      const i32 j = c2 < K ? out_id<MODE>(src, sm.ckey[c2]) : -1;
-      out_ids[c2] = j;
-      if (out_page && c2 < page_cols)
-        out_page[c2] = c2 < K ? (k_slots ? k_slots[ks + j] : (i32)(ks + j)) : -1;
-    }
-    if (out_page)
-      for (u32 c2 = out_cols + tid; c2 < page_cols; c2 += TK_THREADS) out_page[c2] = -1;
+    write_sorted_ids<MODE>([&](u32 c) { return sm.ckey[c]; }, src, K, out_ids, out_cols,
+                           out_page, page_cols, k_slots, ks);
     return TK_DONE;
   }
 #endif
@@ -1034,14 +1047,8 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
       __syncthreads();
     }
   }
-  for (u32 c = tid; c < out_cols; c += TK_THREADS) {
-    const i32 j = c < K ? out_id<MODE>(src, sm.sel[c]) : -1;
-    out_ids[c] = j;
-    if (out_page && c < page_cols)
-      out_page[c] = c < K ? (k_slots ? k_slots[ks + j] : (i32)(ks + j)) : -1;
-  }
-  if (out_page)
-    for (u32 c = out_cols + tid; c < page_cols; c += TK_THREADS) out_page[c] = -1;
+  write_sorted_ids<MODE>([&](u32 c) { return sm.sel[c]; }, src, K, out_ids, out_cols, out_page,
+                         page_cols, k_slots, ks);
   return TK_DONE;
 }
 
