@@ -426,8 +426,8 @@ if has sanitize; then
   # row. SAN_ONLY="NAME ..." runs only the named runs, a name also taking those it
   # prefixes up to a '-' (memcheck; racecheck-bounds-logits, -topk and -split: the
   # boundary sizes' three tests; racecheck-topk: the shared-memory row and the cluster's
-  # row; initcheck, synccheck, run-memcheck). The timeouts cap the part at 1,115 s, so it
-  # runs in two calls of under 10 minutes: SAN_ONLY=racecheck-bounds (540 s at most), and
+  # row; initcheck, synccheck, run-memcheck). The timeouts cap the part at 1,115 s; in two
+  # halves of under 10 minutes each: SAN_ONLY=racecheck-bounds (540 s at most), and
   # SAN_ONLY="memcheck racecheck-topk initcheck synccheck run-memcheck" (575 s at most).
   # A TIMEOUT line asks for a narrower filter, not a longer cap.
   log "compute-sanitizer"
