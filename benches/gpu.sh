@@ -329,7 +329,7 @@ if has select; then
   # paged keys, the engine entry, decode), then the rounds of SEL_ROUNDS (';'-separated
   # "SECONDS PRECISION WORKLOAD..."; by default the workloads of several tiles) into
   # select.txt, and the summary.
-  # SEL_TESTS=0: the rounds alone, the forms' tests left to another call.
+  # SEL_TESTS=0: the rounds alone, the forms' tests left to another run.
   sel_forms="${SEL_FORMS:-SELECT_STREAM=1;SELECT_STREAM=2}"
   log "selection A/B: $sel_forms"
   # shellcheck disable=SC2086
