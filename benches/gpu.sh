@@ -189,6 +189,9 @@ install_wheels() {
   if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  else
+    echo "no .whl/ here: the peers need the wheels that bash benches/peers_prepare.sh puts there (carry .whl beside .gpu)" \
+      | tee -a "$OUT/summary.txt"
   fi
   # The package's CUDA wheel (python/build_wheel.sh .whl-cuda --features cuda), when
   # carried: it serves the CPU entries too.

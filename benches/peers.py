@@ -1902,7 +1902,9 @@ def main():
                 "peers.py: cannot import deep_gemm "
                 f"({type(e).__name__}: {e}).\n"
                 "Install the wheels first: python3 -m pip install -q --no-index --no-deps --no-compile "
-                "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site",
+                "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site "
+                "(a checkout without .whl/ fills it with `bash benches/peers_prepare.sh` on a machine "
+                "that reaches the package registries)",
                 file=sys.stderr,
             )
             return 2
