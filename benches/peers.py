@@ -1903,8 +1903,7 @@ def main():
                 f"({type(e).__name__}: {e}).\n"
                 "Install the wheels first: python3 -m pip install -q --no-index --no-deps --no-compile "
                 "--no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site "
-                "(a checkout without .whl/ fills it with `bash benches/peers_prepare.sh` on a machine "
-                "that reaches the package registries)",
+                "(`bash benches/peers_prepare.sh` fills .whl/ from the package registries)",
                 file=sys.stderr,
             )
             return 2
