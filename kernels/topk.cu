@@ -107,14 +107,6 @@
 #ifndef TK_STOP
 #define TK_STOP 0
 #endif
-// The exact selections' radix select stops at the first digit whose keys are all taken
-// (a tuning define, 1): T is then that digit's lowest key and every key >= T is taken
-// (take = ~0u), one or two passes fewer than the four that pin T down when the K-th key
-// is alone in its digit, as it mostly is by the third; rows that end in the ordered pass
-// (ordered_row) keep the four. 0: always four passes.
-#ifndef TK_RADIX_GE
-#define TK_RADIX_GE 0
-#endif
 // Keys in flight per thread in the two passes' reads of a row (load_keys): TK_UNROLL
 // over f32 logits (the ragged and segment kernels' 32 registers), 8 over a merge's
 // candidate keys. A row of 16,384 keys is then 8 (merge: 4) rounds of loads per pass
@@ -253,14 +245,9 @@ static_assert(TK_WIDE_CAP >= TK_BINS && TK_CAND_CAP >= TK_BINS, "hist shares cke
 // never counted): four 8-bit digit passes, each a histogram of the keys that match the
 // digits found so far, give the K-th key T and how many keys equal to T are taken (the
 // caller takes the lowest ids among them). EARLY: return false after the first pass when
-// at most K keys are candidates (every one is selected; T and take unset). GE: stop at the
-// first digit whose keys are all taken, with T its lowest key and take = ~0u (every key
-// >= T is taken: the callers' `key > T` or `key == T` and one of the first `take` ties).
-// Such a T holds only for a caller that compares the `count` keys alone: a key of the row
-// that is not among them may lie between T and the lowest key taken (a threshold bin's
-// keys all taken: T is the lowest key of the top digit, below the bin).
-// Uses h256 and misc[5..7]; ends with a barrier.
-template <bool EARLY, bool GE = false, class F>
+// at most K keys are candidates (every one is selected; T and take unset). Uses h256 and
+// misc[5..7]; ends with a barrier.
+template <bool EARLY, class F>
 __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 &T, u32 &take) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   u32 prefix = 0, mask = 0, remaining = K;
@@ -295,8 +282,7 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
         for (int i = 0; i < 8; ++i) {
           if (cum + c[i] >= remaining) {
             misc[5] = prefix | ((u32)(255 - (lane * 8 + i)) << shift);
-            // Bit 31: the digit's keys are all taken (GE).
-            misc[6] = (remaining - cum) | (GE && remaining - cum == c[i] ? 0x80000000u : 0u);
+            misc[6] = remaining - cum;
             break;
           }
           cum += c[i];
@@ -306,15 +292,9 @@ __device__ bool radix_select(u32 *h256, u32 *misc, u32 count, u32 K, F key, u32 
     __syncthreads();
     if (EARLY && pass == 0 && misc[7] <= K) return false;
     prefix = misc[5];
-    const u32 m6 = misc[6];
-    remaining = GE ? m6 & 0x7FFFFFFFu : m6;
+    remaining = misc[6];
     mask |= 255u << shift;
     __syncthreads();
-    if (GE && (m6 >> 31) != 0u) {
-      T = prefix;
-      take = ~0u;
-      return true;
-    }
   }
   T = prefix;
   take = remaining;
@@ -848,16 +828,6 @@ __device__ __forceinline__ void write_sorted_ids(const F id_at, const RowSrc &sr
     for (u32 c = out_cols + tid; c < page_cols; c += TK_THREADS) out_page[c] = -1;
 }
 
-// Whether topk_row_fast's row of n keys ends in the ordered pass (TK_THRESHOLD) rather
-// than the bitmap or the sort of its candidates; sampled: sampled_candidates' result.
-// topk_row_fast spells it out where it branches, which keeps the default build's code as
-// it was measured; the two must agree.
-__device__ __forceinline__ bool ordered_row(const u32 n, const u32 K, const int sampled) {
-  const bool bitmap_row =
-      TK_BITMAP && !TK_SAMPLED_ORDERED && sampled != TK_SAMPLE_MISS && n <= 32u * TK_SEL_CAP;
-  return n <= (u32)TK_ORDERED_RATIO * K && !bitmap_row;
-}
-
 // The sampled threshold or the two passes, then the exact selection in shared memory.
 // The general path is needed for K above TK_SEL_CAP, or more than CAP keys in the
 // threshold bin. Returns TK_FALLBACK (nothing written: the general path), TK_DONE
@@ -954,19 +924,11 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
   const u32 ncand = sm.misc[4];
   // Exact threshold among the bin's keys, then the lowest ids among its ties.
   u32 T, take;
-#if TK_RADIX_GE
-  // The ordered pass compares every key of the row with T: its rows stop at no digit.
-  if (ordered_row(n, K, sampled))
-    radix_select<false>(sm.h256, sm.misc, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T,
-                        take);
-  else
-#endif
-  radix_select<false, TK_RADIX_GE>(sm.h256, sm.misc, ncand, need,
-                                   [&](u32 i) { return sm.ckey[i]; }, T, take);
+  radix_select<false>(sm.h256, sm.misc, ncand, need, [&](u32 i) { return sm.ckey[i]; }, T, take);
   if (TK_STOP == 3 && sampled != TK_SAMPLE_MISS) return TK_DONE;
   const bool bitmap_row =
       TK_BITMAP && !TK_SAMPLED_ORDERED && sampled != TK_SAMPLE_MISS && n <= 32u * TK_SEL_CAP;
-  if (n <= (u32)TK_ORDERED_RATIO * K && !bitmap_row) {  // ordered_row(n, K, sampled)
+  if (n <= (u32)TK_ORDERED_RATIO * K && !bitmap_row) {
     *T_out = T;
     *take_out = take;
     return TK_THRESHOLD;
@@ -981,9 +943,8 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
   }
   u32 Tj = 0;  // ties with ~id >= Tj are taken (the `take` lowest ids)
   if (take < ties)
-    radix_select<false, TK_RADIX_GE>(sm.h256, sm.misc, ncand, take,
-                                     [&](u32 i) { return sm.ckey[i] == T ? ~sm.cid[i] : 0u; },
-                                     Tj, take);
+    radix_select<false>(sm.h256, sm.misc, ncand, take,
+                        [&](u32 i) { return sm.ckey[i] == T ? ~sm.cid[i] : 0u; }, Tj, take);
   if (TK_STOP == 4 && sampled != TK_SAMPLE_MISS) return TK_DONE;
   auto taken = [&](u32 i) {
     const u32 key = sm.ckey[i];
@@ -1083,7 +1044,7 @@ __device__ __forceinline__ bool topk_row_fast_paths(
   }
   if (status == TK_FALLBACK) {
     __syncthreads();
-    const bool some = radix_select<true, TK_RADIX_GE>(fast.h256, fast.misc, n, K,
+    const bool some = radix_select<true>(fast.h256, fast.misc, n, K,
                                          [&](u32 j) { return load_key<MODE>(src, j); }, T,
                                          take_eq);
     path = some ? TK_PATH_GENERAL : TK_PATH_ALL;
