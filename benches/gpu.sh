@@ -427,11 +427,12 @@ if has sanitize; then
   # cluster top-k (its distributed shared memory); initcheck and synccheck the special
   # values and the golden files, which reach every kernel, synccheck also the cluster's
   # row. SAN_ONLY="NAME ..." runs only the named runs, a name also taking those it
-  # prefixes up to a '-' (memcheck; racecheck-bounds-logits, -topk and -split: the
-  # boundary sizes' three tests; racecheck-topk: the shared-memory row and the cluster's
-  # row; initcheck, synccheck, run-memcheck). The timeouts cap the part at 1,115 s; in two
-  # halves of under 10 minutes each: SAN_ONLY=racecheck-bounds (540 s at most), and
-  # SAN_ONLY="memcheck racecheck-topk initcheck synccheck run-memcheck" (575 s at most).
+  # prefixes up to a '-' (memcheck; racecheck-bounds-logits-short, -logits-tiles, -topk
+  # and -split: the boundary sizes' four tests; racecheck-topk: the shared-memory row and
+  # the cluster's row; initcheck, synccheck, run-memcheck). The timeouts cap the part at
+  # 1,295 s; in three parts of under 10 minutes each: SAN_ONLY=racecheck-bounds-logits
+  # (360 s at most), SAN_ONLY="racecheck-bounds-topk racecheck-bounds-split" (360 s), and
+  # SAN_ONLY="memcheck racecheck-topk initcheck synccheck run-memcheck" (575 s).
   # A TIMEOUT line asks for a narrower filter, not a longer cap.
   log "compute-sanitizer"
   mkdir -p "$OUT/sanitize"
@@ -462,7 +463,9 @@ if has sanitize; then
   }
   T="$B/cuda --test-threads=1"
   san memcheck memcheck 240 $T
-  san racecheck-bounds-logits racecheck 180 $T --exact boundary_sizes_of_the_logits_tiles
+  san racecheck-bounds-logits-short racecheck 180 $T --exact \
+    boundary_sizes_of_the_logits_tiles_within_one_key_tile
+  san racecheck-bounds-logits-tiles racecheck 180 $T --exact boundary_sizes_of_the_logits_tiles
   san racecheck-bounds-topk racecheck 180 $T --exact boundary_sizes_of_the_topk_rows
   san racecheck-bounds-split racecheck 180 $T --exact boundary_sizes_of_split_rows_and_source_layers
   san racecheck-topk racecheck 240 $T --exact topk_short_rows_in_shared_memory_match_a_full_sort \

@@ -790,36 +790,51 @@ impl Case {
     }
 }
 
-// The boundary sizes come in three tests, so that each runs to its end under racecheck
-// (benches/gpu.sh sanitize) in a few minutes: the logits tiles, the top-k rows, the rows
+// The boundary sizes come in four tests, so that each runs to its end under racecheck
+// (benches/gpu.sh sanitize) in a few minutes: the logits tiles of contexts within one key
+// tile, those around it (and the mma.sync kernel's row groups), the top-k rows, the rows
 // split across blocks and the source layers.
-#[test]
-fn boundary_sizes_of_the_logits_tiles() {
-    let Some(mut b) = gpu() else { return };
+//
+// The exact class's logits at each context length in `contexts`: rows around a block of
+// each launch form, K around the context.
+fn logits_tiles_at_contexts(b: &mut CudaBackend, contexts: &[usize]) {
     let v = Variant::logits(32, 2, Format::E2m1, Format::E2m1, false, Precision::Full);
     // Rows per block of the launches whose row groups are not wide, and of those that are.
     let (r, rw) = (
         kernels::logits_kernel_for(v, b.device().hooks(), false).1,
         kernels::logits_kernel_for(v, b.device().hooks(), true).1,
     );
-    let kc = kernels::LOGITS_KEYS;
     let mut row_counts = vec![1, r - 1, r, r + 1, rw - 1, rw, rw + 1, 2 * rw + 3];
     row_counts.sort_unstable();
     row_counts.dedup();
-    // Context lengths around the logits key tile, its m-tile pairs, and rows around a group
-    // of each form (beside a request of 3 rows, the tile takes the wide form from 7 rows to
-    // 8 and at 2 rw + 3: cuda::tile_logits_kernel).
-    for s in [1, 15, 16, 17, 31, 32, 33, kc - 1, kc, kc + 1, 2 * kc + 1] {
+    // Rows around a group of each form (beside a request of 3 rows, the tile takes the
+    // wide form from 7 rows to 8 and at 2 rw + 3: cuda::tile_logits_kernel).
+    for &s in contexts {
         for &rows in &row_counts {
             let rows = rows.min(s);
             let batch = Batch::contiguous(&[s, 3], &[s - rows, 0], 1).unwrap();
             let c = Case::random(batch, 32, 64, (s * 100 + rows) as u64);
             for k in [1usize, s.saturating_sub(1).max(1), s, s + 1] {
                 let p = c.problem(Params::new(k), Role::Plain);
-                check_exact(&mut b, &format!("S={s} rows={rows} K={k}"), &p);
+                check_exact(b, &format!("S={s} rows={rows} K={k}"), &p);
             }
         }
     }
+}
+
+#[test]
+fn boundary_sizes_of_the_logits_tiles_within_one_key_tile() {
+    let Some(mut b) = gpu() else { return };
+    // Context lengths around the key tile's m-tile pairs, within one key tile.
+    logits_tiles_at_contexts(&mut b, &[1, 15, 16, 17, 31, 32, 33]);
+}
+
+#[test]
+fn boundary_sizes_of_the_logits_tiles() {
+    let Some(mut b) = gpu() else { return };
+    let kc = kernels::LOGITS_KEYS;
+    // Context lengths around the logits key tile and two of them.
+    logits_tiles_at_contexts(&mut b, &[kc - 1, kc, kc + 1, 2 * kc + 1]);
     // Row groups of the mma.sync kernel, +-1: H < 32 (8 rows a block) and H = 64 (4).
     for (h, d, k, seed) in [(8usize, 64usize, 5usize, 700u64), (64, 128, 7, 600)] {
         let rg = kernels::logits_rows(h);
