@@ -788,6 +788,10 @@ impl Case {
         };
         Problem::new(&self.batch, inputs, params, role).unwrap()
     }
+    /// check_exact on the plain problem that selects `k` keys a row.
+    fn check_plain(&self, b: &mut CudaBackend, tag: &str, k: usize) {
+        check_exact(b, tag, &self.problem(Params::new(k), Role::Plain));
+    }
 }
 
 // The boundary sizes come in four tests, so that each runs to its end under racecheck
@@ -815,8 +819,7 @@ fn logits_tiles_at_contexts(b: &mut CudaBackend, contexts: &[usize]) {
             let batch = Batch::contiguous(&[s, 3], &[s - rows, 0], 1).unwrap();
             let c = Case::random(batch, 32, 64, (s * 100 + rows) as u64);
             for k in [1usize, s.saturating_sub(1).max(1), s, s + 1] {
-                let p = c.problem(Params::new(k), Role::Plain);
-                check_exact(b, &format!("S={s} rows={rows} K={k}"), &p);
+                c.check_plain(b, &format!("S={s} rows={rows} K={k}"), k);
             }
         }
     }
@@ -841,11 +844,7 @@ fn boundary_sizes_of_the_logits_tiles() {
         for rows in [rg - 1, rg, rg + 1, 2 * rg + 1] {
             let batch = Batch::contiguous(&[kc + 1, 2], &[kc + 1 - rows, 0], 1).unwrap();
             let c = Case::random(batch, h, d, seed + rows as u64);
-            check_exact(
-                &mut b,
-                &format!("H={h} rows={rows}"),
-                &c.problem(Params::new(k), Role::Plain),
-            );
+            c.check_plain(&mut b, &format!("H={h} rows={rows}"), k);
         }
     }
 }
@@ -859,8 +858,7 @@ fn boundary_sizes_of_the_topk_rows() {
         let batch = Batch::explicit(&[n + 1], &[0, 0], &[n - 1, n], 1).unwrap();
         let c = Case::random(batch, 16, 32, n as u64);
         for k in [1, 2048, n - 1, n, n + 1] {
-            let p = c.problem(Params::new(k), Role::Plain);
-            check_exact(&mut b, &format!("n={n} K={k}"), &p);
+            c.check_plain(&mut b, &format!("n={n} K={k}"), k);
         }
     }
     // K around the fast path's selection capacity; a threshold bin above its candidate
@@ -869,11 +867,7 @@ fn boundary_sizes_of_the_topk_rows() {
     let batch = Batch::explicit(&[cap + 900], &[0, 0], &[cap + 899, cap / 2], 1).unwrap();
     let c = Case::random(batch.clone(), 8, 32, 77);
     for k in [cap - 1, cap, cap + 1] {
-        check_exact(
-            &mut b,
-            &format!("K={k} around TOPK_SEL_CAP"),
-            &c.problem(Params::new(k), Role::Plain),
-        );
+        c.check_plain(&mut b, &format!("K={k} around TOPK_SEL_CAP"), k);
     }
     let mut c = Case::random(batch, 8, 32, 78);
     for x in 0..c.k.nrows() {
@@ -884,11 +878,7 @@ fn boundary_sizes_of_the_topk_rows() {
     }
     assert!(cap + 900 > 3 * kernels::TOPK_CAND_CAP / 2);
     for k in [1, 100, 2048] {
-        check_exact(
-            &mut b,
-            &format!("3 distinct keys, K={k}"),
-            &c.problem(Params::new(k), Role::Plain),
-        );
+        c.check_plain(&mut b, &format!("3 distinct keys, K={k}"), k);
     }
 }
 
@@ -900,11 +890,7 @@ fn boundary_sizes_of_split_rows_and_source_layers() {
     let batch = Batch::explicit(&[20000], &[0, 0, 0], &[19999, 10000, 5], 1).unwrap();
     let c = Case::random(batch, 8, 32, 79);
     for k in [1, 64, 700] {
-        check_exact(
-            &mut b,
-            &format!("split rows, K={k}"),
-            &c.problem(Params::new(k), Role::Plain),
-        );
+        c.check_plain(&mut b, &format!("split rows, K={k}"), k);
     }
     let params = Params {
         topk: 50,
@@ -968,26 +954,14 @@ fn special_values_case(b: &mut CudaBackend, h: usize, d: usize) {
         c.qs.fill(qe);
         c.ks.fill(ke);
         // Mixed-sign weights so that overflowing heads give inf - inf.
-        check_exact(
-            b,
-            &format!("H={h}: {name}"),
-            &c.problem(Params::new(5), Role::Plain),
-        );
+        c.check_plain(b, &format!("H={h}: {name}"), 5);
         c.w.mapv_inplace(|x| -x.abs());
-        check_exact(
-            b,
-            &format!("H={h}: {name}, negative weights"),
-            &c.problem(Params::new(5), Role::Plain),
-        );
+        c.check_plain(b, &format!("H={h}: {name}, negative weights"), 5);
     }
     // All-zero queries: every logit +0 or -0: ties everywhere, lowest j wins.
     let mut c = Case::random(batch.clone(), h, d, 3);
     c.q.fill(0x88); // -0, -0
-    check_exact(
-        b,
-        &format!("H={h}: all-zero queries"),
-        &c.problem(Params::new(4), Role::Plain),
-    );
+    c.check_plain(b, &format!("H={h}: all-zero queries"), 4);
     // Repeated keys: exact ties between different j.
     let mut c = Case::random(batch.clone(), h, d, 4);
     let k0 = c.k.row(0).to_owned();
@@ -998,11 +972,7 @@ fn special_values_case(b: &mut CudaBackend, h: usize, d: usize) {
             c.ks.row_mut(x).assign(&s0);
         }
     }
-    check_exact(
-        b,
-        &format!("H={h}: repeated keys"),
-        &c.problem(Params::new(6), Role::Plain),
-    );
+    c.check_plain(b, &format!("H={h}: repeated keys"), 6);
     check_exact(
         b,
         &format!("H={h}: repeated keys, source"),
@@ -1158,7 +1128,7 @@ fn exact_class_scale_folding_edges_are_bitwise() {
             c.qs = Array3::from_shape_fn(c.qs.dim(), |(i, hh, g)| qe(i, hh, g));
             c.ks = Array2::from_shape_fn(c.ks.dim(), |(x, g)| ke(x, g));
             let tag = format!("H={h} D={d} ({kernel}): {name}");
-            check_exact(&mut b, &tag, &c.problem(Params::new(9), Role::Plain));
+            c.check_plain(&mut b, &tag, 9);
             // The last run of check_exact (budget usize::MAX): one tile.
             let f = b.fold_counts();
             let plain = f.query_blocks_plain > 0;
@@ -1622,7 +1592,7 @@ fn int8_exact_path_is_bitwise_on_both_sides_of_its_guard() {
         assert_eq!(on_wgi8, !h8.mma_sync_only && !h8.no_int8_exact);
         for (name, c, side) in int8_cases(d) {
             let tag = format!("H=32 D={d} ({kernel}): {name}");
-            check_exact(&mut b, &tag, &c.problem(Params::new(9), Role::Plain));
+            c.check_plain(&mut b, &tag, 9);
             // The last run of check_exact (budget usize::MAX): one tile.
             let f = b.fold_counts();
             let got = match (f.tiles_int8 > 0, f.tiles_int8_fallback > 0) {
@@ -1636,6 +1606,18 @@ fn int8_exact_path_is_bitwise_on_both_sides_of_its_guard() {
     }
 }
 
+/// The sampled-threshold tests' rows: 140 rows of one request, 16,384 to 45,713 keys
+/// (each row at its last position), more rows than the split threshold, so each row is
+/// one block's; and the Case whose problem carries them.
+fn long_rows() -> (Vec<usize>, Case) {
+    let rows = 140usize;
+    let lens: Vec<usize> = (0..rows).map(|i| 16_384 + i * 211).collect();
+    let seq = *lens.iter().max().unwrap();
+    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
+    let batch = Batch::explicit(&[seq], &vec![0; rows], &positions, 1).unwrap();
+    (lens, Case::random(batch, 8, 32, 5))
+}
+
 /// Rows long enough for the top-k's sampled threshold (one pass over the row) and score
 /// patterns on both sides of it: the sample's threshold admits between K and the
 /// candidate capacity (random, ascending, the best keys where no sample chunk falls),
@@ -1644,13 +1626,7 @@ fn int8_exact_path_is_bitwise_on_both_sides_of_its_guard() {
 fn topk_sampled_threshold_matches_a_full_sort() {
     let Some(mut b) = gpu() else { return };
     use rand::{Rng, SeedableRng};
-    // More rows than the split threshold, so each row is one block's.
-    let rows = 140usize;
-    let lens: Vec<usize> = (0..rows).map(|i| 16_384 + i * 211).collect();
-    let seq = *lens.iter().max().unwrap();
-    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
-    let batch = Batch::explicit(&[seq], &vec![0; rows], &positions, 1).unwrap();
-    let c = Case::random(batch.clone(), 8, 32, 5);
+    let (lens, c) = long_rows();
     let total: usize = lens.iter().sum();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
     // Score of (row, key), drawing from the generator where it wants randomness.
@@ -1750,12 +1726,8 @@ fn topk_sampled_threshold_matches_a_full_sort() {
 fn topk_resampled_threshold_serves_rows_the_sample_misjudges() {
     let Some(mut b) = gpu() else { return };
     use rand::{Rng, SeedableRng};
-    let rows = 140usize;
-    let lens: Vec<usize> = (0..rows).map(|i| 16_384 + i * 211).collect();
-    let seq = *lens.iter().max().unwrap();
-    let positions: Vec<usize> = lens.iter().map(|&n| n - 1).collect();
-    let batch = Batch::explicit(&[seq], &vec![0; rows], &positions, 1).unwrap();
-    let c = Case::random(batch.clone(), 8, 32, 5);
+    let (lens, c) = long_rows();
+    let rows = lens.len();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
     for (name, sample_value) in [
         ("sample chunks lowest", -10.0f32),
