@@ -798,9 +798,9 @@ impl Case {
 // (benches/gpu.sh sanitize) in a few minutes: the logits tiles of contexts within one key
 // tile, those around it (and the mma.sync kernel's row groups), the top-k rows, the rows
 // split across blocks and the source layers.
-//
-// The exact class's logits at each context length in `contexts`: rows around a block of
-// each launch form, K around the context.
+
+/// The exact class's logits at each context length in `contexts`: rows around a block of
+/// each launch form, K around the context.
 fn logits_tiles_at_contexts(b: &mut CudaBackend, contexts: &[usize]) {
     let v = Variant::logits(32, 2, Format::E2m1, Format::E2m1, false, Precision::Full);
     // Rows per block of the launches whose row groups are not wide, and of those that are.
