@@ -22,6 +22,7 @@ use dsa_indexer::reference::{self, int8_path, Output};
 use ndarray::{s, Array1, Array2, Array3};
 use proptest::prelude::*;
 use rayon::prelude::*;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The test hooks of this process: `$DSA_CUDA_HOOKS`, comma-separated [`Hooks`] field
@@ -133,6 +134,18 @@ fn dump_problem(d: &Dump) -> (Batch, Option<Published>) {
     let batch = d.batch().unwrap();
     let published = d.published_input(&batch);
     (batch, published)
+}
+
+/// Each golden file of `files` read as a dump and the problem it holds, handed to `f`
+/// with the file's name.
+fn for_each_golden_problem(files: Vec<PathBuf>, mut f: impl FnMut(&str, &Problem, &Dump)) {
+    for path in files {
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let d = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
+        let (batch, published) = dump_problem(&d);
+        let p = d.problem(&batch, published.as_ref()).unwrap();
+        f(&name, &p, &d);
+    }
 }
 
 #[test]
@@ -433,13 +446,9 @@ fn golden_vectors() {
     let Some(mut b) = gpu() else { return };
     let files = golden_files();
     assert!(files.len() >= 14, "golden files: {}", files.len());
-    for path in files {
-        let name = path.file_name().unwrap().to_string_lossy().to_string();
-        let d = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
-        let (batch, published) = dump_problem(&d);
-        let p = d.problem(&batch, published.as_ref()).unwrap();
-        check_golden_file(&mut b, &name, &p, &d.expected);
-    }
+    for_each_golden_problem(files, |name, p, d| {
+        check_golden_file(&mut b, name, p, &d.expected)
+    });
 }
 
 /// Every paged golden file (SPEC 10) on the CUDA backend, its kernels reading the pages:
@@ -451,23 +460,19 @@ fn paged_golden_vectors() {
     let Some(mut b) = gpu() else { return };
     let files = paged_golden_files();
     assert!(files.len() >= 7, "paged golden files: {}", files.len());
-    for path in files {
-        let name = path.file_name().unwrap().to_string_lossy().to_string();
-        let d = Dump::from_bytes(&std::fs::read(&path).unwrap()).unwrap();
-        let (batch, published) = dump_problem(&d);
-        let p = d.problem(&batch, published.as_ref()).unwrap();
+    for_each_golden_problem(files, |name, p, d| {
         let pk = *p.paged().expect("paged keys");
         // Pages of a multiple of 16 bytes are read by the kernels; the others (P = 8 of
         // 17-byte E2M1 tokens at D = 32 here) are gathered on the host.
         let whole = (pk.page_size * dsa_indexer::paged::bytes_per_token(pk.format, p.dim))
             .is_multiple_of(16);
         assert_eq!(
-            cuda::reads_pages(&p),
+            cuda::reads_pages(p),
             whole,
             "{name}: the kernels read its pages exactly when they are whole 16-byte chunks"
         );
-        check_golden_file(&mut b, &name, &p, &d.expected);
-    }
+        check_golden_file(&mut b, name, p, &d.expected);
+    });
 }
 
 /// A flat dump's keys laid out in pages of `page_size` (SPEC 10): pages in a random
