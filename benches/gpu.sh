@@ -430,9 +430,9 @@ if has sanitize; then
   # prefixes up to a '-' (memcheck; racecheck-bounds-logits-short, -logits-tiles, -topk
   # and -split: the boundary sizes' four tests, 134, 111, 16 and 25 s on an H100;
   # racecheck-topk: the shared-memory row and the cluster's row; initcheck, synccheck,
-  # run-memcheck). The timeouts cap the part at
-  # 1,295 s; in three parts of under 10 minutes each: SAN_ONLY=racecheck-bounds-logits
-  # (360 s at most), SAN_ONLY="racecheck-bounds-topk racecheck-bounds-split" (360 s), and
+  # run-memcheck). The timeouts cap the part at 1,295 s; in three parts of under 10
+  # minutes each: SAN_ONLY=racecheck-bounds-logits (360 s at most),
+  # SAN_ONLY="racecheck-bounds-topk racecheck-bounds-split" (360 s), and
   # SAN_ONLY="memcheck racecheck-topk initcheck synccheck run-memcheck" (575 s).
   # A TIMEOUT line asks for a narrower filter, not a longer cap.
   log "compute-sanitizer"
