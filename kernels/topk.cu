@@ -27,8 +27,7 @@
 // Kernels: topk_ragged_f32 and topk_short_f32 (one row per block, split by length;
 // topk_ragged_wide_f32 for tiles of few rows: more candidate slots, fewer blocks per SM),
 // topk_segments_f32 and topk_merge_f32 (a long row over several blocks), block_keys_f32
-// and kept_blocks_u32 (SPEC 6), paged_slots (index assembly over paged keys),
-// decode_codes (the device codec check).
+// and kept_blocks_u32 (SPEC 6), decode_codes (the device codec check).
 
 // ==== configuration ====
 
@@ -204,6 +203,21 @@ __device__ __forceinline__ i32 out_id(const RowSrc &s, u32 j) {
   if (MODE == 2) return s.idmap[j];
   return (i32)(s.lo + j);
 }
+
+// Where a selected key's page column points (SPEC 3's k_slots, SPEC 10's pool slots):
+// request-local key j sits at slot table[base + (j >> log2)] * 2^log2 + j % 2^log2, base
+// the row's row_ks. Flat keys are pages of one slot (log2 0, table k_slots, base the
+// request's first flat key); a null table is the identity k_slots, slot base + j. Paged
+// keys: table the page table, base the row's first page-table entry.
+struct SlotMap {
+  const i32 *table;
+  u32 base, log2;
+  __device__ __forceinline__ i32 slot(const i32 j) const {
+    const u32 u = (u32)j;
+    if (table == nullptr) return (i32)(base + u);
+    return (i32)(((u32)table[(u64)base + (u >> log2)] << log2) | (u & ((1u << log2) - 1u)));
+  }
+};
 
 // U keys of the row, j = base + u * TK_THREADS + threadIdx.x for u < U (0 past n), every
 // load issued before any is used: the loads in flight of a pass over global memory.
@@ -816,13 +830,13 @@ template <int MODE, class F>
 __device__ __forceinline__ void write_sorted_ids(const F id_at, const RowSrc &src, const u32 K,
                                                  i32 *out_ids, const u32 out_cols,
                                                  i32 *out_page, const u32 page_cols,
-                                                 const i32 *k_slots, const u32 ks) {
+                                                 const SlotMap slots) {
   const int tid = threadIdx.x;
   for (u32 c = tid; c < out_cols; c += TK_THREADS) {
     const i32 j = c < K ? out_id<MODE>(src, id_at(c)) : -1;
     out_ids[c] = j;
     if (out_page && c < page_cols)
-      out_page[c] = c < K ? (k_slots ? k_slots[ks + j] : (i32)(ks + j)) : -1;
+      out_page[c] = c < K ? slots.slot(j) : -1;
   }
   if (out_page)
     for (u32 c = out_cols + tid; c < page_cols; c += TK_THREADS) out_page[c] = -1;
@@ -841,7 +855,7 @@ __device__ __forceinline__ void write_sorted_ids(const F id_at, const RowSrc &sr
 template <int MODE, int CL = 1, class Sm>
 __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K,
                              i32 *out_ids, const u32 out_cols, i32 *out_page,
-                             const u32 page_cols, const i32 *k_slots, const u32 ks,
+                             const u32 page_cols, const SlotMap slots,
                              u32 *T_out, u32 *take_out, int *path) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (K > TK_SEL_CAP) return TK_FALLBACK;
@@ -980,7 +994,7 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
       for (u32 b = bits[w]; b != 0u; b &= b - 1u, ++c) sm.ckey[c] = w * 32u + (u32)(__ffs(b) - 1);
     __syncthreads();
     write_sorted_ids<MODE>([&](u32 c) { return sm.ckey[c]; }, src, K, out_ids, out_cols,
-                           out_page, page_cols, k_slots, ks);
+                           out_page, page_cols, slots);
     return TK_DONE;
   }
 #endif
@@ -1009,7 +1023,7 @@ __device__ int topk_row_fast(Sm &sm, const RowSrc &src, const u32 n, const u32 K
     }
   }
   write_sorted_ids<MODE>([&](u32 c) { return sm.sel[c]; }, src, K, out_ids, out_cols, out_page,
-                         page_cols, k_slots, ks);
+                         page_cols, slots);
   return TK_DONE;
 }
 
@@ -1031,12 +1045,12 @@ __device__ __forceinline__ void buf_load8(u32 (&keys)[TK_ITEMS], const u32 *buf,
 template <int MODE, int CL = 1, class Sm>
 __device__ __forceinline__ bool topk_row_fast_paths(
     Sm &fast, const RowSrc &src, const u32 n, const u32 K, const bool every, i32 *out_ids,
-    const u32 out_cols, i32 *out_page, const u32 page_cols, const i32 *k_slots, const u32 ks,
+    const u32 out_cols, i32 *out_page, const u32 page_cols, const SlotMap slots,
     u32 *paths, u32 &T, u32 &take_eq, int &path, u32 *&scan) {
   scan = fast.scan;
   if (every) return false;
   const int status = topk_row_fast<MODE, CL>(fast, src, n, K, out_ids, out_cols, out_page,
-                                             page_cols, k_slots, ks, &T, &take_eq, &path);
+                                             page_cols, slots, &T, &take_eq, &path);
   if (CL > 1 && status == TK_HELPER) return true;
   if (status == TK_DONE) {
     if (paths != nullptr && threadIdx.x == 0) atomicAdd(&paths[path], 1u);
@@ -1063,7 +1077,7 @@ __device__ __forceinline__ bool topk_row_fast_paths(
 template <int MODE, bool SHORT = false, bool WIDE = false, int CL = 1>
 __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_ids,
                          const u32 out_cols, i32 *out_page, const u32 page_cols,
-                         const i32 *k_slots, const u32 ks, u32 *buf, u32 *paths) {
+                         const SlotMap slots, u32 *buf, u32 *paths) {
   const int tid = threadIdx.x;
   // m = n <= K: every key is selected and no score is read (SPEC 5).
   const bool every = MODE != 1 && src.bitmap == nullptr && n <= K;
@@ -1087,11 +1101,11 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     if constexpr (WIDE) {
       done = topk_row_fast_paths<MODE, CL>(*reinterpret_cast<TopkWideSmem *>(buf), src, n, K,
                                            every, out_ids, out_cols, out_page, page_cols,
-                                           k_slots, ks, paths, T, take_eq, path, scan);
+                                           slots, paths, T, take_eq, path, scan);
     } else {
       __shared__ TopkSmem fast;
       done = topk_row_fast_paths<MODE>(fast, src, n, K, every, out_ids, out_cols, out_page,
-                                       page_cols, k_slots, ks, paths, T, take_eq, path, scan);
+                                       page_cols, slots, paths, T, take_eq, path, scan);
     }
     if (done) return;
   }
@@ -1164,7 +1178,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
         } else {
           const i32 id = out_id<MODE>(src, j);
           out_ids[pos] = id;
-          if (out_page) out_page[pos] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
+          if (out_page) out_page[pos] = slots.slot(id);
         }
       }
       g += is_gt;
@@ -1179,7 +1193,7 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
     for (u32 c = tid; c < count; c += TK_THREADS) {
       const i32 id = out_id<MODE>(src, buf[c]);
       out_ids[c] = id;
-      if (out_page) out_page[c] = k_slots ? k_slots[ks + id] : (i32)(ks + id);
+      if (out_page) out_page[c] = slots.slot(id);
     }
   }
   const u32 count = gt_before + min(eq_before, take_eq);
@@ -1215,9 +1229,9 @@ __device__ __forceinline__ void topk_tile_row(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
-    const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
-    u32 block_size, u32 bitmap_words, u32 n_min, u32 row_cap, u32 *__restrict__ paths,
-    u32 *smem) {
+    const i32 *__restrict__ slot_table, u32 page_log2, const i32 *__restrict__ cblocks,
+    u32 num_blocks, u32 block_size, u32 bitmap_words, u32 n_min, u32 row_cap,
+    u32 *__restrict__ paths, u32 *smem) {
   const u32 row = row0 + (CL > 1 ? blockIdx.y : blockIdx.x);
   const u32 n = row_n[row];
   if (TK_STOP == 9 || (SHORT ? n > row_cap : n < n_min)) return;
@@ -1228,8 +1242,9 @@ __device__ __forceinline__ void topk_tile_row(
                    nullptr};
   u32 *buf = SHORT || WIDE ? smem + ((bitmap_words + 3u) & ~3u) : nullptr;
   topk_row<0, SHORT && TK_SHORT, WIDE, CL>(src, n, K, raw + (u64)row * K, K,
-                                           page + (u64)row * page_cols, page_cols, k_slots,
-                                           row_ks[row], buf, paths);
+                                           page + (u64)row * page_cols, page_cols,
+                                           SlotMap{slot_table, row_ks[row], page_log2}, buf,
+                                           paths);
 }
 
 // block: row row0 + blockIdx.x if n >= n_min -> raw[row, 0:K], page[row, 0:page_cols]
@@ -1237,11 +1252,12 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_RAGGED_MIN_BLOCKS) t
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
-    const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
-    u32 block_size, u32 bitmap_words, u32 n_min, u32 *__restrict__ paths) {
+    const i32 *__restrict__ slot_table, u32 page_log2, const i32 *__restrict__ cblocks,
+    u32 num_blocks, u32 block_size, u32 bitmap_words, u32 n_min, u32 *__restrict__ paths) {
   extern __shared__ __align__(16) u32 dsmem[];
-  topk_tile_row<false>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols, k_slots,
-                       cblocks, num_blocks, block_size, bitmap_words, n_min, 0u, paths, dsmem);
+  topk_tile_row<false>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols,
+                       slot_table, page_log2, cblocks, num_blocks, block_size, bitmap_words,
+                       n_min, 0u, paths, dsmem);
 }
 
 // topk_ragged_f32 for tiles of at most TK_WIDE_MIN_BLOCKS rows per SM: the fast paths'
@@ -1252,12 +1268,12 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_WIDE_MIN_BLOCKS) top
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
-    const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
-    u32 block_size, u32 bitmap_words, u32 n_min, u32 *__restrict__ paths) {
+    const i32 *__restrict__ slot_table, u32 page_log2, const i32 *__restrict__ cblocks,
+    u32 num_blocks, u32 block_size, u32 bitmap_words, u32 n_min, u32 *__restrict__ paths) {
   extern __shared__ __align__(16) u32 dsmem[];
   topk_tile_row<false, true>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols,
-                             k_slots, cblocks, num_blocks, block_size, bitmap_words, n_min, 0u,
-                             paths, dsmem);
+                             slot_table, page_log2, cblocks, num_blocks, block_size,
+                             bitmap_words, n_min, 0u, paths, dsmem);
 }
 
 // topk_ragged_wide_f32 with a cluster of TK_CLUSTER blocks per row, for tiles of at most
@@ -1269,13 +1285,13 @@ extern "C" __global__ void __cluster_dims__(TK_CLUSTER, 1, 1) __launch_bounds__(
     topk_cluster_f32(const float *__restrict__ logits, const u64 *__restrict__ row_off,
                      const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0,
                      u32 K, i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
-                     const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks,
-                     u32 num_blocks, u32 block_size, u32 bitmap_words, u32 n_min,
-                     u32 *__restrict__ paths) {
+                     const i32 *__restrict__ slot_table, u32 page_log2,
+                     const i32 *__restrict__ cblocks, u32 num_blocks, u32 block_size,
+                     u32 bitmap_words, u32 n_min, u32 *__restrict__ paths) {
   extern __shared__ __align__(16) u32 dsmem[];
   topk_tile_row<false, true, TK_CLUSTER>(logits, row_off, row_n, row_ks, row0, K, raw, page,
-                                         page_cols, k_slots, cblocks, num_blocks, block_size,
-                                         bitmap_words, n_min, 0u, paths, dsmem);
+                                         page_cols, slot_table, page_log2, cblocks, num_blocks,
+                                         block_size, bitmap_words, n_min, 0u, paths, dsmem);
 }
 
 // block: row row0 + blockIdx.x if n <= row_cap -> raw[row, 0:K], page[row, 0:page_cols]
@@ -1283,11 +1299,12 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_short_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
-    const i32 *__restrict__ k_slots, const i32 *__restrict__ cblocks, u32 num_blocks,
-    u32 block_size, u32 bitmap_words, u32 row_cap, u32 *__restrict__ paths) {
+    const i32 *__restrict__ slot_table, u32 page_log2, const i32 *__restrict__ cblocks,
+    u32 num_blocks, u32 block_size, u32 bitmap_words, u32 row_cap, u32 *__restrict__ paths) {
   extern __shared__ __align__(16) u32 dsmem[];
-  topk_tile_row<true>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols, k_slots,
-                      cblocks, num_blocks, block_size, bitmap_words, 0u, row_cap, paths, dsmem);
+  topk_tile_row<true>(logits, row_off, row_n, row_ks, row0, K, raw, page, page_cols,
+                      slot_table, page_log2, cblocks, num_blocks, block_size, bitmap_words, 0u,
+                      row_cap, paths, dsmem);
 }
 
 // Rows split across blocks (tiles with too few rows to fill the GPU): each of S blocks
@@ -1315,7 +1332,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_SEGMENTS_MIN_BLOCKS)
   const RowSrc src{logits + row_off[row], lo, cblocks ? bitmap : nullptr, block_size, ~0u,
                    nullptr};
   i32 *ids = scratch + ((u64)blockIdx.y * S + blockIdx.x) * K;
-  topk_row<0>(src, hi - lo, K, ids, K, nullptr, 0, nullptr, 0, nullptr, paths);
+  topk_row<0>(src, hi - lo, K, ids, K, nullptr, 0, SlotMap{nullptr, 0u, 0u}, nullptr, paths);
   // The block's ids are visible to all its threads after the barrier; their keys follow.
   __syncthreads();
   u32 *keys = reinterpret_cast<u32 *>(ids + (u64)gridDim.y * S * K);
@@ -1332,12 +1349,12 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS, TK_SEGMENTS_MIN_BLOCKS)
 extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_merge_f32(
     const u32 *__restrict__ row_ks, u32 row0, u32 K, u32 S, const i32 *__restrict__ scratch,
     i32 *__restrict__ raw, i32 *__restrict__ page, u32 page_cols,
-    const i32 *__restrict__ k_slots, u32 *__restrict__ paths) {
+    const i32 *__restrict__ slot_table, u32 page_log2, u32 *__restrict__ paths) {
   const u32 row = row0 + blockIdx.x;
   const i32 *ids = scratch + (u64)blockIdx.x * S * K;
   const RowSrc src{ids + (u64)gridDim.x * S * K, 0u, nullptr, 1u, ~0u, ids};
   topk_row<2>(src, S * K, K, raw + (u64)row * K, K, page + (u64)row * page_cols, page_cols,
-              k_slots, row_ks[row], nullptr, paths);
+              SlotMap{slot_table, row_ks[row], page_log2}, nullptr, paths);
 }
 
 // Block keys of the tile's publishing rows: max ranking key over each block of B keys.
@@ -1377,43 +1394,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS) kept_blocks_u32(
   const u32 k = min(num_blocks, nb);
   const RowSrc src{bkeys + row_boff[row], 0u, nullptr, 1u, nb > 0 ? nb - 1 : ~0u, nullptr};
   topk_row<1>(src, nb, k > 0 ? k : 1u, published + (u64)p * num_blocks, num_blocks, nullptr, 0,
-              nullptr, 0, nullptr, nullptr);
-}
-
-// Index assembly over paged keys (SPEC 10): page[row, c] is the pool slot of raw[row, c],
-// page_table[ks + j / P] * P + j % P (ks = row_ks[row], the row's request's first
-// page-table entry; P = 2^page_log2), -1 where raw is -1 and past K. The top-k kernels of
-// a paged run write raw only (page null, page_cols 0); this kernel follows them.
-// block: row row0 + blockIdx.x -> page[row, 0:page_cols]
-extern "C" __global__ void __launch_bounds__(TK_THREADS) paged_slots(
-    const i32 *__restrict__ raw, const u32 *__restrict__ row_ks, u32 row0, u32 K,
-    i32 *__restrict__ page, u32 page_cols, const i32 *__restrict__ page_table,
-    u32 page_log2) {
-  const u32 row = row0 + blockIdx.x;
-  const u32 ks = row_ks[row];
-  const i32 *r = raw + (u64)row * K;
-  i32 *out = page + (u64)row * page_cols;
-  // Eight columns per thread in flight: their ids, then their page-table entries, then the
-  // stores (a row of 2,048 columns is one round of each at 256 threads).
-  constexpr int U = 8;
-  for (u32 c0 = 0; c0 < page_cols; c0 += U * blockDim.x) {
-    i32 j[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const u32 c = c0 + u * blockDim.x + threadIdx.x;
-      j[u] = c < K ? r[c] : -1;
-    }
-    u32 pg[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      pg[u] = j[u] < 0 ? 0u : (u32)page_table[(u64)ks + ((u32)j[u] >> page_log2)];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const u32 c = c0 + u * blockDim.x + threadIdx.x;
-      if (c < page_cols)
-        out[c] = j[u] < 0 ? -1 : (i32)((pg[u] << page_log2) | ((u32)j[u] & ((1u << page_log2) - 1u)));
-    }
-  }
+              SlotMap{nullptr, 0u, 0u}, nullptr, nullptr);
 }
 
 // Decode rows (SPEC 10) from the device's context lengths, for launches whose shapes

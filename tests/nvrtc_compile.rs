@@ -94,7 +94,6 @@ fn every_kernel_compiles_for_sm90a() {
                             "topk_merge_f32",
                             "block_keys_f32",
                             "kept_blocks_u32",
-                            "paged_slots",
                             "decode_codes",
                         ]
                     } else {

@@ -9,8 +9,8 @@
 //!    row groups, from `context_lens` on the device;
 //! 2. the paged logits kernel over `ceil(max_context / r / 64)` key tiles of every
 //!    request, split across blocks so that every SM is busy at batch 1 and at 128;
-//! 3. the top-k (split into segments for few rows, one block per row else), raw only;
-//! 4. `paged_slots`: `page` from `raw` through the page table.
+//! 3. the top-k (split into segments for few rows, one block per row else), `raw` and
+//!    `page`, each selected key's pool slot read from the page table.
 //!
 //! [`DecodeStep::launch`] allocates nothing, does not synchronise, reads nothing back
 //! and depends on no device value on the host: replaying it with other context lengths
@@ -36,8 +36,7 @@ use super::geometry::{
 };
 use super::kernels::{self, LogitsEntry, Variant};
 use super::launch::{
-    self, allow_dynamic_smem, LogitsArgs, PagedSlotsArgs, TopkMergeArgs, TopkRowsArgs,
-    TopkSegmentsArgs,
+    self, allow_dynamic_smem, LogitsArgs, SlotTable, TopkMergeArgs, TopkRowsArgs, TopkSegmentsArgs,
 };
 use crate::batch::Batch;
 use crate::error::{Error, Result};
@@ -195,7 +194,6 @@ struct Functions {
     ragged: CudaFunction,
     wide: CudaFunction,
     cluster: CudaFunction,
-    slots: CudaFunction,
 }
 
 impl Functions {
@@ -336,7 +334,6 @@ impl Engine {
             ragged: tk(RowTopk::Ragged.name())?,
             wide: tk(RowTopk::Wide.name())?,
             cluster: tk(RowTopk::Cluster.name())?,
-            slots: tk("paged_slots")?,
         };
         allow_dynamic_smem(
             &f.short,
@@ -559,8 +556,11 @@ impl DecodeStep<'_> {
             let gx = chunks.div_ceil(per_block) as u32;
             launch::logits(s, &self.f.logits, a, 0..ngroups, gx, self.lg_threads as u32)?;
         }
-        // 3. Top-k, raw only.
+        // 3. Top-k: raw, and page through the page table.
         let k = sh.topk as u32;
+        let page_cols = sh.page_width() as u32;
+        let (table, page_log2) = a.paged.unwrap_or((0, 0));
+        let slots = SlotTable { table, page_log2 };
         let tk_paths = self.ws + l.paths as u64;
         if l.segments > 1 {
             let args = TopkSegmentsArgs {
@@ -584,9 +584,9 @@ impl DecodeStep<'_> {
                 segments: l.segments as u32,
                 scratch: self.ws + l.split as u64,
                 raw: self.raw,
-                page: 0,
-                page_cols: 0,
-                k_slots: 0,
+                page: self.page,
+                page_cols,
+                slots,
                 paths: tk_paths,
             };
             launch::topk_merge(s, &self.f.merge, &args, rows)?;
@@ -615,9 +615,9 @@ impl DecodeStep<'_> {
                     row0: 0,
                     k,
                     raw: self.raw,
-                    page: 0,
-                    page_cols: 0,
-                    k_slots: 0,
+                    page: self.page,
+                    page_cols,
+                    slots,
                     cblocks: 0,
                     num_blocks: 1,
                     block_size: 1,
@@ -628,18 +628,7 @@ impl DecodeStep<'_> {
                 launch::topk_rows(s, f, entry, &args, rows, smem)?;
             }
         }
-        // 4. page from raw through the page table.
-        let args = PagedSlotsArgs {
-            raw: self.raw,
-            row_ks: a.row_ks,
-            row0: 0,
-            k,
-            page: self.page,
-            page_cols: sh.page_width() as u32,
-            page_table: a.paged.map_or(0, |p| p.0),
-            page_log2: a.paged.map_or(0, |p| p.1),
-        };
-        launch::paged_slots(s, &self.f.slots, &args, rows)
+        Ok(())
     }
 }
 

@@ -688,8 +688,6 @@ pub const TOPK_PATHS: [&str; 6] = ["ALL", "SHORT", "SAMPLED", "TWO", "GENERAL", 
 /// Exact-class path counters of the logits kernels (scale folding, and
 /// `mqa_logits_wgi8`'s tiles), in `logits_common.cuh`'s `LG_PATH_*` order.
 pub const LOGITS_PATHS: [&str; 6] = ["QFOLD", "QPLAIN", "ONE", "TWO", "I8", "I8_FALLBACK"];
-/// Threads of a `paged_slots` block (at most `TK_THREADS`, its launch bound).
-pub const PAGED_SLOTS_THREADS: usize = 256;
 /// Threads of a `block_keys_f32` block (`BK_THREADS` in `topk.cu`).
 pub const BLOCK_KEYS_THREADS: usize = 256;
 /// Threads of a `validate_inputs` block (`VAL_THREADS`, prepended to `validate.cu`).
@@ -764,7 +762,7 @@ pub enum Variant {
         precision: Precision,
     },
     /// `topk_ragged_f32`, `topk_short_f32`, `topk_segments_f32`, `topk_merge_f32`,
-    /// `block_keys_f32`, `kept_blocks_u32`, `paged_slots`, `decode_codes`.
+    /// `block_keys_f32`, `kept_blocks_u32`, `decode_codes`.
     Topk,
     /// `validate_inputs`: SPEC 8's value checks of device inputs.
     Validate,

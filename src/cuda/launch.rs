@@ -48,7 +48,7 @@ pub(super) struct LogitsArgs {
     pub w: u64,
     /// Visible keys per row.
     pub row_n: u64,
-    /// Flat key offset per row.
+    /// Each row's request's first flat key, or over paged keys its first page-table entry.
     pub row_ks: u64,
     /// Each row's offset (floats) in the logits tile.
     pub row_off: u64,
@@ -437,56 +437,16 @@ pub(super) fn kept_blocks(
     Ok(())
 }
 
-/// The parameters of `paged_slots`: index assembly over paged keys, `page` from `raw`
-/// through the page table.
+/// Where the top-k kernels take a selected key's `page` column from (the kernels'
+/// `SlotMap`, indexed from each row's `row_ks`): over flat keys the pool slots
+/// `k_slots [L]` (0: the identity), one slot a key; over paged keys the page table,
+/// pages of `2^page_log2` slots.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct PagedSlotsArgs {
-    /// `raw [T, K]`.
-    pub raw: u64,
-    /// Each row's first page-table entry.
-    pub row_ks: u64,
-    /// The launch's first row (grid x counts from it).
-    pub row0: u32,
-    /// `K`.
-    pub k: u32,
-    /// `page [T, page_cols]` (written).
-    pub page: u64,
-    /// Columns of `page`.
-    pub page_cols: u32,
-    /// The page table.
-    pub page_table: u64,
-    /// `log2(P)`.
+pub(super) struct SlotTable {
+    /// `k_slots`, or the page table.
+    pub table: u64,
+    /// 0 over flat keys, `log2(P)` over paged keys.
     pub page_log2: u32,
-}
-
-/// Launch `paged_slots` (`f`) over `rows` rows from `args.row0`, one block per row.
-pub(super) fn paged_slots(
-    s: &CudaStream,
-    f: &CudaFunction,
-    a: &PagedSlotsArgs,
-    rows: u32,
-) -> Result<()> {
-    let mut l = s.launch_builder(f);
-    l.arg(&a.raw)
-        .arg(&a.row_ks)
-        .arg(&a.row0)
-        .arg(&a.k)
-        .arg(&a.page)
-        .arg(&a.page_cols)
-        .arg(&a.page_table)
-        .arg(&a.page_log2);
-    // SAFETY: each row reads its K raw ids and, for each id, the page-table entry of a
-    // key its request has (the top-k selected it), and writes its page_cols-wide page
-    // row.
-    unsafe {
-        l.launch(LaunchConfig {
-            grid_dim: (rows, 1, 1),
-            block_dim: (kernels::PAGED_SLOTS_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        })
-    }
-    .map_err(drv("launch paged_slots"))?;
-    Ok(())
 }
 
 /// The parameters of `topk_segments_f32`: each row's top-k split into segments, the K
@@ -556,7 +516,7 @@ pub(super) fn topk_segments(
 /// index assembly.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct TopkMergeArgs {
-    /// Flat key offset per row.
+    /// Each row's request's first flat key, or over paged keys its first page-table entry.
     pub row_ks: u64,
     /// The tile's first row.
     pub row0: u32,
@@ -572,8 +532,8 @@ pub(super) struct TopkMergeArgs {
     pub page: u64,
     /// `page_cols`.
     pub page_cols: u32,
-    /// Pool slots `[L]` (0: the identity).
-    pub k_slots: u64,
+    /// Where `page` takes each selected key's slot from.
+    pub slots: SlotTable,
     /// The top-k path counters (`TK_PATH_*`).
     pub paths: u64,
 }
@@ -594,7 +554,8 @@ pub(super) fn topk_merge(
         .arg(&a.raw)
         .arg(&a.page)
         .arg(&a.page_cols)
-        .arg(&a.k_slots)
+        .arg(&a.slots.table)
+        .arg(&a.slots.page_log2)
         .arg(&a.paths);
     // SAFETY: row r reads its S*K scratch ids (each -1 or a visible key of the
     // row) and their ranking keys, and writes its rows of raw and page.
@@ -619,7 +580,7 @@ pub(super) struct TopkRowsArgs {
     pub row_off: u64,
     /// Visible keys per row.
     pub row_n: u64,
-    /// Flat key offset per row.
+    /// Each row's request's first flat key, or over paged keys its first page-table entry.
     pub row_ks: u64,
     /// The tile's first row.
     pub row0: u32,
@@ -631,8 +592,8 @@ pub(super) struct TopkRowsArgs {
     pub page: u64,
     /// `page_cols`.
     pub page_cols: u32,
-    /// Pool slots `[L]` (0: the identity).
-    pub k_slots: u64,
+    /// Where `page` takes each selected key's slot from.
+    pub slots: SlotTable,
     /// Consumer candidates `[T, NB]` (0: not a consumer).
     pub cblocks: u64,
     /// `NB`.
@@ -669,7 +630,8 @@ pub(super) fn topk_rows(
         .arg(&a.raw)
         .arg(&a.page)
         .arg(&a.page_cols)
-        .arg(&a.k_slots)
+        .arg(&a.slots.table)
+        .arg(&a.slots.page_log2)
         .arg(&a.cblocks)
         .arg(&a.num_blocks)
         .arg(&a.block_size)

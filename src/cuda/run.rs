@@ -15,8 +15,8 @@ use super::geometry::{
 };
 use super::kernels::{self, Variant};
 use super::launch::{
-    self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, PagedSlotsArgs,
-    TopkMergeArgs, TopkRowsArgs, TopkSegmentsArgs,
+    self, allow_dynamic_smem, BlockKeysArgs, KeptBlocksArgs, LogitsArgs, SlotTable, TopkMergeArgs,
+    TopkRowsArgs, TopkSegmentsArgs,
 };
 use crate::batch::Batch;
 use crate::error::Result;
@@ -635,48 +635,26 @@ impl Run {
         if a.published != 0 && self.shape.tail.is_some() {
             self.candidate_blocks_step(dev, s, g, &a)?;
         }
-        // 3. Top-k and index assembly (over paged keys, page from raw after the top-k).
+        // 3. Top-k and index assembly.
         if g.segments > 1 && a.split != 0 {
-            self.split_topk_step(dev, s, g, &a)?;
+            self.split_topk_step(dev, s, g, &a)
         } else {
-            self.row_topk_step(dev, s, g, &a)?;
+            self.row_topk_step(dev, s, g, &a)
         }
-        self.paged_slots_step(dev, s, g, &a)
     }
 
-    /// Over paged keys, `page` of tile geometry `g`'s rows from their `raw` through the
-    /// page table (the top-k kernels wrote `raw` only); nothing over flat keys.
-    fn paged_slots_step(
-        &self,
-        dev: &Device,
-        s: &CudaStream,
-        g: &TileGeom,
-        a: &RunAddrs,
-    ) -> Result<()> {
-        let Some(pg) = self.shape.paged else {
-            return Ok(());
-        };
-        let f = dev.function(Variant::Topk, "paged_slots")?;
-        let args = PagedSlotsArgs {
-            raw: a.raw,
-            row_ks: a.row_ks,
-            row0: g.rows.start as u32,
-            k: self.shape.topk as u32,
-            page: a.page,
-            page_cols: self.shape.page_cols as u32,
-            page_table: self.ptrs.page_table,
-            page_log2: pg.page_log2,
-        };
-        launch::paged_slots(s, &f, &args, g.rows.len() as u32)
-    }
-
-    /// The `page` output and its columns as the top-k kernels take them: none over
-    /// paged keys (`paged_slots` writes it), else the run's.
-    fn topk_page(&self, a: &RunAddrs) -> (u64, u32) {
-        if self.shape.paged.is_some() {
-            (0, 0)
-        } else {
-            (a.page, self.shape.page_cols as u32)
+    /// Where the top-k kernels take each selected key's `page` column from: the run's
+    /// `k_slots` over flat keys, its page table over paged keys.
+    fn slot_table(&self) -> SlotTable {
+        match self.shape.paged {
+            Some(pg) => SlotTable {
+                table: self.ptrs.page_table,
+                page_log2: pg.page_log2,
+            },
+            None => SlotTable {
+                table: self.ptrs.k_slots,
+                page_log2: 0,
+            },
         }
     }
 
@@ -765,7 +743,6 @@ impl Run {
         };
         launch::topk_segments(s, &fs, &args, segs, rows, smem)?;
         let fm = dev.function(Variant::Topk, "topk_merge_f32")?;
-        let page = self.topk_page(a);
         let args = TopkMergeArgs {
             row_ks: a.row_ks,
             row0,
@@ -773,9 +750,9 @@ impl Run {
             segments: segs,
             scratch: a.split,
             raw: a.raw,
-            page: page.0,
-            page_cols: page.1,
-            k_slots: p.k_slots,
+            page: a.page,
+            page_cols: self.shape.page_cols as u32,
+            slots: self.slot_table(),
             paths: a.paths,
         };
         launch::topk_merge(s, &fm, &args, rows)
@@ -806,7 +783,6 @@ impl Run {
             let (entry, bytes) = long_rows_launch(g.rows.len(), bw, dev.sm_count(), dev.hooks());
             (entry, n_min, bytes)
         });
-        let page = self.topk_page(a);
         for (entry, bound, dyn_smem) in [short, long].into_iter().flatten() {
             let f = dev.function(Variant::Topk, entry.name())?;
             allow_dynamic_smem(&f, dyn_smem)?;
@@ -818,9 +794,9 @@ impl Run {
                 row0: g.rows.start as u32,
                 k: sh.topk as u32,
                 raw: a.raw,
-                page: page.0,
-                page_cols: page.1,
-                k_slots: p.k_slots,
+                page: a.page,
+                page_cols: sh.page_cols as u32,
+                slots: self.slot_table(),
                 cblocks: p.cblocks,
                 num_blocks: sh.num_blocks as u32,
                 block_size: sh.block_size as u32,
