@@ -558,7 +558,9 @@ pub(super) fn topk_merge(
         .arg(&a.slots.page_log2)
         .arg(&a.paths);
     // SAFETY: row r reads its S*K scratch ids (each -1 or a visible key of the
-    // row) and their ranking keys, and writes its rows of raw and page.
+    // row) and their ranking keys, and writes its rows of raw and page; each selected
+    // key's slot is read from the slot table at an entry of the row's request (a key it
+    // has: its k_slots entry, or the page-table entry of its page).
     unsafe {
         l.launch(LaunchConfig {
             grid_dim: (rows, 1, 1),
@@ -639,7 +641,9 @@ pub(super) fn topk_rows(
         .arg(&a.row_bound)
         .arg(&a.paths);
     // SAFETY: each block reads its row's n logits (written by step 1, same
-    // stream) and writes its row of raw [T, K] and page [T, page_cols];
+    // stream) and writes its row of raw [T, K] and page [T, page_cols], each
+    // selected key's slot read from the slot table at an entry of the row's request
+    // (a key it has: its k_slots entry, or the page-table entry of its page);
     // topk_short_f32 takes only rows of n <= row_cap, whose keys fit the
     // shared memory this launch sizes. topk_cluster_f32's grid is (cluster, rows), its
     // cluster size compiled in (__cluster_dims__), the blocks of a row one cluster.
