@@ -4,7 +4,7 @@
 # (default ./gpu-out).
 #
 #   ../shared/gpu/stage --features tuning                                   # here
-#   run: bash benches/gpu.sh [quick] [tests] [wgi8] [knobs] [bench] [decode] [ab] [alt] [altfast] [select] [torch] [ncu] [ncutk] [sanitize]
+#   run: bash benches/gpu.sh [quick] [tests] [wgi8] [knobs] [bench] [decode] [ab] [alt] [altfast] [altfull] [select] [torch] [ncu] [ncutk] [sanitize]
 #        [old] [replay] [peers] [accuracy] [pyengine] [clocks] [phases] [ktimes]
 #        # there, carry .gpu (and .whl for bench, decode, peers, pyengine)
 #
@@ -41,7 +41,7 @@
 # ktimes: each kernel's device time; sanitize: memcheck, racecheck, initcheck and
 # synccheck over the GPU tests and `run --device cuda`, each on request; alt: define
 # sets of the exact class's kernel beside the default, below; altfast: the same for the
-# fast kernel). The golden files are
+# fast kernel; altfull: for the default precision's E4M3 kernel and the selection). The golden files are
 # read from tests/golden unless $DSA_GOLDEN_DIR says otherwise.
 #
 # Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
@@ -58,12 +58,13 @@
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
 # #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, WGI8_R8_MIN_BLOCKS, W16_MIN_BLOCKS,
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_SAMPLE_LOADS (sample chunks in flight per
-#   warp in the narrow top-k's sample, 8), TK_RAGGED_MIN_BLOCKS, TK_BITMAP (0: sampled
+#   warp in the narrow top-k's sample, 8), TK_RAGGED_MIN_BLOCKS, TK_SHORT_LPT (0: the shared-memory rows'
+#   blocks in row order, not from the tile's last row), TK_BITMAP (0: sampled
 #   rows sort their selected ids instead of scanning a bitmap), TK_SAMPLED_ORDERED (1:
 #   sampled rows of at most 16 * K keys end with the ordered pass), TK_STOP (profiling:
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
 #   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),
-#   W8_TMA (0: the fast kernel's keys in registers), W8_LPT (0: a launch's groups in launch
+#   W8_TMA (0: the fast kernel's keys in registers), W8_LPT and W16_LPT (0: a launch's groups in launch
 #   order, not longest first), WGI8_PREDECODE (0: mqa_logits_wgi8_r8 decodes the fp4 keys
 #   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
@@ -313,6 +314,23 @@ if has altfast; then
   log "alternating A/B, fast precision: ${FAST_FORMS:-no forms (FAST_FORMS is empty)}"
   ab_forms "$OUT/altfast.txt" fast "${FAST_FORMS:-}" v32-16k "${FAST_TESTS:-1}" \
     fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
+  ab_round 60 v32-16k
+  ab_round 120 v32-64k
+  ab_round 60 v32-16k
+  ab_round 120 v32-64k
+  ab_round 60 v32-decode-b128-128k-mtp2
+  ab_summary
+fi
+
+if has altfull; then
+  # FULL_FORMS (';'-separated define sets of the default precision's E4M3 x E4M3 kernel,
+  # mqa_logits_w16, or of the selection) beside the default in alternating processes, at
+  # the default precision: each form's tests of those kernels first (FULL_TESTS=0 leaves
+  # them out), then two rounds on v32-16k and on v32-64k and one on the paged decode at
+  # batch 128 (altfull.txt, and the summary).
+  log "alternating A/B, default precision: ${FULL_FORMS:-no forms (FULL_FORMS is empty)}"
+  ab_forms "$OUT/altfull.txt" full "${FULL_FORMS:-}" v32-16k "${FULL_TESTS:-1}" \
+    e4m3_h64 tolerance_class boundary topk_ golden decode_step paged
   ab_round 60 v32-16k
   ab_round 120 v32-64k
   ab_round 60 v32-16k
