@@ -121,11 +121,12 @@
 #ifndef TK_SAMPLED_ORDERED
 #define TK_SAMPLED_ORDERED 0
 #endif
-// topk_short_f32's blocks take their tile's rows from the last (TK_SHORT_LPT = 1, the
-// default): a causal tile's rows lengthen down the tile, so its longest shared-memory rows
-// start first and its last wave holds the short ones. 0 (a tuning define): in row order.
+// topk_short_f32's blocks take their tile's rows from the last (TK_SHORT_LPT = 1, a tuning
+// define, not yet measured): a causal tile's rows lengthen down the tile, so its longest
+// shared-memory rows would start first and its last wave hold the short ones. 0 (the
+// default): in row order.
 #ifndef TK_SHORT_LPT
-#define TK_SHORT_LPT 1
+#define TK_SHORT_LPT 0
 #endif
 // Blocks per SM the ragged top-k's registers must allow: 4 (32 registers) fits four
 // blocks' 41 KiB of shared memory and 2048 threads, so a tile of up to 4 * 132 rows is
