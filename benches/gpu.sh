@@ -41,8 +41,8 @@
 # ktimes: each kernel's device time; sanitize: memcheck, racecheck, initcheck and
 # synccheck over the GPU tests and `run --device cuda`, each on request; alt: define
 # sets of the exact class's kernel beside the default, below; altfast: the same for the
-# fast kernel; altfull: for the default precision's E4M3 kernel and the selection). The golden files are
-# read from tests/golden unless $DSA_GOLDEN_DIR says otherwise.
+# fast kernel; altfull: for the default precision's E4M3 kernel and the selection). The
+# golden files are read from tests/golden unless $DSA_GOLDEN_DIR says otherwise.
 #
 # Forced fallbacks are typed test hooks (cuda::Hooks), named in $DSA_CUDA_HOOKS
 # (comma-separated): mma_sync_only (mma.sync where wgmma is the default), no_scale_fold
@@ -58,14 +58,13 @@
 # With `tuning`, variants are compiled per process with $DSA_CUDA_DEFINES prepended as
 # #defines, tuning numbers: LG_ROWS, LG_MIN_BLOCKS, WGR_MIN_BLOCKS, WGI8_MIN_BLOCKS, WGI8_R8_MIN_BLOCKS, W16_MIN_BLOCKS,
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_SAMPLE_LOADS (sample chunks in flight per
-#   warp in the narrow top-k's sample, 8), TK_RAGGED_MIN_BLOCKS, TK_SHORT_LPT (1: the shared-memory rows'
-#   blocks from the tile's last row, not in row order), TK_BITMAP (0: sampled
+#   warp in the narrow top-k's sample, 8), TK_RAGGED_MIN_BLOCKS, TK_BITMAP (0: sampled
 #   rows sort their selected ids instead of scanning a bitmap), TK_SAMPLED_ORDERED (1:
 #   sampled rows of at most 16 * K keys end with the ordered pass), TK_STOP (profiling:
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
 #   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),
-#   W8_TMA (0: the fast kernel's keys in registers), W8_LPT (0: a launch's groups in launch
-#   order, not longest first), W16_LPT (1: mqa_logits_w16's groups longest first), WGI8_PREDECODE (0: mqa_logits_wgi8_r8 decodes the fp4 keys
+#   W8_TMA (0: the fast kernel's keys in registers), W8_LPT and W16_LPT (0: a launch's
+#   groups in launch order, not longest first), WGI8_PREDECODE (0: mqa_logits_wgi8_r8 decodes the fp4 keys
 #   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
 #   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),

@@ -121,13 +121,6 @@
 #ifndef TK_SAMPLED_ORDERED
 #define TK_SAMPLED_ORDERED 0
 #endif
-// topk_short_f32's blocks take their tile's rows from the last (TK_SHORT_LPT = 1, a tuning
-// define, not yet measured): a causal tile's rows lengthen down the tile, so its longest
-// shared-memory rows would start first and its last wave hold the short ones. 0 (the
-// default): in row order.
-#ifndef TK_SHORT_LPT
-#define TK_SHORT_LPT 0
-#endif
 // Blocks per SM the ragged top-k's registers must allow: 4 (32 registers) fits four
 // blocks' 41 KiB of shared memory and 2048 threads, so a tile of up to 4 * 132 rows is
 // one wave (at ptxas's own 40 registers, 3 blocks, a 512-row tile took two waves).
@@ -1239,11 +1232,7 @@ __device__ __forceinline__ void topk_tile_row(
     const i32 *__restrict__ slot_table, u32 page_log2, const i32 *__restrict__ cblocks,
     u32 num_blocks, u32 block_size, u32 bitmap_words, u32 n_min, u32 row_cap,
     u32 *__restrict__ paths, u32 *smem) {
-  // topk_short_f32 from the tile's last row (TK_SHORT_LPT).
-  const u32 b = CL > 1                  ? blockIdx.y
-                : SHORT && TK_SHORT_LPT ? gridDim.x - 1u - blockIdx.x
-                                        : blockIdx.x;
-  const u32 row = row0 + b;
+  const u32 row = row0 + (CL > 1 ? blockIdx.y : blockIdx.x);
   const u32 n = row_n[row];
   if (TK_STOP == 9 || (SHORT ? n > row_cap : n < n_min)) return;
   // A cluster's other blocks serve sampled rows only; the first selects any other alone.
@@ -1305,8 +1294,7 @@ extern "C" __global__ void __cluster_dims__(TK_CLUSTER, 1, 1) __launch_bounds__(
                                          block_size, bitmap_words, n_min, 0u, paths, dsmem);
 }
 
-// block: row row0 + gridDim.x - 1 - blockIdx.x (TK_SHORT_LPT; else + blockIdx.x) if
-// n <= row_cap -> raw[row, 0:K], page[row, 0:page_cols]
+// block: row row0 + blockIdx.x if n <= row_cap -> raw[row, 0:K], page[row, 0:page_cols]
 extern "C" __global__ void __launch_bounds__(TK_THREADS) topk_short_f32(
     const float *__restrict__ logits, const u64 *__restrict__ row_off,
     const u32 *__restrict__ row_n, const u32 *__restrict__ row_ks, u32 row0, u32 K,
