@@ -289,6 +289,17 @@ ab_summary() {
     | paste -sd' ' | sed 's/ \[/\n[/g' | tee -a "$OUT/summary.txt"
 }
 
+# ab_rounds_v32: the V3.2 forms' rounds (altfast, altfull): two on v32-16k and on
+# v32-64k, one on the paged decode at batch 128, then ab_summary.
+ab_rounds_v32() {
+  ab_round 60 v32-16k
+  ab_round 120 v32-64k
+  ab_round 60 v32-16k
+  ab_round 120 v32-64k
+  ab_round 60 v32-decode-b128-128k-mtp2
+  ab_summary
+}
+
 if has alt; then
   # ALT_FORMS (';'-separated define sets of the exact class's kernel, each a candidate
   # form) beside the default in alternating processes: each form's tests of the exact
@@ -313,12 +324,7 @@ if has altfast; then
   log "alternating A/B, fast precision: ${FAST_FORMS:-no forms (FAST_FORMS is empty)}"
   ab_forms "$OUT/altfast.txt" fast "${FAST_FORMS:-}" v32-16k "${FAST_TESTS:-1}" \
     fp8_wgmma e4m3_h64 tolerance_class_overflow decode_step paged
-  ab_round 60 v32-16k
-  ab_round 120 v32-64k
-  ab_round 60 v32-16k
-  ab_round 120 v32-64k
-  ab_round 60 v32-decode-b128-128k-mtp2
-  ab_summary
+  ab_rounds_v32
 fi
 
 if has altfull; then
@@ -330,12 +336,7 @@ if has altfull; then
   log "alternating A/B, default precision: ${FULL_FORMS:-no forms (FULL_FORMS is empty)}"
   ab_forms "$OUT/altfull.txt" full "${FULL_FORMS:-}" v32-16k "${FULL_TESTS:-1}" \
     e4m3_h64 tolerance_class boundary topk_ golden decode_step paged
-  ab_round 60 v32-16k
-  ab_round 120 v32-64k
-  ab_round 60 v32-16k
-  ab_round 120 v32-64k
-  ab_round 60 v32-decode-b128-128k-mtp2
-  ab_summary
+  ab_rounds_v32
 fi
 
 if has select; then
