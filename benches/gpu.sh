@@ -64,9 +64,9 @@
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
 #   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),
 #   W8_TMA (0: the fast kernel's keys in registers), W8_LPT and W16_LPT (0: a launch's
-#   groups in launch order, not longest first), WGI8_PREDECODE (0: mqa_logits_wgi8_r8 decodes the fp4 keys
-#   in its blocks instead of reading the keys wgi8_decode_keys wrote once per run; host
-#   and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
+#   groups in launch order, not longest first), WGI8_PREDECODE (0: mqa_logits_wgi8_r8
+#   decodes the fp4 keys in its blocks instead of reading the keys wgi8_decode_keys wrote
+#   once per run; host and kernel), WGI8_R8_MIN_BLOCKS (the eight-row entry's blocks per SM; its launches' waves too), WGI8_RING
 #   (3: the pre-decoded keys' ring of key tiles in shared memory has three, not two; host and kernel),
 #   MBAR_WATCHDOG (N: an mbarrier wait traps after 2^N failed tries, a hang made a launch error); host side: TK_SPLIT_MIN_KEYS (rows shorter than this never split their top-k), LG_PER_BLOCK, LG_MIN_WAVES (the eight-row entry's fewest waves per launch, 4), WGI8_ROWS (4 or 8: that form of
 #   mqa_logits_wgi8 in every launch, where each launch takes the one its row groups favour),

@@ -65,6 +65,18 @@ __device__ __forceinline__ float tol_quad_sum(const float p00, const float p01, 
   return __fadd_rn(hi ? q1 : q0, __shfl_xor_sync(FULL_MASK, hi ? q0 : q1, 2));
 }
 
+// ==== the block's group ====
+
+// This block's group of rows (at most H64_ROWS rows of one request: first row,
+// rows, longest row's keys): groups[group0 + blockIdx.y], or with `longest_first` the
+// launch's groups in reverse order, so that in a causal prefill tile (later rows see more
+// keys) the longest blocks start first and the last wave holds the short ones. Which
+// group a block takes changes nothing else.
+__device__ __forceinline__ uint4 h64_group(const uint4 *__restrict__ groups, const u32 group0,
+                                           const bool longest_first) {
+  return groups[group0 + (longest_first ? gridDim.y - 1 - blockIdx.y : blockIdx.y)];
+}
+
 // ==== keys and queries ====
 
 // The H64_WORDS words of one key (or query head) row this thread's fragments take: bytes

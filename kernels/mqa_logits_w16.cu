@@ -19,11 +19,9 @@
 #ifndef W16_MIN_BLOCKS
 #define W16_MIN_BLOCKS 4
 #endif
-// W16_LPT = 1 (the default): the launch's groups taken in reverse order, as
-// mqa_logits_w8's W8_LPT, so that in a causal prefill tile the longest blocks start first
-// and the last wave holds the short ones (v32-16k's logits 1.3 to 2.6 % faster than in
-// launch order, both measured in one run: benches/RESULTS.md). Which group a block takes
-// changes nothing else. 0 (a tuning define): the groups in launch order.
+// W16_LPT = 1 (the default): the launch's groups longest first (h64_group; v32-16k's
+// logits 1.3 to 2.6 % faster than in launch order, both measured in one run:
+// benches/RESULTS.md). 0 (a tuning define): the groups in launch order.
 #ifndef W16_LPT
 #define W16_LPT 1
 #endif
@@ -41,7 +39,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W16_MIN_BLOCKS) mqa_lo
   __shared__ __align__(128) u8 sB[H64_N * D * 2];
   __shared__ __align__(8) float sw[H64_ROWS][H];
 
-  const uint4 grp = groups[group0 + (W16_LPT ? gridDim.y - 1 - blockIdx.y : blockIdx.y)];
+  const uint4 grp = h64_group(groups, group0, W16_LPT);
   const u32 nchunks = (grp.z + H64_KEYS - 1) / H64_KEYS;
   if (blockIdx.x >= nchunks) return;
   const u32 ks = row_ks[grp.x];

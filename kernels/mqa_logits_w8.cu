@@ -50,11 +50,9 @@
 #define W8_TMA 0
 #endif
 
-// W8_LPT = 1 (the default): the launch's groups taken in reverse order, so that in a
-// causal prefill tile (later rows see more keys) the longest blocks start first and the
-// last wave holds the short ones (v32-16k fast 1.5 % faster than launch order, both
-// measured in one run: benches/RESULTS.md). Which group a block takes changes nothing
-// else. 0 (a tuning define): the groups in launch order.
+// W8_LPT = 1 (the default): the launch's groups longest first (h64_group; v32-16k fast
+// 1.5 % faster than launch order, both measured in one run: benches/RESULTS.md). 0 (a
+// tuning define): the groups in launch order.
 #ifndef W8_LPT
 #define W8_LPT 1
 #endif
@@ -135,7 +133,7 @@ extern "C" __global__ void __launch_bounds__(H64_THREADS, W8_MIN_BLOCKS) mqa_log
   __shared__ __align__(128) u8 sB[H64_N * D];
   __shared__ __align__(8) float sw[H64_ROWS][H];
 
-  const uint4 grp = groups[group0 + (W8_LPT ? gridDim.y - 1 - blockIdx.y : blockIdx.y)];
+  const uint4 grp = h64_group(groups, group0, W8_LPT);
   const u32 nchunks = (grp.z + H64_KEYS - 1) / H64_KEYS;
   if (blockIdx.x >= nchunks) return;
   const u32 ks = row_ks[grp.x];
