@@ -67,6 +67,16 @@
 #define TK_SHORT_CAP 16384
 // 16-byte loads in flight per thread in the shared-memory row's pass over global memory.
 #define TK_SHORT_LOADS 4
+// TK_SHORT_BITMAP = 1 (a tuning define, not yet measured against the default): a
+// shared-memory row whose threshold selects exactly the keys >= T puts its ids in order
+// from a bitmap (one ballot a warp per 32 keys, one block scan of the words' counts)
+// instead of the ordered pass's block scan per 4,096 keys (about a quarter of
+// topk_short_f32's instructions on v32-16k, and three barriers per chunk; NVRTC's ptxas
+// keeps its 40 registers with 4 bytes of spills in the copy-out through a slot table).
+// 0 (the default): the ordered pass.
+#ifndef TK_SHORT_BITMAP
+#define TK_SHORT_BITMAP 0
+#endif
 // Rows take the sampled path when n > TK_SAMPLE_RATIO * K and n >= TK_SAMPLE_MIN: at a
 // ratio of 16 the selection of v32-64k (K = 2048) ran slower than at 8.
 #ifndef TK_SAMPLE_RATIO
@@ -144,6 +154,8 @@ static_assert(TK_THREADS % 32 == 0 && TK_THREADS <= 1024, "block size");
 static_assert(TK_THREADS * TK_ITEMS <= 65535, "per-chunk counts are packed in 16 bits");
 static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thread");
 static_assert(TK_BINS == 2048, "the digit scan gives each lane 64 bins");
+static_assert(TK_SHORT_CAP / 32 <= TK_BINS && TK_SHORT_CAP / 32 <= TK_THREADS,
+              "the shared-memory row's bitmap: in its histogram, a word a thread at most");
 static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits a thread");
 static_assert(TK_SEL_CAP % 32 == 0 && TK_SAMPLE_MIN >= TK_SEL_CAP, "sample chunks");
 
@@ -441,6 +453,39 @@ __device__ bool short_row_threshold(Smem &sm, u32 *buf, const RowSrc &src, const
   T = prefix;
   take = need;
   return true;
+}
+
+// TK_SHORT_BITMAP: the shared-memory row's ids of the keys >= T (short_row_threshold's
+// `ge`: exactly K of them) into buf[0 ..), ascending; returns their count. The keys as
+// bits in sm.hist (dead since the threshold's last barrier): word w holds keys
+// 32 w .. 32 w + 31, lane l's bit key 32 w + l, one ballot a warp per word (keys past n,
+// and keys that are not candidates, are 0 < T). Then thread t takes word t (at most one a
+// thread) and writes its ids after those of the threads before it. Every read of buf ends
+// at the barrier before the scan, ahead of the ids that overwrite it. Uses hist and scan.
+template <class Smem>
+__device__ u32 short_bitmap_ids(Smem &sm, u32 *buf, const u32 n, const u32 T) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const u32 words = (n + 31u) / 32u;
+  // Four words a warp per round, their loads issued together.
+  for (u32 w0 = warp; w0 < words; w0 += 4u * TK_WARPS) {
+    u32 k[4];
+#pragma unroll
+    for (u32 u = 0; u < 4u; ++u) {
+      const u32 j = 32u * (w0 + u * TK_WARPS) + lane;
+      k[u] = j < n ? buf[j] : 0u;
+    }
+#pragma unroll
+    for (u32 u = 0; u < 4u; ++u) {
+      const u32 b = __ballot_sync(FULL_MASK, k[u] >= T);
+      if (lane == 0 && w0 + u * TK_WARPS < words) sm.hist[w0 + u * TK_WARPS] = b;
+    }
+  }
+  __syncthreads();
+  const u32 bits = (u32)tid < words ? sm.hist[tid] : 0u;
+  u32 count;
+  u32 c = block_exclusive_scan((u32)__popc(bits), sm.scan, &count);
+  for (u32 b = bits; b != 0u; b &= b - 1u, ++c) buf[c] = 32u * (u32)tid + (u32)(__ffs(b) - 1);
+  return count;
 }
 
 // ==== the sampled threshold ====
@@ -1088,14 +1133,17 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   bool ge = false;
   int path = TK_PATH_ALL;
   u32 *scan;
+  u32 short_ids = 0;  // TK_SHORT_BITMAP: the ids short_bitmap_ids put in buf
   if constexpr (SHORT) {
     // Its own small static shared memory (the row takes the dynamic): three blocks per SM.
     __shared__ ShortSmem sm;
     scan = sm.scan;
-    if (every)
+    if (every) {
       buf = nullptr;
-    else if (short_row_threshold<MODE>(sm, buf, src, n, K, T, take_eq, ge))
+    } else if (short_row_threshold<MODE>(sm, buf, src, n, K, T, take_eq, ge)) {
       path = TK_PATH_SHORT;
+      if (TK_SHORT_BITMAP && ge) short_ids = short_bitmap_ids(sm, buf, n, T);
+    }
   } else {
     bool done;
     if constexpr (WIDE) {
@@ -1119,7 +1167,9 @@ __device__ void topk_row(const RowSrc &src, const u32 n, const u32 K, i32 *out_i
   // The shared-memory row stages its selected ids in buf (in place: output position
   // <= key index, and a chunk's keys are in registers before its writes) and copies them
   // out in order at the end, instead of one scattered 4-byte store per id.
-  if (SHORT && ge) {
+  if (SHORT && ge && TK_SHORT_BITMAP) {
+    gt_before = short_ids;  // short_bitmap_ids put them in buf
+  } else if (SHORT && ge) {
     // Keys >= T, one compare per key; gt_before counts them.
     for (u32 base = 0; base < n; base += chunk) {
       const u32 j0 = base + tid * TK_ITEMS;
