@@ -60,7 +60,9 @@
 #   W8_MIN_BLOCKS, TK_SAMPLE_RATIO, TK_UNROLL, TK_SAMPLE_LOADS (sample chunks in flight per
 #   warp in the narrow top-k's sample, 8), TK_RAGGED_MIN_BLOCKS, TK_BITMAP (0: sampled
 #   rows sort their selected ids instead of scanning a bitmap), TK_SHORT_BITMAP (1: the
-#   shared-memory row's ids in order from a bitmap, not the ordered pass), TK_SAMPLED_ORDERED (1:
+#   shared-memory row's ids in order from a bitmap, not the ordered pass), TK_COLLECT_MASK
+#   (1: the sampled rows' collecting pass reserves candidate slots once per round of loads),
+#   TK_SAMPLED_ORDERED (1:
 #   sampled rows of at most 16 * K keys end with the ordered pass), TK_STOP (profiling:
 #   sampled rows stop after phase N, outputs unwritten), TK_SEG_ALIGN (0: split rows'
 #   segments of ceil(n / S) keys, most of them misaligned), W8_RING (2 or 3 key tiles),

@@ -77,6 +77,19 @@
 #ifndef TK_SHORT_BITMAP
 #define TK_SHORT_BITMAP 0
 #endif
+// TK_COLLECT_MASK = 1 (a tuning define, not yet measured against the default): the
+// sampled threshold's collecting pass over f32 rows reserves its candidate slots once per
+// round of TK_UNROLL 16-byte loads (a per-lane hit mask, one warp scan, one atomic)
+// instead of once per load (ncu on v32-64k fast: the pass is about 46 % of
+// topk_ragged_f32's instructions, and at about one key in ten above the threshold nearly
+// every load's scan runs). The candidates' order in shared memory changes, which no
+// result depends on (the count decides the path; the selection and the ids out are
+// functions of the candidate set). NVRTC's ptxas spills in this form: 72 bytes at
+// topk_ragged_f32's 32 registers (none by default), 16 in topk_ragged_wide_f32 (4 by
+// default); the A/B must show the trade. 0 (the default): a scan per load.
+#ifndef TK_COLLECT_MASK
+#define TK_COLLECT_MASK 0
+#endif
 // Rows take the sampled path when n > TK_SAMPLE_RATIO * K and n >= TK_SAMPLE_MIN: at a
 // ratio of 16 the selection of v32-64k (K = 2048) ran slower than at 8.
 #ifndef TK_SAMPLE_RATIO
@@ -154,6 +167,7 @@ static_assert(TK_THREADS % 32 == 0 && TK_THREADS <= 1024, "block size");
 static_assert(TK_THREADS * TK_ITEMS <= 65535, "per-chunk counts are packed in 16 bits");
 static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thread");
 static_assert(TK_BINS == 2048, "the digit scan gives each lane 64 bins");
+static_assert(4 * TK_UNROLL <= 32, "TK_COLLECT_MASK: a round's hits in one 32-bit mask");
 static_assert(TK_SHORT_CAP / 32 <= TK_BINS && TK_SHORT_CAP / 32 <= TK_THREADS,
               "the shared-memory row's bitmap: in its histogram, a word a thread at most");
 static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits a thread");
@@ -573,6 +587,45 @@ __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, cons
         const u32 q = base + u * TK_THREADS + tid;
         v[u] = q < n4 ? row4[q] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
+#if TK_COLLECT_MASK
+      // The round's hits as a mask (bit 4 u + i: key i of load u), then one warp scan
+      // and one atomic for all V loads.
+      u32 mask = 0;
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const u32 q = base + u * TK_THREADS + tid;
+        const float x[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (q < n4 && x[i] >= ft && 4u * q + i < n) mask |= 1u << (4 * u + i);
+      }
+      if (__ballot_sync(FULL_MASK, mask != 0u) == 0u) continue;
+      const u32 cnt = (u32)__popc(mask);
+      u32 incl = cnt;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += y;
+      }
+      u32 at = 0;
+      if (lane == 31) at = atomicAdd(&sm.misc[4], incl);
+      at = __shfl_sync(FULL_MASK, at, 31) + incl - cnt;
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const u32 q = base + u * TK_THREADS + tid;
+        const float x[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (mask & (1u << (4 * u + i))) {
+            if (at < Sm::cap) {
+              sm.ckey[at] = rank_key(x[i]);
+              sm.cid[at] = id0 + 4u * q + i;
+            }
+            ++at;
+          }
+        }
+      }
+#else
 #pragma unroll
       for (int u = 0; u < V; ++u) {
         const u32 q = base + u * TK_THREADS + tid;
@@ -604,6 +657,7 @@ __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, cons
           }
         }
       }
+#endif
     }
     return;
   }

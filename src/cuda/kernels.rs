@@ -17,8 +17,9 @@
 //! - with the `tuning` cargo feature only, `$DSA_CUDA_DEFINES` (`NAME=VALUE` pairs
 //!   separated by spaces): occupancy and tile numbers for experiments (`LG_ROWS`,
 //!   `LG_PER_BLOCK`, `LG_MIN_WAVES`, `*_MIN_BLOCKS`, `TK_SAMPLE_RATIO`, `TK_UNROLL`,
-//!   `TK_SAMPLE_LOADS`, `TK_BITMAP`, `TK_SHORT_BITMAP`, `TK_SEG_ALIGN`, `TK_SPLIT_MIN_KEYS`, `W8_RING`,
-//!   `W8_TMA`, `W8_LPT`, `W16_LPT`, and `TK_STOP` for profiling a phase)
+//!   `TK_SAMPLE_LOADS`, `TK_BITMAP`, `TK_SHORT_BITMAP`, `TK_COLLECT_MASK`, `TK_SEG_ALIGN`,
+//!   `TK_SPLIT_MIN_KEYS`, `W8_RING`, `W8_TMA`, `W8_LPT`, `W16_LPT`, and `TK_STOP` for
+//!   profiling a phase)
 //!   and the host's `SELECT_STREAM` ([`select_stream`]),
 //!   prepended to every kernel source as `#define`s. Without the feature the variable
 //!   is never read, so a stray one in a serving process changes nothing.
