@@ -559,6 +559,21 @@ __device__ __forceinline__ bool sampled_count_fits(Sm &sm, const u32 K) {
   return fits;
 }
 
+// A warp's `cnt` slots per lane reserved on `counter` with one shared-memory atomic (a
+// warp scan of the lanes' counts): this lane's first slot. Every lane of the warp calls it.
+__device__ __forceinline__ u32 warp_reserve(const u32 cnt, u32 *counter) {
+  const int lane = threadIdx.x & 31;
+  u32 incl = cnt;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+    if (lane >= o) incl += y;
+  }
+  u32 at = 0;
+  if (lane == 31) at = atomicAdd(counter, incl);
+  return __shfl_sync(FULL_MASK, at, 31) + incl - cnt;
+}
+
 // The collecting pass of the sampled threshold: appends every key >= t of the row (and
 // its id) to ckey / cid, the first CAP of them, and counts them all in misc[4]
 // (which the caller has zeroed). t >= 1: key 0 ("not a candidate") is never collected.
@@ -600,16 +615,7 @@ __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, cons
           if (q < n4 && x[i] >= ft && 4u * q + i < n) mask |= 1u << (4 * u + i);
       }
       if (__ballot_sync(FULL_MASK, mask != 0u) == 0u) continue;
-      const u32 cnt = (u32)__popc(mask);
-      u32 incl = cnt;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
-        if (lane >= o) incl += y;
-      }
-      u32 at = 0;
-      if (lane == 31) at = atomicAdd(&sm.misc[4], incl);
-      at = __shfl_sync(FULL_MASK, at, 31) + incl - cnt;
+      u32 at = warp_reserve((u32)__popc(mask), &sm.misc[4]);
 #pragma unroll
       for (int u = 0; u < V; ++u) {
         const u32 q = base + u * TK_THREADS + tid;
@@ -635,17 +641,8 @@ __device__ __forceinline__ void collect_at_least(Sm &sm, const RowSrc &src, cons
         for (int i = 0; i < 4; ++i) h[i] = q < n4 && x[i] >= ft && 4u * q + i < n;
         if (__ballot_sync(FULL_MASK, h[0] || h[1] || h[2] || h[3]) == 0u) continue;
         // A warp's candidates reserved with one shared-memory atomic per four keys of
-        // each lane: a warp scan of the lanes' hit counts.
-        const u32 cnt = (u32)h[0] + (u32)h[1] + (u32)h[2] + (u32)h[3];
-        u32 incl = cnt;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
-          if (lane >= o) incl += y;
-        }
-        u32 at = 0;
-        if (lane == 31) at = atomicAdd(&sm.misc[4], incl);
-        at = __shfl_sync(FULL_MASK, at, 31) + incl - cnt;
+        // each lane.
+        u32 at = warp_reserve((u32)h[0] + (u32)h[1] + (u32)h[2] + (u32)h[3], &sm.misc[4]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           if (h[i]) {
