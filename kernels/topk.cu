@@ -86,7 +86,10 @@
 // result depends on (the count decides the path; the selection and the ids out are
 // functions of the candidate set). NVRTC's ptxas spills in this form: 72 bytes at
 // topk_ragged_f32's 32 registers (none by default), 16 in topk_ragged_wide_f32 (4 by
-// default); the A/B must show the trade. 0 (the default): a scan per load.
+// default), and in topk_ragged_f32 the spills sit in the pass's loop itself (about 18
+// local loads and stores a round: the round's four float4 stay live across the scan).
+// With TK_UNROLL=2 (two loads a round) that loop has none. 0 (the default): a scan per
+// load.
 #ifndef TK_COLLECT_MASK
 #define TK_COLLECT_MASK 0
 #endif
