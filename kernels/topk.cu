@@ -170,7 +170,8 @@ static_assert(TK_THREADS % 32 == 0 && TK_THREADS <= 1024, "block size");
 static_assert(TK_THREADS * TK_ITEMS <= 65535, "per-chunk counts are packed in 16 bits");
 static_assert(TK_ITEMS == 8, "the shared-memory row is read as two uint4 per thread");
 static_assert(TK_BINS == 2048, "the digit scan gives each lane 64 bins");
-static_assert(4 * TK_UNROLL <= 32, "TK_COLLECT_MASK: a round's hits in one 32-bit mask");
+static_assert(!TK_COLLECT_MASK || 4 * TK_UNROLL <= 32,
+              "TK_COLLECT_MASK: a round's hits in one 32-bit mask");
 static_assert(TK_SHORT_CAP / 32 <= TK_BINS && TK_SHORT_CAP / 32 <= TK_THREADS,
               "the shared-memory row's bitmap: in its histogram, a word a thread at most");
 static_assert(4 * TK_THREADS == TK_BINS, "the shared-memory row's scan: 4 digits a thread");
